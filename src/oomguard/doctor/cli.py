@@ -1,0 +1,10 @@
+"""CLI registration for the doctor face (placeholder until the face lands)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this face's commands to the main app."""
+    return None
