@@ -58,16 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            return exc.exit_code
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:  # usage errors from the argument parser, and its exits
+        name = type(exc).__name__
+        if name == "Exit":
+            return int(getattr(exc, "exit_code", 0))
+        if name == "Abort":
+            return 130
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
             exc.show()
             return 2
-        if isinstance(exc, click.exceptions.Abort):
-            return 130
         raise
     return 0
 
