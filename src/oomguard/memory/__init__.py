@@ -1,0 +1,24 @@
+"""The pure memory model of vLLM: specs in, the numbers vLLM prints out (no I/O)."""
+
+from oomguard.memory.activation import Estimate
+from oomguard.memory.engine import (
+    EngineSettings,
+    MeasuredTerms,
+    MemoryPrediction,
+    Problem,
+    StageMemory,
+    predict,
+)
+from oomguard.memory.versions import VllmEra, resolve_era
+
+__all__ = [
+    "EngineSettings",
+    "Estimate",
+    "MeasuredTerms",
+    "MemoryPrediction",
+    "Problem",
+    "StageMemory",
+    "VllmEra",
+    "predict",
+    "resolve_era",
+]

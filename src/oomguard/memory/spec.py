@@ -19,6 +19,9 @@ class AttentionKind(str, Enum):
     CHUNKED = "chunked"  # ChunkedLocalAttentionSpec (Llama-4 attention_chunk_size)
     MLA = "mla"  # MLAAttentionSpec (one latent per token, not TP-sharded)
     MAMBA = "mamba"  # MambaSpec: fixed-size recurrent state (Mamba1/2, GDN, short-conv, linear)
+    # CrossAttentionSpec: K/V of the request's encoder tokens (mllama image tiles), sized by
+    # encoder tokens per request, not by the decoded sequence length
+    CROSS = "cross"
     NONE = "none"  # no per-token state (attention-free or KV shared with another layer)
 
 

@@ -1,0 +1,849 @@
+"""The one entry point: predict what vLLM will print at startup for a model, GPU and settings.
+
+:func:`predict` resolves every setting the way the chosen vLLM release would (defaults by
+version and GPU), computes the budget of each pipeline stage (weights, activation peak,
+non-torch growth, CUDA-graph estimate), the KV pages and groups, ``num_blocks``, the token
+and concurrency numbers, the fit check and the estimated maximum model length, and renders
+the log lines that release prints. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from oomguard.errors import BadInput
+from oomguard.memory import kv as kvm
+from oomguard.memory.activation import (
+    Estimate,
+    activation_peak,
+    cudagraph_estimate,
+    non_torch,
+)
+from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
+from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
+from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
+
+GIB = 2**30
+CPU_RSS_BASELINE_BYTES = int(1.5 * GIB)  # interpreter, torch, oneDNN: measured RSS before weights
+MAMBA_PREFIX_CACHING_MODELS = frozenset(
+    {"nemotron_h", "jamba", "mamba", "mamba2", "zamba2", "granitemoehybrid", "falcon_h1", "bamba"}
+)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """vLLM engine arguments that shape memory. ``None`` means "what vLLM would pick"."""
+
+    vllm_version: str = "latest"
+    platform: str = "cuda"  # "cuda" | "rocm" | "cpu"
+    usage_context: str = "server"  # "server" (vllm serve) | "llm" (LLM(...))
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    gpu_memory_utilization: float | None = None  # None → version default
+    max_model_len: int | None = None  # None → model's derived; -1 → auto-fit
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
+    quantization: str | None = None
+    enforce_eager: bool = False
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    cpu_offload_gb: float = 0.0
+    performance_mode: str | None = None
+    engine: str = "v1"  # "v0": legacy engine accounting (vLLM ≤ 0.10, VLLM_USE_V1=0)
+    cpu_kvcache_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU backend)
+    disable_hybrid_kv_cache_manager: bool = False
+
+
+@dataclass(frozen=True)
+class MeasuredTerms:
+    """Observed numbers (calibration store or a parsed log) that replace the estimates."""
+
+    weights_bytes: int | None = None
+    activation_bytes: int | None = None
+    non_torch_bytes: int | None = None
+    cudagraph_bytes: int | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that makes vLLM fail (or refuse) at startup, with the reason in one line."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Budget of one pipeline stage (per TP rank)."""
+
+    stage: int
+    num_layers: int
+    weights_bytes: int
+    activation_bytes: int
+    non_torch_bytes: int
+    cudagraph_bytes: int
+    kv_cache_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Everything vLLM's startup will report, for the most loaded rank, plus the verdict."""
+
+    model: str
+    gpu: GPUSpec
+    settings: EngineSettings  # resolved: no None left that vLLM would fill
+    vllm_version: str
+    era: VllmEra = field(repr=False)
+    total_bytes: int
+    free_bytes: int | None
+    requested_bytes: int
+    weights: Estimate
+    activation: Estimate
+    non_torch: Estimate
+    cudagraph: Estimate
+    kv_cache_bytes: int
+    bytes_per_block: int
+    num_blocks: int
+    kv_bytes_per_token: int
+    kv_cache_tokens: int
+    max_concurrency: float
+    needed_bytes_for_max_len: int
+    estimated_max_model_len: int | None
+    fits: bool
+    problems: tuple[Problem, ...]
+    log_lines: tuple[str, ...]
+    stages: tuple[StageMemory, ...] = ()
+    block_size: int = 16
+    num_kv_groups: int = 1
+    measured_terms: tuple[str, ...] = ()  # which of the four terms came from `measured`
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view with GiB floats (JSON-ready)."""
+
+        def gib(b: int | None) -> float | None:
+            return None if b is None else round(b / GIB, 4)
+
+        def est(e: Estimate) -> dict[str, Any]:
+            return {
+                "gib": gib(e.value_bytes),
+                "low_gib": gib(e.low_bytes),
+                "high_gib": gib(e.high_bytes),
+                "basis": e.basis,
+                "estimated": e.estimated,
+            }
+
+        return {
+            "model": self.model,
+            "vllm_version": self.vllm_version,
+            "gpu": {"name": self.gpu.name, "total_gib": gib(self.total_bytes)},
+            "settings": asdict(self.settings),
+            "memory": {
+                "total_gib": gib(self.total_bytes),
+                "free_gib": gib(self.free_bytes),
+                "requested_gib": gib(self.requested_bytes),
+                "weights_gib": gib(self.weights.value_bytes),
+                "activation_gib": gib(self.activation.value_bytes),
+                "non_torch_gib": gib(self.non_torch.value_bytes),
+                "cudagraph_gib": gib(self.cudagraph.value_bytes),
+                "kv_cache_gib": gib(self.kv_cache_bytes),
+            },
+            "estimates": {
+                "weights": est(self.weights),
+                "activation": est(self.activation),
+                "non_torch": est(self.non_torch),
+                "cudagraph": est(self.cudagraph),
+            },
+            "measured_terms": list(self.measured_terms),
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "num_blocks": self.num_blocks,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_concurrency": round(self.max_concurrency, 4),
+            "needed_gib_for_max_len": gib(self.needed_bytes_for_max_len),
+            "estimated_max_model_len": self.estimated_max_model_len,
+            "fits": self.fits,
+            "problems": [{"code": p.code, "message": p.message} for p in self.problems],
+            "log_lines": list(self.log_lines),
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting helpers (§ conventions)
+# --------------------------------------------------------------------------------------------
+
+
+def format_gib(num_bytes: float) -> str:
+    """vLLM's ``format_gib``: ``str(round(b / 2**30, 2))`` (trailing zeros dropped)."""
+    return str(round(num_bytes / GIB, 2))
+
+
+def _gib_text(era: VllmEra, num_bytes: float) -> str:
+    return format_gib(num_bytes) if era.format_gib else f"{num_bytes / GIB:.2f}"
+
+
+def _device_label(platform: str) -> str:
+    return "CPU" if platform == "cpu" else "GPU"
+
+
+def kv_capacity_lines(
+    era: VllmEra, platform: str, tokens: int, max_model_len: int, concurrency: float
+) -> list[str]:
+    """The "KV cache size" / "Maximum concurrency" line(s) of this release (§6)."""
+    if era.engine == "v0":
+        return [f"Maximum concurrency for {max_model_len} tokens per request: {concurrency:.2f}x"]
+    size = f"KV cache size: {tokens:,} tokens"
+    conc = f"Maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x"
+    if era.kv_line_form == "two_lines":
+        return [f"GPU {size}", conc]
+    if era.kv_line_form == "combined":
+        return [f"GPU {size}, {conc}"]
+    return [f"{_device_label(platform)} {size}, {conc}"]
+
+
+def fit_error_text(
+    era: VllmEra, max_model_len: int, needed: int, available: int, estimate: int
+) -> str:
+    """The ValueError vLLM raises when one request at max_model_len does not fit (§7.2)."""
+    tail_13 = (
+        " See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+    )
+    if era.fit_error_form in ("v10", "v13"):
+        est = (
+            f"Based on the available memory, the estimated maximum model length is {estimate}."
+            if estimate > 0
+            else ""
+        )
+        text = (
+            f"To serve at least one request with the models's max seq len ({max_model_len}), "
+            f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV "
+            f"cache memory ({available / GIB:.2f} GiB). {est} Try increasing "
+            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+        )
+        return text + (tail_13 if era.fit_error_form == "v13" else "")
+    est = (
+        f"Based on the available memory, the estimated maximum model length is {estimate}. "
+        if estimate > 0
+        else ""
+    )
+    if era.fit_error_form == "v14":
+        return (
+            f"To serve at least one request with the models's max seq len ({max_model_len}), "
+            f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV "
+            f"cache memory ({format_gib(available)} GiB). {est}Try increasing "
+            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+            + tail_13
+        )
+    return (
+        f"To serve at least one request with the model's max seq len ({max_model_len}), "
+        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV "
+        f"cache memory ({format_gib(available)} GiB). {est}Try increasing "
+        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+        "decreasing `max_model_len` when initializing the engine." + tail_13
+    )
+
+
+def no_memory_error_text(era: VllmEra) -> str:
+    """The ValueError for a zero or negative KV budget (§7.2)."""
+    base = "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine"
+    docs = " See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+    if era.no_memory_error_form == "v10":
+        return base + "."
+    if era.no_memory_error_form == "v13":
+        return base + "." + docs
+    return (
+        base
+        + " (this flag also controls CPU memory reservation on the CPU backend, despite its name)."
+        + docs
+    )
+
+
+def free_memory_error_text(
+    era: VllmEra, free: int, total: int, util: float, requested: float
+) -> str:
+    """The startup ValueError when free device memory is below the requested budget (§2.1)."""
+    tail = "Decrease GPU memory utilization or reduce GPU memory used by other processes."
+    if era.free_memory_error_form == "v10":
+        return (
+            f"Free memory on device ({round(free / GIB, 2)}/{round(total / GIB, 2)} GiB) on startup is "
+            f"less than desired GPU memory utilization ({util}, {round(requested / GIB, 2)} GiB). {tail}"
+        )
+    return (
+        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less "
+        f"than desired GPU memory utilization ({util}, {format_gib(requested)} GiB). {tail}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Setting resolution
+# --------------------------------------------------------------------------------------------
+
+
+def _validate(settings: EngineSettings) -> None:
+    if settings.platform not in ("cuda", "rocm", "cpu"):
+        raise BadInput(f"platform {settings.platform!r} is unknown", "use cuda, rocm or cpu")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(settings, name) < 1:
+            raise BadInput(
+                f"--{name.replace('_', '-')} must be at least 1", "pass a positive integer"
+            )
+    util = settings.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise BadInput(
+            f"--gpu-memory-utilization {util} is outside (0, 1]", "pass a fraction such as 0.9"
+        )
+    if (
+        settings.max_model_len is not None
+        and settings.max_model_len != -1
+        and settings.max_model_len < 1
+    ):
+        raise BadInput(
+            f"--max-model-len {settings.max_model_len} is not positive",
+            "pass a length in tokens or -1 (auto)",
+        )
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks_override"):
+        v = getattr(settings, name)
+        if v is not None and v < 1:
+            raise BadInput(
+                f"--{name.replace('_', '-')} {v} is not positive", "pass a positive integer"
+            )
+    if settings.kv_cache_memory_bytes is not None and settings.kv_cache_memory_bytes < 0:
+        raise BadInput("--kv-cache-memory-bytes is negative", "pass a byte count such as 8G")
+    if settings.cpu_offload_gb < 0:
+        raise BadInput("--cpu-offload-gb is negative", "pass 0 or more")
+
+
+def _default_block_size(
+    model: ModelSpec, gpu: GPUSpec, settings: EngineSettings, era: VllmEra
+) -> int:
+    is_mla = any(layer.kind is AttentionKind.MLA for layer in model.layers)
+    if settings.platform == "cpu":
+        if is_mla and era.minor >= 28:
+            return 16
+        return 128 if era.cpu_block_size_128 else 16
+    if is_mla:
+        cc = gpu.compute_capability
+        if cc.startswith("10"):
+            return era.mla_block_blackwell
+        if cc.startswith("9"):
+            # FlashMLA (64) up to 0.17; FlashAttention-MLA (16) is the Hopper default after
+            # (0.19 log: DeepSeek-V2-Lite 1,505,552 tokens, not a multiple of 64).
+            return 64 if era.minor <= 17 else 16
+        return 16
+    return 16
+
+
+def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> str:
+    if not model.has_mamba or not prefix_caching:
+        return "none"
+    if era.mamba_cache_mode_all_default and model.model_type in MAMBA_PREFIX_CACHING_MODELS:
+        return "all"
+    if era.minor < 15:
+        return "all"  # 0.12–0.14: explicitly enabled prefix caching caches per block
+    return "align"
+
+
+# --------------------------------------------------------------------------------------------
+# predict
+# --------------------------------------------------------------------------------------------
+
+
+def predict(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    *,
+    free_bytes: int | None = None,
+    measured: MeasuredTerms | None = None,
+    strict: bool = True,
+) -> MemoryPrediction:
+    """Predict vLLM's startup memory report for ``model`` on ``gpu`` with ``settings``.
+
+    Per-rank numbers; with pipeline parallelism the stage with the fewest blocks decides
+    (vLLM takes the minimum). ``free_bytes`` is the device's free memory at startup (a
+    co-tenant shrinks it; None: assume the GPU is empty). ``measured`` replaces estimated
+    terms. Invalid input (unknown version, impossible TP, bad values) raises
+    :class:`~oomguard.errors.BadInput`; with ``strict=False`` a TP that does not divide the
+    heads is reported as a ``tp_not_divisible`` problem instead.
+    """
+    _validate(settings)
+    era = resolve_era(settings.vllm_version, settings.engine)
+    platform = settings.platform
+    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
+    kvm.check_kv_cache_dtype(settings.kv_cache_dtype, era)
+    problems: list[Problem] = []
+
+    # -- parallelism checks ------------------------------------------------------------------
+    tp_problem: str | None = None
+    if model.num_attention_heads % tp:
+        tp_problem = (
+            f"Total number of attention heads ({model.num_attention_heads}) must be divisible by "
+            f"tensor parallel size ({tp})."
+        )
+    else:
+        try:
+            kvm.kv_heads_per_rank(model.num_kv_heads, tp)
+        except BadInput as exc:
+            tp_problem = exc.message
+    if tp_problem:
+        if strict:
+            raise BadInput(
+                tp_problem, "use a tensor parallel size that divides the model's attention heads"
+            )
+        problems.append(Problem("tp_not_divisible", tp_problem))
+        tp = 1  # price the rest at TP 1 so callers still see the sizes
+
+    # -- resolved settings -------------------------------------------------------------------
+    model_dtype = resolve_model_dtype(model, settings.dtype, gpu.compute_capability)
+    dbytes = kvm.dtype_bytes(model_dtype)
+    util = settings.gpu_memory_utilization
+    if util is None:
+        util = era.default_gpu_memory_utilization
+    derived_len = model.derived_max_model_len
+    auto_fit = settings.max_model_len == -1
+    if auto_fit and not era.auto_fit:
+        raise BadInput(
+            f"--max-model-len -1 (auto-fit) needs vLLM 0.14 or newer (version {era.label})",
+            "pass a length",
+        )
+    max_len = derived_len if settings.max_model_len in (None, -1) else int(settings.max_model_len)
+    if max_len > derived_len:
+        problems.append(
+            Problem(
+                "max_len_exceeds_derived",
+                f"User-specified max_model_len ({max_len}) is greater than the derived max_model_len "
+                f"({derived_len}) of the model; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
+            )
+        )
+    world = tp * pp
+    if era.engine == "v0":
+        seqs = settings.max_num_seqs or 256
+        if settings.max_num_batched_tokens:
+            tokens = settings.max_num_batched_tokens
+        elif max_len > 32768:
+            tokens = 2048 if settings.usage_context == "server" else 8192  # V0 auto chunked prefill
+        else:
+            tokens = max(max_len, 2048)
+    else:
+        defaults = batch_defaults(
+            era,
+            platform=platform,
+            usage_context=settings.usage_context,
+            device_total_bytes=gpu.total_bytes,
+            device_name=gpu.device_name or gpu.name,
+            world_size=world,
+        )
+        factor = 2 if (era.performance_mode and settings.performance_mode == "throughput") else 1
+        seqs = settings.max_num_seqs or defaults.max_num_seqs * factor
+        if settings.max_num_batched_tokens:
+            tokens = settings.max_num_batched_tokens
+        else:
+            tokens = min(defaults.max_num_batched_tokens * factor, seqs * max_len)
+        if era.clamp_seqs_to_tokens and settings.max_num_seqs is None:
+            seqs = min(seqs, tokens)
+    prefix_caching = settings.enable_prefix_caching
+    if prefix_caching is None:
+        prefix_caching = (not model.has_mamba) or era.hybrid_prefix_caching_default
+    mamba_mode = _mamba_cache_mode(model, era, prefix_caching)
+    block_size = settings.block_size or _default_block_size(model, gpu, settings, era)
+    hybrid_manager = not settings.disable_hybrid_kv_cache_manager and not any(
+        layer.kind is AttentionKind.CHUNKED for layer in model.layers
+    )
+    if platform == "cpu" and era.minor == 10:
+        hybrid_manager = False
+
+    # -- KV specs and groups (global, one TP rank) --------------------------------------------
+    built = kvm.build_layer_specs(
+        model,
+        tp=tp,
+        model_dtype=model_dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        block_size=block_size,
+        era=era,
+        hybrid_manager=hybrid_manager,
+        mamba_cache_mode=mamba_mode,
+    )
+    block_size = built.block_size
+    indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
+    layout = kvm.group_layers(indexed, era)
+    in_flight = tokens * (
+        1 if era.sliding_bound == "batched" or platform == "cpu" else (pp if pp > 1 else 2)
+    )
+    bound = kvm.RequestBound(max_model_len=max_len, lookahead_tokens=in_flight)
+    kv_bytes_per_token = sum(
+        s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
+    )
+
+    # -- per-stage budget --------------------------------------------------------------------
+    ranges = pp_layer_ranges(model.num_layers, pp)
+    ep = tp * settings.data_parallel_size if settings.enable_expert_parallel else 1
+    wb = weight_bytes_per_stage(
+        model,
+        model_dtype=model_dtype,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        quantization=settings.quantization,
+        cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
+        era_minor=era.minor,
+    )
+    total = gpu.total_bytes
+    requested: float
+    if era.requested_ceil or platform == "cpu":
+        requested = math.ceil(total * util)
+    else:
+        requested = total * util  # a float before 0.14
+    measured_names: list[str] = []
+    nt = non_torch(era, tp=tp, pp=pp, platform=platform)
+    if measured and measured.non_torch_bytes is not None:
+        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
+        measured_names.append("non_torch")
+    kv_override = settings.kv_cache_memory_bytes
+    if platform == "cpu" and settings.cpu_kvcache_space_gib is not None:
+        if era.cpu_kv_budget == "util":
+            kv_override = settings.cpu_kvcache_space_gib * GIB
+    stages: list[StageMemory] = []
+    stage_estimates: list[tuple[Estimate, Estimate, Estimate]] = []
+    for idx, layers in enumerate(ranges):
+        last = idx == pp - 1
+        w_est = Estimate(
+            wb.per_stage_bytes[idx],
+            int(wb.per_stage_bytes[idx] * 0.985),
+            int(wb.per_stage_bytes[idx] * 1.015),
+            f"computed: {wb.basis}",
+        )
+        if measured and measured.weights_bytes is not None:
+            w_est = Estimate.measured(measured.weights_bytes, measured.source)
+        a_est = activation_peak(
+            model,
+            era=era,
+            max_num_batched_tokens=tokens,
+            max_num_seqs=seqs,
+            tp=tp,
+            dtype_bytes=dbytes,
+            has_sampler=last,
+            ep=ep,
+        )
+        if measured and measured.activation_bytes is not None:
+            a_est = Estimate.measured(measured.activation_bytes, measured.source)
+        g_est = cudagraph_estimate(
+            model,
+            era,
+            stage_layers=len(layers),
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
+            enforce_eager=settings.enforce_eager,
+            platform=platform,
+            compute_capability=gpu.compute_capability,
+        )
+        if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
+            g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
+        stage_layout = (
+            kvm.project_layout(layout, layers) if era.fit_check_groups == "worker" else layout
+        )
+        if kv_override is not None:
+            available = int(kv_override)
+        elif platform == "cpu":
+            if era.cpu_kv_budget == "util":
+                rss = w_est.value_bytes + a_est.value_bytes + CPU_RSS_BASELINE_BYTES
+                available = int(requested - rss)
+            elif era.cpu_kv_budget == "half_numa":
+                available = int(total * 0.5) // GIB * GIB
+            else:
+                available = 4 * GIB
+        else:
+            available = int(
+                requested
+                - w_est.value_bytes
+                - a_est.value_bytes
+                - nt.value_bytes
+                - g_est.value_bytes
+            )
+        if era.engine == "v0":
+            cbs = kvm.v0_cache_block_bytes(
+                model,
+                tp=tp,
+                model_dtype=model_dtype,
+                kv_cache_dtype=settings.kv_cache_dtype,
+                block_size=block_size,
+                num_layers=len(layers),
+            )
+            bpb = cbs
+            blocks = max(0, int(available // cbs)) if available > 0 else 0
+        else:
+            bpb = stage_layout.bytes_per_block
+            blocks = kvm.num_blocks(available, stage_layout, None)
+        stages.append(
+            StageMemory(
+                idx,
+                len(layers),
+                w_est.value_bytes,
+                a_est.value_bytes,
+                nt.value_bytes,
+                g_est.value_bytes,
+                available,
+                bpb,
+                blocks,
+            )
+        )
+        stage_estimates.append((w_est, a_est, g_est))
+    if measured and measured.weights_bytes is not None:
+        measured_names.append("weights")
+    if measured and measured.activation_bytes is not None:
+        measured_names.append("activation")
+    if measured and measured.cudagraph_bytes is not None:
+        measured_names.append("cudagraph")
+
+    # the stage with the fewest blocks decides (ties: the most loaded)
+    worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
+    w_est, a_est, g_est = stage_estimates[worst]
+    available = stages[worst].kv_cache_bytes
+    bpb = stages[worst].bytes_per_block
+    stage_layout = (
+        kvm.project_layout(layout, ranges[worst]) if era.fit_check_groups == "worker" else layout
+    )
+    blocks = settings.num_gpu_blocks_override or min(s.num_blocks for s in stages)
+
+    logs: list[str] = list(built.log_lines)
+    if free_bytes is not None and platform != "cpu" and free_bytes < requested:
+        msg = free_memory_error_text(era, free_bytes, total, util, requested)
+        problems.append(Problem("free_memory_below_requested", msg))
+    if wb.max_bytes > (requested if kv_override is None else total):
+        problems.append(
+            Problem(
+                "weights_exceed_gpu",
+                f"weights need {w_est.gib:.2f} GiB per rank but the budget is "
+                f"{requested / GIB:.2f} GiB (util {util} × {total / GIB:.2f} GiB): loading fails with "
+                "an out-of-memory error",
+            )
+        )
+
+    # -- V0 engine ---------------------------------------------------------------------------
+    if era.engine == "v0":
+        tokens_cap = blocks * block_size
+        conc = tokens_cap / max_len if max_len else 0.0
+        logs.append(f"# cuda blocks: {blocks}, # CPU blocks: {int(4 * GIB // bpb) if bpb else 0}")
+        est_len: int | None = None
+        if available <= 0 or blocks == 0:
+            problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
+        elif max_len > block_size * (blocks // pp):
+            est_len = block_size * (blocks // pp)
+            problems.append(
+                Problem(
+                    "max_len_exceeds_kv",
+                    f"The model's max seq len ({max_len}) is larger than the maximum number of tokens "
+                    f"that can be stored in KV cache ({est_len}). Try increasing "
+                    "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
+                )
+            )
+        else:
+            logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
+        return _finish(
+            model,
+            gpu,
+            settings,
+            era,
+            util,
+            max_len,
+            seqs,
+            tokens,
+            block_size,
+            prefix_caching,
+            total,
+            free_bytes,
+            requested,
+            w_est,
+            a_est,
+            nt,
+            g_est,
+            available,
+            bpb,
+            blocks,
+            kv_bytes_per_token,
+            tokens_cap,
+            conc,
+            max_len * kv_bytes_per_token,
+            est_len,
+            problems,
+            logs,
+            stages,
+            1,
+            measured_names,
+        )
+
+    # -- V1: available line, grouping warnings, override, auto-fit, fit check ----------------
+    if kv_override is None and platform != "cpu":
+        logs.append(f"Available KV cache memory: {_gib_text(era, available)} GiB")
+    logs.extend(layout.padding_warnings)
+    if settings.num_gpu_blocks_override is not None and layout.groups:
+        logs.append(
+            f"Overriding num_gpu_blocks={stages[worst].num_blocks} with "
+            f"num_gpu_blocks_override={settings.num_gpu_blocks_override}"
+        )
+        available = settings.num_gpu_blocks_override * bpb
+    specs_for_check = [s for i, s in indexed if i in ranges[worst]]
+    check_mem = kvm.check_memory_bytes(available, stage_layout, era)
+    if auto_fit and layout.groups:
+        fit_len = kvm.estimate_max_model_len(stage_layout, bound, check_mem, era, specs_for_check)
+        kv_text = f"{format_gib(check_mem)} GiB {_device_label(platform)}"
+        if fit_len <= 0:
+            problems.append(
+                Problem(
+                    "no_kv_memory",
+                    "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a "
+                    "single token. Try increasing `gpu_memory_utilization`.",
+                )
+            )
+        elif fit_len >= max_len:
+            logs.append(
+                f"Auto-fit max_model_len: full model context length {max_len} fits in available GPU memory"
+                if era.auto_fit_log_form == "v14"
+                else f"Auto-fit max_model_len: full model context length {max_len} fits in available KV cache memory ({kv_text})"
+            )
+        else:
+            logs.append(
+                f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available GPU memory ({format_gib(check_mem)} GiB available for KV cache)"
+                if era.auto_fit_log_form == "v14"
+                else f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available KV cache memory ({kv_text})"
+            )
+            max_len = fit_len
+            bound = replace(bound, max_model_len=max_len)
+    needed = kvm.needed_bytes(stage_layout, bound, era, specs_for_check)
+    est_len = None
+    if layout.groups and not any(p.code == "no_kv_memory" for p in problems):
+        if check_mem <= 0:
+            problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
+        elif needed > check_mem:
+            est = kvm.estimate_max_model_len(stage_layout, bound, check_mem, era, specs_for_check)
+            est_len = est
+            problems.append(
+                Problem("max_len_exceeds_kv", fit_error_text(era, max_len, needed, check_mem, est))
+            )
+    conc = kvm.max_concurrency(blocks, layout, bound)
+    tokens_cap = kvm.kv_cache_tokens(blocks, layout, bound, era)
+    failed = any(p.code in ("no_kv_memory", "max_len_exceeds_kv") for p in problems)
+    for p in problems:
+        if p.code in ("no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested"):
+            logs.append(p.message)
+    if not failed:
+        logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
+    return _finish(
+        model,
+        gpu,
+        settings,
+        era,
+        util,
+        max_len,
+        seqs,
+        tokens,
+        block_size,
+        prefix_caching,
+        total,
+        free_bytes,
+        requested,
+        w_est,
+        a_est,
+        nt,
+        g_est,
+        available,
+        bpb,
+        blocks,
+        kv_bytes_per_token,
+        tokens_cap,
+        conc,
+        needed,
+        est_len,
+        problems,
+        logs,
+        stages,
+        layout.num_groups,
+        measured_names,
+    )
+
+
+def _finish(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    era: VllmEra,
+    util: float,
+    max_len: int,
+    seqs: int,
+    tokens: int,
+    block_size: int,
+    prefix_caching: bool,
+    total: int,
+    free_bytes: int | None,
+    requested: float,
+    w: Estimate,
+    a: Estimate,
+    n: Estimate,
+    g: Estimate,
+    available: int,
+    bpb: int,
+    blocks: int,
+    kv_per_token: int,
+    tokens_cap: int,
+    conc: float,
+    needed: int,
+    est_len: int | None,
+    problems: list[Problem],
+    logs: list[str],
+    stages: list[StageMemory],
+    num_groups: int,
+    measured_names: list[str],
+) -> MemoryPrediction:
+    resolved = replace(
+        settings,
+        vllm_version=era.label,
+        gpu_memory_utilization=util,
+        max_model_len=max_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        block_size=block_size,
+        enable_prefix_caching=prefix_caching,
+    )
+    blocking = {"no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested",
+                "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived"}  # fmt: skip
+    fits = not any(p.code in blocking for p in problems)
+    return MemoryPrediction(
+        model=model.name,
+        gpu=gpu,
+        settings=resolved,
+        vllm_version=era.label,
+        era=era,
+        total_bytes=total,
+        free_bytes=free_bytes,
+        requested_bytes=int(math.ceil(requested)),
+        weights=w,
+        activation=a,
+        non_torch=n,
+        cudagraph=g,
+        kv_cache_bytes=available,
+        bytes_per_block=bpb,
+        num_blocks=blocks,
+        kv_bytes_per_token=kv_per_token,
+        kv_cache_tokens=tokens_cap,
+        max_concurrency=conc,
+        needed_bytes_for_max_len=needed,
+        estimated_max_model_len=est_len,
+        fits=fits,
+        problems=tuple(problems),
+        log_lines=tuple(logs),
+        stages=tuple(stages),
+        block_size=block_size,
+        num_kv_groups=num_groups,
+        measured_terms=tuple(measured_names),
+    )

@@ -1,0 +1,667 @@
+"""KV-cache pages, groups, block counts and the capacity formulas of every vLLM era.
+
+Mirrors vLLM's ``v1/kv_cache_interface.py`` (one small frozen class per attention kind, each
+knowing its ``page_size_bytes`` and how many blocks one request needs) and the planning math
+of ``v1/core/kv_cache_utils.py`` (grouping, ``bytes_per_block``, ``num_blocks``, capacity,
+fit check, estimated maximum model length). Section numbers refer to the project's
+vllm-memory notes. Everything here is exact integer arithmetic; nothing is estimated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from oomguard.errors import BadInput, UnsupportedArchitecture
+from oomguard.memory.spec import AttentionKind, LayerSpec, MambaStateSpec, MambaVariant, ModelSpec
+from oomguard.memory.versions import VllmEra
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+}
+
+FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+PER_TOKEN_HEAD_KV_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "float32",
+    *FP8_KV_DTYPES,
+    "nvfp4",
+    *PER_TOKEN_HEAD_KV_DTYPES,
+    "int4_per_token_head",
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of a floating-point model dtype name."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise BadInput(
+            f"dtype {dtype!r} is unknown", "use auto, bfloat16, float16 or float32"
+        ) from None
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, era: VllmEra) -> None:
+    """Raise :class:`BadInput` when the KV-cache dtype does not exist in this vLLM release."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise BadInput(
+            f"--kv-cache-dtype {kv_cache_dtype!r} is unknown",
+            "use auto, fp8, fp8_e4m3, fp8_e5m2, fp8_inc, nvfp4, int8_per_token_head, "
+            "fp8_per_token_head or int4_per_token_head",
+        )
+    if kv_cache_dtype in ("nvfp4", *PER_TOKEN_HEAD_KV_DTYPES) and not era.new_kv_dtypes:
+        raise BadInput(
+            f"--kv-cache-dtype {kv_cache_dtype} needs vLLM 0.20 or newer (version {era.label})",
+            "use fp8 or a newer vLLM",
+        )
+    if kv_cache_dtype == "int4_per_token_head" and not era.int4_kv_dtype:
+        raise BadInput(
+            f"--kv-cache-dtype int4_per_token_head needs vLLM 0.25 or newer (version {era.label})",
+            "use fp8 or a newer vLLM",
+        )
+
+
+def head_token_bytes(kv_cache_dtype: str, model_dtype_bytes: int, head_size: int) -> int:
+    """Bytes one token of one K (or V) head takes in the cache (§4.1)."""
+    if kv_cache_dtype == "auto":
+        return head_size * model_dtype_bytes
+    if kv_cache_dtype in ("bfloat16", "float16", "float32"):
+        return head_size * DTYPE_BYTES[kv_cache_dtype]
+    if kv_cache_dtype in FP8_KV_DTYPES:
+        return head_size
+    if kv_cache_dtype == "nvfp4":  # packed fp4 + one fp8 scale per 16 elements
+        return head_size // 2 + head_size // 16
+    if kv_cache_dtype in PER_TOKEN_HEAD_KV_DTYPES:  # 1 B/elem + one fp32 scale
+        return head_size + 4
+    if kv_cache_dtype == "int4_per_token_head":
+        return head_size // 2 + 4
+    raise BadInput(f"--kv-cache-dtype {kv_cache_dtype!r} is unknown", "use auto or fp8")
+
+
+def kv_heads_per_rank(total_kv_heads: int, tp: int) -> int:
+    """KV heads one tensor-parallel rank holds; replicated when tp > heads (§4.1).
+
+    Raises :class:`BadInput` when the heads cannot be split evenly over the ranks.
+    """
+    if tp < 1:
+        raise BadInput(f"tensor parallel size {tp} is not positive", "use 1 or more")
+    if total_kv_heads >= tp:
+        if total_kv_heads % tp:
+            raise BadInput(
+                f"the model's {total_kv_heads} KV heads cannot be split over tensor parallel size {tp}",
+                "use a tensor parallel size that divides the KV head count",
+            )
+        return total_kv_heads // tp
+    if tp % total_kv_heads:
+        raise BadInput(
+            f"tensor parallel size {tp} is not a multiple of the model's {total_kv_heads} KV heads",
+            "use a tensor parallel size that is a multiple (or divisor) of the KV head count",
+        )
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# Per-layer specs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestBound:
+    """What bounds one request's blocks: its length and the tokens in flight (§4.3, §4.4)."""
+
+    max_model_len: int
+    lookahead_tokens: int  # max_num_batched_tokens (≤0.25) or max_in_flight_tokens (0.26+)
+    num_speculative_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """Base of the per-layer cache specs: a block of ``block_size`` tokens of one layer."""
+
+    block_size: int
+    page_size_padded: int | None = None
+
+    @property
+    def raw_page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer (after any padding to a common page)."""
+        return self.page_size_padded if self.page_size_padded else self.raw_page_size_bytes
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        """Blocks one request at ``bound.max_model_len`` holds in this layer."""
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, bound: RequestBound) -> int:
+        """Bytes one maximal request holds in this layer."""
+        return self.max_blocks_per_request(bound) * self.page_size_bytes
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+
+@dataclass(frozen=True)
+class FullAttention(KVLayerSpec):
+    """Full causal attention (vLLM FullAttentionSpec); heads are per rank."""
+
+    num_kv_heads: int = 0
+    head_bytes_k: int = 0  # bytes per token per head for K at the cache dtype
+    head_bytes_v: int = 0
+
+    @property
+    def raw_page_size_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * (self.head_bytes_k + self.head_bytes_v)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of this layer."""
+        return self.num_kv_heads * (self.head_bytes_k + self.head_bytes_v)
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        return cdiv(bound.max_model_len, self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(FullAttention):
+    """Sliding-window attention: only the window plus the tokens in flight stay (§4.3)."""
+
+    sliding_window: int = 0
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        tokens = min(self.sliding_window - 1 + bound.lookahead_tokens, bound.max_model_len)
+        return cdiv(tokens, self.block_size) + 1
+
+
+@dataclass(frozen=True)
+class ChunkedLocal(FullAttention):
+    """Chunked local attention (Llama-4 ``attention_chunk_size``, §4.4)."""
+
+    attention_chunk_size: int = 0
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        tokens = min(self.attention_chunk_size + bound.lookahead_tokens, bound.max_model_len)
+        return cdiv(tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class MLA(KVLayerSpec):
+    """Multi-head latent attention: one latent per token, not sharded by TP (§4.2)."""
+
+    token_bytes_: int = 0  # bytes of one token's latent (576 × dtype bytes for DeepSeek-V3)
+    sliding_window: int | None = None
+
+    @property
+    def token_bytes(self) -> int:
+        return self.token_bytes_
+
+    @property
+    def raw_page_size_bytes(self) -> int:
+        return self.block_size * self.token_bytes_
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        if self.sliding_window:
+            tokens = min(self.sliding_window - 1 + bound.lookahead_tokens, bound.max_model_len)
+            return cdiv(tokens, self.block_size) + 1
+        return cdiv(bound.max_model_len, self.block_size)
+
+
+@dataclass(frozen=True)
+class Mamba(KVLayerSpec):
+    """Recurrent state of a Mamba / linear-attention layer (§4.6).
+
+    ``state_bytes`` is the unpadded per-rank state; ``cache_mode`` is vLLM's
+    ``mamba_cache_mode``: "none" (one state per request), "align" (two) or "all" (one per block).
+    """
+
+    state_bytes: int = 0
+    cache_mode: str = "none"
+
+    @property
+    def raw_page_size_bytes(self) -> int:
+        return self.state_bytes
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        if self.cache_mode == "all":
+            return cdiv(bound.max_model_len, self.block_size) + bound.num_speculative_blocks
+        if self.cache_mode == "align":
+            return 2 + bound.num_speculative_blocks
+        return 1 + bound.num_speculative_blocks
+
+
+@dataclass(frozen=True)
+class UniformType(KVLayerSpec):
+    """Same attention type with different per-layer sizes: one group, page = Σ pages (§4.7)."""
+
+    members: tuple[KVLayerSpec, ...] = ()
+
+    @property
+    def raw_page_size_bytes(self) -> int:
+        return sum(m.page_size_bytes for m in self.members)
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        return max(m.max_blocks_per_request(bound) for m in self.members)
+
+
+def mamba_state_bytes(
+    state: MambaStateSpec, tp: int, conv_dtype_bytes: int, ssm_dtype_bytes: int, num_spec: int = 0
+) -> int:
+    """Bytes of one layer's recurrent state on one TP rank (vLLM MambaStateShapeCalculator)."""
+    k = state.conv_kernel - 1 + num_spec
+    v = state.variant
+    if v is MambaVariant.MAMBA2:
+        ng = state.n_groups + (tp - state.n_groups if state.n_groups % tp else 0)
+        conv = (state.intermediate_size + 2 * ng * state.state_size) // tp * k
+        ssm = (state.num_heads // tp) * state.head_dim * state.state_size
+    elif v is MambaVariant.MAMBA1:
+        conv = state.intermediate_size // tp * k
+        ssm = state.intermediate_size // tp * state.state_size
+    elif v is MambaVariant.GATED_DELTA_NET:
+        conv = (
+            (2 * state.num_k_heads * state.head_k_dim + state.num_v_heads * state.head_v_dim)
+            // tp
+            * k
+        )
+        ssm = (state.num_v_heads // tp) * state.head_v_dim * state.head_k_dim
+    elif v is MambaVariant.SHORT_CONV:
+        conv = state.intermediate_size // tp * k
+        ssm = 0
+    elif v is MambaVariant.LINEAR_ATTENTION:
+        conv = 0
+        ssm = (state.num_heads // tp) * state.head_dim * state.head_dim
+    else:  # pragma: no cover - enum is closed
+        raise UnsupportedArchitecture(f"Mamba variant {v} has no state shape", "")
+    return conv * conv_dtype_bytes + ssm * ssm_dtype_bytes
+
+
+@dataclass(frozen=True)
+class LayerSpecsResult:
+    """Per-layer cache specs of the model on one rank plus the block-size decisions."""
+
+    specs: tuple[KVLayerSpec | None, ...]  # one per decoder layer; None: no cache
+    block_size: int
+    block_size_raised_from: int | None  # hybrid Mamba: the block size before the raise
+    mamba_padding_pct: float | None  # "Padding mamba page size by %.2f%%"
+    log_lines: tuple[str, ...]
+
+
+def build_layer_specs(
+    model: ModelSpec,
+    *,
+    tp: int,
+    model_dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    era: VllmEra,
+    hybrid_manager: bool = True,
+    mamba_cache_mode: str = "none",
+    mla_align: int = 64,
+) -> LayerSpecsResult:
+    """Build vLLM's per-layer KV specs for one TP rank, unifying hybrid Mamba pages (§4.6).
+
+    ``block_size`` is the attention block size before any hybrid raise. With the hybrid manager
+    off, sliding-window and chunked layers become full attention (allocate for full length).
+    """
+    mbytes = dtype_bytes(model_dtype)
+    heads_cache: dict[int, int] = {}
+
+    def heads(n: int) -> int:
+        if n not in heads_cache:
+            heads_cache[n] = kv_heads_per_rank(n, tp)
+        return heads_cache[n]
+
+    def attention(layer: LayerSpec, bs: int) -> KVLayerSpec | None:
+        if layer.kind is AttentionKind.MLA:
+            mla_dtype = "auto" if kv_cache_dtype == "auto" else kv_cache_dtype
+            tb = head_token_bytes(mla_dtype, mbytes, layer.head_size)
+            window = layer.sliding_window if hybrid_manager else None
+            return MLA(block_size=bs, token_bytes_=tb, sliding_window=window)
+        hk = head_token_bytes(kv_cache_dtype, mbytes, layer.head_size)
+        hv = head_token_bytes(kv_cache_dtype, mbytes, layer.head_size_v or layer.head_size)
+        n = heads(layer.num_kv_heads)
+        if layer.kind is AttentionKind.SLIDING and hybrid_manager and layer.sliding_window:
+            return SlidingWindow(bs, None, n, hk, hv, sliding_window=layer.sliding_window)
+        if layer.kind is AttentionKind.CHUNKED and hybrid_manager and layer.attention_chunk_size:
+            return ChunkedLocal(
+                bs, None, n, hk, hv, attention_chunk_size=layer.attention_chunk_size
+            )
+        return FullAttention(bs, None, n, hk, hv)
+
+    has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
+    logs: list[str] = []
+    raised_from: int | None = None
+    padding_pct: float | None = None
+    bs = block_size
+    mamba_bytes: dict[int, int] = {}
+    if has_mamba:
+        conv_b = mbytes
+        for i, layer in enumerate(model.layers):
+            if layer.kind is AttentionKind.MAMBA:
+                if layer.mamba is None:
+                    raise UnsupportedArchitecture(
+                        f"{model.name}: Mamba layer {i} has no state shapes",
+                        "the model facts must describe the recurrent state",
+                    )
+                ssm_b = dtype_bytes(layer.mamba.ssm_dtype) if layer.mamba.ssm_dtype else conv_b
+                if not era.mamba_separate_dtypes and kv_cache_dtype == "auto":
+                    ssm_b = conv_b
+                mamba_bytes[i] = mamba_state_bytes(layer.mamba, tp, conv_b, ssm_b)
+        attn_layers = [
+            layer
+            for layer in model.layers
+            if layer.kind not in (AttentionKind.MAMBA, AttentionKind.NONE)
+        ]
+        if attn_layers:
+            one = attention(attn_layers[0], 1)
+            assert one is not None
+            a1 = one.page_size_bytes  # attention page of one token
+            m = max(mamba_bytes.values())
+            is_mla = isinstance(one, MLA)
+            if is_mla:
+                align = mla_align if era.mamba_align_16 else max(128, mla_align)
+            else:
+                align = 16 if era.mamba_align_16 else max(16, block_size)
+            if mamba_cache_mode == "all":
+                chunk = math.lcm(256, align)
+                needed = chunk * cdiv(cdiv(m, a1), chunk)
+            else:
+                needed = align * cdiv(m, align * a1)
+            if bs < needed:
+                raised_from = bs
+                bs = needed
+                logs.append(
+                    f"Setting attention block size to {bs} tokens to ensure that attention page "
+                    "size is >= mamba page size."
+                )
+            attn_page = bs * a1
+            if attn_page != m:
+                padding_pct = (attn_page - m) / m * 100
+                logs.append(
+                    f"Padding mamba page size by {padding_pct:.2f}% to ensure that mamba page size "
+                    "and attention page size are exactly equal."
+                )
+
+    specs: list[KVLayerSpec | None] = []
+    for i, layer in enumerate(model.layers):
+        if layer.kind is AttentionKind.NONE:
+            specs.append(None)
+        elif layer.kind is AttentionKind.MAMBA:
+            # Mamba groups use max_model_len as block size with mode none; the block count per
+            # request does not depend on it, so the attention block size is kept for 'all'.
+            specs.append(
+                Mamba(block_size=bs, state_bytes=mamba_bytes[i], cache_mode=mamba_cache_mode)
+            )
+        else:
+            specs.append(attention(layer, bs))
+    if has_mamba and any(isinstance(s, Mamba) for s in specs):
+        attn_pages = [
+            s.page_size_bytes for s in specs if s is not None and not isinstance(s, Mamba)
+        ]
+        if attn_pages:
+            target = max(attn_pages)
+            specs = [
+                replace(s, page_size_padded=target)
+                if isinstance(s, Mamba) and s.raw_page_size_bytes != target
+                else s
+                for s in specs
+            ]
+    return LayerSpecsResult(tuple(specs), bs, raised_from, padding_pct, tuple(logs))
+
+
+# --------------------------------------------------------------------------------------------
+# Grouping (§5.1) and bytes per block (§5.2)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: layers sharing one block table."""
+
+    spec: KVLayerSpec
+    layers: tuple[int, ...]  # decoder-layer indices in this group (on this rank)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Grouping result for one rank: groups, bytes per block, warnings vLLM prints."""
+
+    groups: tuple[KVGroup, ...]
+    bytes_per_block: int
+    padding_warnings: tuple[str, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def min_block_size(self) -> int:
+        """Smallest block size over attention groups (Mamba groups excluded, §6)."""
+        sizes = [g.spec.block_size for g in self.groups if not isinstance(g.spec, Mamba)]
+        if not sizes:
+            sizes = [g.spec.block_size for g in self.groups]
+        return min(sizes) if sizes else 0
+
+    def blocks_per_request(self, bound: RequestBound) -> int:
+        """Σ over groups of the blocks one maximal request needs (n in §6)."""
+        return sum(g.spec.max_blocks_per_request(bound) for g in self.groups)
+
+    def needed_bytes(self, bound: RequestBound) -> int:
+        """Memory one request at ``bound.max_model_len`` needs (§7.1, 0.17+ form)."""
+        return self.bytes_per_block * self.blocks_per_request(bound)
+
+
+def _uniform_type_ok(specs: list[KVLayerSpec]) -> bool:
+    kinds = {type(s) for s in specs}
+    if len(kinds) != 1 or len({s.block_size for s in specs}) != 1:
+        return False
+    first = specs[0]
+    if isinstance(first, SlidingWindow):
+        return len({s.sliding_window for s in specs if isinstance(s, SlidingWindow)}) == 1
+    if isinstance(first, ChunkedLocal):
+        return len({s.attention_chunk_size for s in specs if isinstance(s, ChunkedLocal)}) == 1
+    return isinstance(first, FullAttention | MLA) and not isinstance(first, Mamba)
+
+
+def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout:
+    """Group (layer index, spec) pairs the way vLLM's ``get_kv_cache_groups`` does (§5.1, §4.7).
+
+    Raises :class:`UnsupportedArchitecture` when the page sizes cannot be unified.
+    """
+    if not specs:
+        return KVLayout((), 0)
+    only = [s for _, s in specs]
+    idx = tuple(i for i, _ in specs)
+    if all(s == only[0] for s in only):
+        return KVLayout((KVGroup(only[0], idx),), only[0].page_size_bytes * len(only))
+    if era.uniform_type_groups and _uniform_type_ok(only):
+        ut = UniformType(block_size=only[0].block_size, members=tuple(only))
+        return KVLayout((KVGroup(ut, idx),), ut.page_size_bytes)
+
+    # Hybrid: unify page sizes (§4.7), then bucket by equal spec.
+    max_page = max(s.page_size_bytes for s in only)
+    buckets: dict[KVLayerSpec, list[int]] = {}
+    for i, s in specs:
+        p = s.page_size_bytes
+        if p == max_page:
+            u = s
+        elif isinstance(s, Mamba):
+            u = replace(s, page_size_padded=max_page)
+        elif max_page % p == 0:
+            u = replace(s, block_size=s.block_size * (max_page // p))
+        elif isinstance(s, FullAttention) and era.at_least(30):
+            u = replace(s, page_size_padded=max_page)
+        else:
+            raise UnsupportedArchitecture(
+                f"layer page sizes {p} and {max_page} bytes cannot be unified in vLLM {era.label}",
+                "this hybrid layout is not supported by that vLLM release",
+            )
+        buckets.setdefault(u, []).append(i)
+    counts = [len(v) for v in buckets.values()]
+    group_size = min(counts)
+    if era.group_rule_1_5 and max(counts) < group_size * 1.5:
+        group_size = max(counts)
+    groups: list[KVGroup] = []
+    warnings: list[str] = []
+    for spec, members in buckets.items():
+        n = len(members)
+        padding = group_size - n % group_size
+        if padding != group_size:
+            warnings.append(
+                f"Add {padding} padding layers, may waste at most {padding / n * 100:.2f}% KV cache memory"
+            )
+        num = cdiv(n, group_size)
+        for g in range(num):
+            if era.strided_grouping:
+                part = tuple(members[g::num])
+            else:
+                part = tuple(members[g * group_size : (g + 1) * group_size])
+            groups.append(KVGroup(spec, part))
+    return KVLayout(tuple(groups), max_page * group_size, tuple(warnings))
+
+
+def project_layout(global_layout: KVLayout, stage_layers: range) -> KVLayout:
+    """The global groups projected onto one pipeline stage's layers (vLLM 0.17+, §7.1).
+
+    Bytes per block is the largest per-group sum of member pages on this stage. Without PP
+    (all layers on the stage) the layout is returned unchanged.
+    """
+    if not global_layout.groups:
+        return global_layout
+    everything = {i for g in global_layout.groups for i in g.layers}
+    if everything <= set(stage_layers):
+        return global_layout
+    groups = []
+    for g in global_layout.groups:
+        mine = tuple(i for i in g.layers if i in stage_layers)
+        spec = g.spec
+        if isinstance(spec, UniformType) and mine:
+            pos = {layer: k for k, layer in enumerate(g.layers)}
+            spec = replace(spec, members=tuple(spec.members[pos[i]] for i in mine))
+        groups.append(KVGroup(spec, mine))
+    if len(groups) == 1 and isinstance(groups[0].spec, UniformType):
+        bpb = groups[0].spec.page_size_bytes
+    else:
+        page = max(g.spec.page_size_bytes for g in groups)
+        bpb = page * max(g.num_layers for g in groups)
+    return KVLayout(tuple(groups), bpb, global_layout.padding_warnings)
+
+
+# --------------------------------------------------------------------------------------------
+# Capacity (§5.2, §6) and the fit check (§7)
+# --------------------------------------------------------------------------------------------
+
+
+def num_blocks(available_bytes: int, layout: KVLayout, override: int | None = None) -> int:
+    """Blocks the pool gets: ``available // bytes_per_block`` (floored at 0), or the override."""
+    if not layout.groups:
+        return 1  # attention-free: the null block only
+    if override is not None:
+        return override
+    return max(0, available_bytes // layout.bytes_per_block)
+
+
+def max_concurrency(blocks: int, layout: KVLayout, bound: RequestBound) -> float:
+    """``B / Σ_g n_g``: how many maximal requests fit (float, logged with ``%.2f``)."""
+    n = layout.blocks_per_request(bound)
+    return blocks / n if n else 0.0
+
+
+def kv_cache_tokens(blocks: int, layout: KVLayout, bound: RequestBound, era: VllmEra) -> int:
+    """The "KV cache size: N tokens" number of this era (§6).
+
+    ≤0.20: ``(B // num_groups) × min_block_size``; 0.21+: ``int(B / n × L)`` in IEEE doubles.
+    """
+    if not layout.groups:
+        return 0
+    if era.tokens_formula == "blocks_per_group":
+        return (blocks // layout.num_groups) * layout.min_block_size
+    n = layout.blocks_per_request(bound)
+    return int(blocks / n * bound.max_model_len) if n else 0
+
+
+def needed_bytes(
+    layout: KVLayout, bound: RequestBound, era: VllmEra, specs: list[KVLayerSpec]
+) -> int:
+    """KV bytes one request at ``bound.max_model_len`` needs, as this era's fit check counts."""
+    if era.fit_check_groups == "layers":
+        return sum(s.max_memory_usage_bytes(bound) for s in specs)
+    return layout.needed_bytes(bound)
+
+
+def estimate_max_model_len(
+    layout: KVLayout,
+    bound: RequestBound,
+    available_bytes: int,
+    era: VllmEra,
+    specs: list[KVLayerSpec],
+) -> int:
+    """Binary search for the largest length in [1, L] whose needed bytes fit (0: not even 1)."""
+
+    def fits(length: int) -> bool:
+        return (
+            needed_bytes(layout, replace(bound, max_model_len=length), era, specs)
+            <= available_bytes
+        )
+
+    if not fits(1):
+        return 0
+    left, right, result = 1, bound.max_model_len, 1
+    while left <= right:
+        mid = (left + right) // 2
+        if fits(mid):
+            result, left = mid, mid + 1
+        else:
+            right = mid - 1
+    return result
+
+
+def check_memory_bytes(available_bytes: int, layout: KVLayout, era: VllmEra) -> int:
+    """Memory the fit check compares against: minus the null block from 0.29 (§7.1)."""
+    if era.fit_check_null_block and layout.groups:
+        return available_bytes - layout.bytes_per_block
+    return available_bytes
+
+
+def v0_cache_block_bytes(
+    model: ModelSpec,
+    *,
+    tp: int,
+    model_dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    num_layers: int,
+) -> int:
+    """V0 engine block: ``bs × layers × 2 × kv_heads_per_rank × head × dtype`` (§5.4)."""
+    mbytes = dtype_bytes(model_dtype)
+    attn = [
+        layer
+        for layer in model.layers
+        if layer.kind not in (AttentionKind.NONE, AttentionKind.MAMBA)
+    ]
+    if attn and attn[0].kind is AttentionKind.MLA:
+        per_token = head_token_bytes(kv_cache_dtype, mbytes, attn[0].head_size)
+        return block_size * num_layers * per_token
+    heads = kv_heads_per_rank(model.num_kv_heads, tp)
+    per_head = head_token_bytes(kv_cache_dtype, mbytes, model.head_size)
+    return block_size * num_layers * 2 * heads * per_head

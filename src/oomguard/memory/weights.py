@@ -1,0 +1,232 @@
+"""Weight bytes per rank: what "Model loading took X GiB" will say (§2.2, §8).
+
+Parameters come as :class:`~oomguard.memory.spec.ParamGroup` values; each group is split by its
+sharding (TP, vocab-parallel padded to 64, replicated, experts by TP or EP, K/V replicated when
+tp > KV heads), placed on pipeline stages, and priced by the checkpoint's quantization format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oomguard.errors import BadInput
+from oomguard.memory.kv import dtype_bytes
+from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec
+
+VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
+
+_CKPT_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+    "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1, "F4": 0.5,
+}  # fmt: skip
+
+
+def resolve_model_dtype(model: ModelSpec, dtype: str, compute_capability: str = "") -> str:
+    """The dtype vLLM loads the model in: ``auto`` keeps bf16/fp16, turns fp32 into bf16.
+
+    GPUs without bf16 (compute capability < 8.0, e.g. T4/V100) fall back to float16.
+    """
+    if dtype != "auto":
+        name = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32"}.get(
+            dtype, dtype
+        )
+        dtype_bytes(name)
+        return name
+    resolved = model.dtype if model.dtype in ("bfloat16", "float16") else "bfloat16"
+    if resolved == "bfloat16" and compute_capability:
+        try:
+            if float(compute_capability) < 8.0:
+                return "float16"
+        except ValueError:
+            pass
+    return resolved
+
+
+def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """Decoder layers of each pipeline stage, split like vLLM's ``get_pp_indices``.
+
+    Remainder layers go to the stages before the last, counted from the back.
+    """
+    if pp < 1:
+        raise BadInput(f"pipeline parallel size {pp} is not positive", "use 1 or more")
+    if pp > num_layers:
+        raise BadInput(
+            f"pipeline parallel size {pp} exceeds the model's {num_layers} layers",
+            "use a smaller --pipeline-parallel-size",
+        )
+    per = num_layers // pp
+    parts = [per] * pp
+    remaining = num_layers % pp
+    for i in range(2, remaining + 2):
+        parts[-i] += 1
+    ranges, start = [], 0
+    for n in parts:
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def quantized_bytes_per_element(quant: QuantSpec, hidden_size: int, era_minor: int = 33) -> float:
+    """Bytes per weight element of a linear layer in this format, scales and zeros included (§8)."""
+    method = (quant.method or "").lower().replace("-", "_")
+    g = quant.group_size or 128
+    bits = quant.weight_bits
+    if method in ("fp8", "fbgemm_fp8", "modelopt", "modelopt_fp8", "ptpc_fp8") or (
+        method == "compressed_tensors" and bits == 8 and quant.scale_granularity != "group"
+    ):
+        if quant.scale_granularity == "channel":
+            return 1 + 4 / hidden_size
+        if quant.scale_granularity == "block":
+            return 1 + 4 / (128 * 128)
+        return 1.0
+    if method in ("awq", "awq_marlin"):
+        return bits / 8 + (bits / 8) / g + 2 / g  # qweight + qzeros + fp16 scales
+    if method in ("gptq", "gptq_marlin", "auto_round", "autoround"):
+        zeros = (bits / 8) / g if quant.zero_point or method == "gptq" else 0.0
+        g_idx = 4 / hidden_size if quant.desc_act else 0.0
+        return bits / 8 + 2 / g + zeros + g_idx
+    if method == "compressed_tensors":
+        if bits == 4:
+            return 0.5 + 2 / g + (0.5 / g if quant.zero_point else 0.0)
+        return bits / 8 + 4 / hidden_size
+    if method in ("bitsandbytes", "bnb"):
+        if bits == 8:
+            return 1 + 4 / hidden_size
+        return 0.5 + 1 / 64 + 4 / (64 * 256)  # nf4 with double-quantised absmax
+    if method == "mxfp4":
+        return 0.5 + 1 / 32
+    if method in ("nvfp4", "modelopt_fp4"):
+        return 0.5 + 1 / 16
+    if method == "gguf":
+        bpw = quant.gguf_bits_per_weight or 4.5
+        return bpw / 8
+    if method in ("int8", "w8a8", "smoothquant"):
+        return 1 + 4 / hidden_size
+    if bits < 16:
+        return bits / 8
+    raise BadInput(
+        f"quantization {quant.method!r} is not known to the weight model",
+        "use fp8, awq, gptq, compressed-tensors, bitsandbytes, mxfp4, nvfp4 or gguf",
+    )
+
+
+@dataclass(frozen=True)
+class WeightBreakdown:
+    """Weight bytes of each pipeline stage (per TP rank) and how they were computed."""
+
+    per_stage_bytes: tuple[int, ...]
+    basis: str
+
+    @property
+    def max_bytes(self) -> int:
+        """The most loaded rank's weights."""
+        return max(self.per_stage_bytes)
+
+
+def _elements_on_rank(group: ParamGroup, model: ModelSpec, tp: int, ep: int) -> float:
+    s = group.sharding
+    if s is ParamSharding.REPLICATED:
+        return float(group.count)
+    if s is ParamSharding.VOCAB:
+        if group.rows and group.cols:
+            padded = -(-group.rows // VOCAB_PADDING) * VOCAB_PADDING
+            per_rank_rows = -(-padded // tp)
+            return float(per_rank_rows * group.cols)
+        return group.count / tp
+    if s is ParamSharding.EXPERTS:
+        return group.count / (ep if ep > 1 else tp)
+    if s is ParamSharding.KV_REPLICATED:
+        kv = max(1, model.num_kv_heads)
+        per_rank_heads = max(1, kv // tp)
+        return group.count * per_rank_heads / kv
+    return group.count / tp
+
+
+def weight_bytes_per_stage(
+    model: ModelSpec,
+    *,
+    model_dtype: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    quantization: str | None = None,
+    cpu_offload_bytes: int = 0,
+    era_minor: int = 33,
+) -> WeightBreakdown:
+    """Bytes of parameters and buffers one rank of each pipeline stage holds after loading.
+
+    ``ep`` > 1 splits expert groups by ``ep`` instead of ``tp`` (expert parallelism spans
+    TP × DP ranks). ``quantization`` names an online method (``fp8``) applied to an unquantized
+    checkpoint. ``cpu_offload_bytes`` is subtracted per rank (``--cpu-offload-gb``).
+    """
+    mbytes = dtype_bytes(model_dtype)
+    quant = model.quant
+    online = (quantization or "").lower()
+    if quant.method is None and online in ("fp8", "ptpc_fp8", "fbgemm_fp8"):
+        quant = QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor")
+    q_bytes = (
+        quantized_bytes_per_element(quant, model.hidden_size, era_minor)
+        if quant.method
+        else float(mbytes)
+    )
+    ranges = pp_layer_ranges(model.num_layers, pp)
+    expert_pad = 1.0
+    if (
+        (quant.method or "").lower() == "mxfp4"
+        and model.moe is not None
+        and model.model_type == "gpt_oss"
+    ):
+        # MoE kernels pad hidden to 256 (and, from 0.13, intermediate to 128) for mxfp4.
+        h, i = model.hidden_size, model.moe.expert_intermediate_size
+        h2 = -(-h // 256) * 256
+        i2 = -(-i // 128) * 128 if era_minor >= 13 else i
+        expert_pad = (h2 / h) * (i2 / i)
+    has_lm_head = any(g.name == "lm_head" for g in model.params)
+    per_stage = []
+    for stage, layers in enumerate(ranges):
+        total = 0.0
+        first, last = stage == 0, stage == pp - 1
+        for group in model.params:
+            elems = _elements_on_rank(group, model, tp, ep)
+            if group.per_layer and group.stage == "layers":
+                elems *= len(layers) / model.num_layers
+            elif group.stage == "first" and not first:
+                if not (
+                    last and group.name == "embed" and model.tie_word_embeddings and not has_lm_head
+                ):
+                    continue
+            elif group.stage == "last" and not last:
+                continue
+            quantized = (
+                group.quantizable
+                and quant.method is not None
+                and group.name not in quant.unquantized_groups
+            )
+            if group.name in ("lm_head", "embed") and (quant.method or "").lower() not in ("gguf",):
+                quantized = (
+                    False  # vLLM keeps the (vocab-parallel) LM head and embedding in model dtype
+                )
+            if (quant.method or "").lower() == "mxfp4" and group.name != "experts":
+                quantized = False
+            per_elem = q_bytes if quantized else float(mbytes)
+            if quantized and group.name == "experts":
+                elems *= expert_pad
+            total += elems * per_elem
+        if first or last:
+            # rotary cos/sin cache: max positions × head size in model dtype, once per rank
+            total += model.derived_max_model_len * model.head_size * mbytes
+        per_stage.append(max(0, int(total) - cpu_offload_bytes))
+    basis = "parameters by group"
+    if quant.method:
+        basis += f", {quant.method} {q_bytes:.4f} B/elem"
+    # Cross-check against the checkpoint's own bytes when the model is unquantized.
+    ckpt = model.checkpoint_bytes_by_dtype
+    if ckpt and quant.method is None and model.total_params:
+        ckpt_elems = sum(v / _CKPT_DTYPE_BYTES.get(k.upper(), 2) for k, v in ckpt.items())
+        ratio = ckpt_elems / model.total_params
+        if 0.97 <= ratio <= 1.03:
+            per_stage = [int(b * ratio) for b in per_stage]
+            basis += f", scaled by checkpoint element count ({ratio:.4f})"
+        else:
+            basis += f" (checkpoint elements differ by {100 * (ratio - 1):+.1f}%: not used)"
+    return WeightBreakdown(tuple(per_stage), basis)
