@@ -65,7 +65,7 @@ def _gpu(row: dict) -> GPUSpec:
             compute_capability=_capability(name),
             device_name=name.lower(),
         )
-    from oomguard.facts.gpus import resolve_gpu  # type: ignore[import-not-found]
+    from oomguard.facts.gpus import resolve_gpu
 
     return resolve_gpu(name)
 

@@ -1,0 +1,280 @@
+"""GPU facts: a catalogue of accelerators with the total memory CUDA reports, and NVML detection.
+
+vLLM sizes everything from ``torch.cuda.mem_get_info()`` (cudaMemGetInfo) ``total``, which is
+below both the marketing size and nvidia-smi's total (the driver reserves a slice; ECC on GDDR
+datacenter cards takes 1/16 more). Each entry records where its total comes from:
+
+- ``observed``: a real log or error message printed this total (source cited);
+- ``derived``: nvidia-smi's MiB total (or the physical size) minus the driver reserve seen on
+  observed cards of the same generation (0.25–0.65 GiB); accurate to a few tenths of a GiB.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+from oomguard.errors import BadInput, UnknownGPU
+from oomguard.memory.spec import GPUSpec
+
+GIB = 2**30
+_LOGS = "../shared/data/vllm-startup-logs.jsonl"
+_OOMS = "../shared/data/oom-cases.jsonl"
+# nvidia-smi totals per model: modal-labs/modal-client PR #2797 (H100 81559 MiB, A100-80 81920,
+# A100-40 40960, A10 23028, L40S 46068, L4 23034, T4 15360); others from vendor spec sheets.
+_SMI = "nvidia-smi total (modal-labs/modal-client#2797 or vendor spec) minus driver reserve"
+
+
+class NoGPUDetected(BadInput):
+    """``--gpu auto`` was asked for but NVML found no usable NVIDIA GPU."""
+
+
+@dataclass(frozen=True)
+class _Row:
+    name: str
+    marketing_gb: float
+    total_gib: float
+    cc: str
+    device_name: str
+    source: str
+    aliases: tuple[str, ...] = ()
+    vendor: str = "nvidia"
+
+
+_ROWS: tuple[_Row, ...] = (
+    # consumer
+    _Row("RTX 3060", 12, 11.76, "8.6", "NVIDIA GeForce RTX 3060", f"derived: 12288 MiB {_SMI}", ("3060", "rtx 3060 12gb")),
+    _Row("RTX 3070", 8, 7.76, "8.6", "NVIDIA GeForce RTX 3070", f"derived: 8192 MiB {_SMI}", ("3070",)),
+    _Row("RTX 3080", 10, 9.77, "8.6", "NVIDIA GeForce RTX 3080", f"derived: 10240 MiB {_SMI}", ("3080", "rtx 3080 10gb")),
+    _Row("RTX 3080 12GB", 12, 11.76, "8.6", "NVIDIA GeForce RTX 3080", f"derived: 12288 MiB {_SMI}", ("3080 12gb",)),
+    _Row("RTX 3090", 24, 23.58, "8.6", "NVIDIA GeForce RTX 3090",
+         f"observed: vLLM log total_gpu_memory=23.58GiB ({_LOGS}, vllm-project/vllm#10517)", ("3090",)),
+    _Row("RTX 3090 Ti", 24, 23.57, "8.6", "NVIDIA GeForce RTX 3090 Ti", f"derived: 24564 MiB {_SMI}", ("3090 ti", "3090ti")),
+    _Row("RTX 4060 Ti 16GB", 16, 15.70, "8.9", "NVIDIA GeForce RTX 4060 Ti", f"derived: 16380 MiB {_SMI}",
+         ("4060 ti", "4060ti", "4060 ti 16gb")),
+    _Row("RTX 4070", 12, 11.72, "8.9", "NVIDIA GeForce RTX 4070", f"derived: 12282 MiB {_SMI}", ("4070",)),
+    _Row("RTX 4070 Ti Super", 16, 15.70, "8.9", "NVIDIA GeForce RTX 4070 Ti SUPER", f"derived: 16376 MiB {_SMI}",
+         ("4070 ti super", "4070tis")),
+    _Row("RTX 4080", 16, 15.70, "8.9", "NVIDIA GeForce RTX 4080", f"derived: 16376 MiB {_SMI}", ("4080",)),
+    _Row("RTX 4080 Super", 16, 15.70, "8.9", "NVIDIA GeForce RTX 4080 SUPER", f"derived: 16376 MiB {_SMI}", ("4080 super",)),
+    _Row("RTX 4090", 24, 23.65, "8.9", "NVIDIA GeForce RTX 4090",
+         "observed: PyTorch OOM 'total capacity of 23.65 GiB' on RTX 4090 (MotrixLab/AiOS#29, HKUDS/GraphGPT#29)", ("4090",)),
+    _Row("RTX 5070 Ti", 16, 15.48, "12.0", "NVIDIA GeForce RTX 5070 Ti",
+         "derived: same 16 GB GDDR7 as the RTX 5080 observed at 15.48 GiB", ("5070 ti", "5070ti")),
+    _Row("RTX 5080", 16, 15.48, "12.0", "NVIDIA GeForce RTX 5080",
+         f"observed: 'total capacity of 15.48 GiB' ({_OOMS}, vllm-project/vllm#14452)", ("5080",)),
+    _Row("RTX 5090", 32, 31.36, "12.0", "NVIDIA GeForce RTX 5090", f"derived: 32607 MiB {_SMI}", ("5090",)),
+    # workstation
+    _Row("RTX A6000", 48, 47.54, "8.6", "NVIDIA RTX A6000", f"derived: 49140 MiB (ECC off) {_SMI}", ("a6000",)),
+    _Row("RTX 6000 Ada", 48, 47.50, "8.9", "NVIDIA RTX 6000 Ada Generation", f"derived: 49140 MiB (ECC off) {_SMI}",
+         ("6000 ada", "rtx 6000 ada generation")),
+    _Row("RTX PRO 6000 Blackwell", 96, 94.97, "12.0", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+         f"derived: 97887 MiB {_SMI}", ("rtx pro 6000", "pro 6000", "rtx pro 6000 96gb", "6000 blackwell")),
+    # datacenter
+    _Row("T4", 16, 14.74, "7.5", "Tesla T4",
+         f"observed: vLLM log total 14.74 GiB ({_LOGS}; 15360 MiB with ECC)", ("tesla t4", "t4 16gb")),
+    _Row("A10", 24, 22.20, "8.6", "NVIDIA A10", f"derived: 23028 MiB (ECC on) {_SMI}", ()),
+    _Row("A10G", 24, 22.20, "8.6", "NVIDIA A10G", f"derived: 23028 MiB (ECC on) {_SMI}", ()),
+    _Row("L4", 24, 22.17, "8.9", "NVIDIA L4", f"derived: 23034 MiB (ECC on) {_SMI}", ()),
+    _Row("L40", 48, 44.39, "8.9", "NVIDIA L40", "derived: same 48 GB GDDR6 (ECC on) as the L40S observed at 44.39 GiB", ()),
+    _Row("L40S", 48, 44.39, "8.9", "NVIDIA L40S", f"observed: vLLM log total 44.39 GiB ({_LOGS})", ()),
+    _Row("A100 40GB PCIe", 40, 39.39, "8.0", "NVIDIA A100-PCIE-40GB",
+         "derived: same 40 GB HBM2 as the A100 40GB SXM observed at 39.39 GiB", ("a100 pcie 40gb", "a100-pcie-40gb")),
+    _Row("A100 40GB SXM", 40, 39.39, "8.0", "NVIDIA A100-SXM4-40GB",
+         f"observed: vLLM log total_gpu_memory (39.39GiB) on ml.p4d ({_LOGS})",
+         ("a100 40gb", "a100-40gb", "a100 40g", "a100-sxm4-40gb")),
+    _Row("A100 80GB PCIe", 80, 79.35, "8.0", "NVIDIA A100 80GB PCIe",
+         "derived: same 80 GB HBM2e as the A100 80GB observed at 79.35 GiB", ("a100 pcie 80gb", "a100 pcie")),
+    _Row("A100 80GB SXM", 80, 79.35, "8.0", "NVIDIA A100-SXM4-80GB",
+         f"observed: 'A100 80GB (79.35 GiB)' ({_OOMS}); 81920 MiB in nvidia-smi",
+         ("a100", "a100 80gb", "a100-80gb", "a100 80g", "a100-sxm4-80gb")),
+    _Row("H100 PCIe", 80, 79.19, "9.0", "NVIDIA H100 PCIe",
+         "derived: same 81559 MiB as the H100 SXM observed at 79.19 GiB", ("h100 pcie 80gb",)),
+    _Row("H100 SXM", 80, 79.19, "9.0", "NVIDIA H100 80GB HBM3",
+         f"observed: vLLM logs total_gpu_memory 79.18-79.22 GiB, 79.19 in 42 rows ({_LOGS})",
+         ("h100", "h100 80gb", "h100-80g", "h100 80g", "h100 80gb hbm3", "h100 sxm5", "h100-sxm5-80gb")),
+    _Row("H100 NVL", 94, 93.10, "9.0", "NVIDIA H100 NVL", f"derived: 95830 MiB {_SMI}", ("h100 nvl 94gb",)),
+    _Row("H200", 141, 139.72, "9.0", "NVIDIA H200",
+         f"derived: same 141 GB HBM3e as the H20 141GB observed at 139.72 GiB ({_OOMS}, vllm-project/vllm#31273)",
+         ("h200 141gb", "h200 sxm")),
+    _Row("H20", 96, 95.10, "9.0", "NVIDIA H20", f"derived: 97871 MiB {_SMI}", ("h20 96gb",)),
+    _Row("H20 141GB", 141, 139.72, "9.0", "NVIDIA H20",
+         f"observed: 'H20 141GB (139.72 GiB)' ({_OOMS}, vllm-project/vllm#31273)", ("h20-141g", "h20 141g")),
+    _Row("GH200", 96, 95.00, "9.0", "NVIDIA GH200 480GB", f"derived: 97871 MiB {_SMI}", ("gh200 96gb", "gh200 480gb")),
+    _Row("B200", 180, 178.56, "10.0", "NVIDIA B200", f"derived: 183359 MiB {_SMI}", ("b200 180gb", "b200 192gb")),
+    _Row("MI300X", 192, 191.98, "9.4", "AMD Instinct MI300X",
+         "derived: 192 GiB HBM3 less the ROCm reserve seen in MI300X OOM messages", ("instinct mi300x", "mi300"), "amd"),
+)  # fmt: skip
+
+
+def _spec(row: _Row) -> GPUSpec:
+    return GPUSpec(
+        name=row.name,
+        total_bytes=round(row.total_gib * GIB),
+        marketing_gb=row.marketing_gb,
+        vendor=row.vendor,
+        compute_capability=row.cc,
+        device_name=row.device_name,
+        source=row.source,
+    )
+
+
+GPU_CATALOGUE: tuple[GPUSpec, ...] = tuple(_spec(r) for r in _ROWS)
+
+_NOISE_WORDS = re.compile(
+    r"\b(nvidia|geforce|tesla|amd|instinct|radeon|graphics|gpu|generation|edition|workstation)\b"
+)
+
+
+def _key(name: str) -> str:
+    text = _NOISE_WORDS.sub(" ", name.lower())
+    text = re.sub(r"(\d+)\s*g(b|ib)?\b", r"\1gb", text)  # 80G / 80 GiB → 80gb
+    return re.sub(r"[^a-z0-9]", "", text)
+
+
+def _index() -> dict[str, GPUSpec]:
+    idx: dict[str, GPUSpec] = {}
+    for row, spec in zip(_ROWS, GPU_CATALOGUE, strict=True):
+        for alias in (row.name, row.device_name, *row.aliases):
+            idx.setdefault(_key(alias), spec)
+        idx.setdefault(_key(row.name.replace("RTX ", "")), spec)
+    return idx
+
+
+_INDEX = _index()
+
+
+def list_gpus() -> list[GPUSpec]:
+    """Every catalogue GPU, consumer first, datacenter last."""
+    return list(GPU_CATALOGUE)
+
+
+def find_gpu(name: str) -> GPUSpec:
+    """The catalogue GPU for a forgiving name ("4090", "NVIDIA H100 80GB HBM3", "H100-80G", "h100").
+
+    A bare family name picks the most common variant (``h100`` → H100 SXM, ``a100`` → A100 80GB
+    SXM). Raises :class:`UnknownGPU` listing the closest names.
+    """
+    key = _key(name)
+    if key in _INDEX:
+        return _INDEX[key]
+    # strip a trailing form-factor/memory qualifier the table does not list ("rtx 4090 24gb")
+    trimmed = _key(re.sub(r"\b\d+\s*g(i?b)?\b|\b(sxm\d?|pcie)\b", " ", name.lower()))
+    if trimmed and trimmed in _INDEX:
+        return _INDEX[trimmed]
+    close = difflib.get_close_matches(key, list(_INDEX), n=8, cutoff=0.5)
+    names: list[str] = []
+    for k in close:
+        if _INDEX[k].name not in names:
+            names.append(_INDEX[k].name)
+    near = f"; closest: {', '.join(names[:5])}" if names else ""
+    raise UnknownGPU(
+        f"unknown GPU {name!r}{near}",
+        "pass a catalogue name (see `oomguard gpus`) or give the memory with --gpu-memory-gib",
+    )
+
+
+def custom_gpu(total_gib: float, name: str = "custom") -> GPUSpec:
+    """A GPUSpec for a user-given CUDA total (``--gpu-memory-gib``); must be positive."""
+    if not total_gib > 0:
+        raise BadInput(
+            f"GPU memory must be positive, got {total_gib} GiB",
+            "pass --gpu-memory-gib as CUDA reports it",
+        )
+    return GPUSpec(name=name, total_bytes=round(total_gib * GIB), marketing_gb=total_gib,
+                   source="user-given total")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GPUProcess:
+    """Another process holding memory on a GPU (a co-tenant shrinks vLLM's budget)."""
+
+    pid: int
+    used_bytes: int | None  # None when the driver does not say (containers without PID namespace)
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DetectedGPU:
+    """One GPU as NVML sees it right now."""
+
+    index: int
+    name: str  # NVML name, e.g. "NVIDIA H100 80GB HBM3"
+    total_bytes: int  # NVML total (nvidia-smi's figure)
+    free_bytes: int
+    used_bytes: int
+    reserved_bytes: int  # driver-reserved (NVML v2), 0 when unknown
+    processes: tuple[GPUProcess, ...]
+    spec: GPUSpec  # catalogue entry when the name matches, else built from NVML
+
+    @property
+    def cuda_total_bytes(self) -> int:
+        """The total CUDA (and so vLLM) will report for this GPU."""
+        return self.spec.total_bytes
+
+
+def detect_gpus() -> list[DetectedGPU]:
+    """Every NVIDIA GPU NVML can see, with memory use and the processes using it.
+
+    Raises :class:`NoGPUDetected` when NVML (nvidia-ml-py or the driver) is unavailable or
+    reports no devices.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        raise NoGPUDetected("--gpu auto needs nvidia-ml-py, which is not installed",
+                            "pip install nvidia-ml-py, or name the GPU with --gpu NAME") from None  # fmt: skip
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        raise NoGPUDetected(f"--gpu auto found no NVIDIA driver ({exc})",
+                            "name the GPU with --gpu NAME (e.g. --gpu 'H100 SXM') or --gpu-memory-gib N") from None  # fmt: skip
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            raise NoGPUDetected("--gpu auto: NVML reports no GPUs", "name the GPU with --gpu NAME")
+        return [_detect_one(pynvml, i) for i in range(count)]
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001, S110 - shutdown failure changes nothing for the caller
+            pass
+
+
+def _detect_one(pynvml: object, index: int) -> DetectedGPU:
+    nv = pynvml
+    handle = nv.nvmlDeviceGetHandleByIndex(index)  # type: ignore[attr-defined]
+    name = nv.nvmlDeviceGetName(handle)  # type: ignore[attr-defined]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    reserved = 0
+    try:
+        mem = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)  # type: ignore[attr-defined]
+        reserved = int(getattr(mem, "reserved", 0) or 0)
+    except Exception:  # noqa: BLE001 - older drivers: v1 only
+        mem = nv.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
+    procs: list[GPUProcess] = []
+    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        try:
+            for p in getattr(nv, getter)(handle):
+                used = getattr(p, "usedGpuMemory", None)
+                if all(q.pid != p.pid for q in procs):
+                    procs.append(
+                        GPUProcess(
+                            pid=int(p.pid), used_bytes=int(used) if used is not None else None
+                        )
+                    )
+        except Exception:  # noqa: BLE001, S112 - not supported on this device/driver
+            continue
+    try:
+        spec = find_gpu(name)
+    except UnknownGPU:
+        cuda_total = int(mem.total) - reserved
+        spec = GPUSpec(name=name, total_bytes=cuda_total, marketing_gb=round(int(mem.total) / 1e9),
+                       device_name=name, source="NVML total minus driver reserve (not in catalogue)")  # fmt: skip
+    return DetectedGPU(index=index, name=name, total_bytes=int(mem.total), free_bytes=int(mem.free),
+                       used_bytes=int(mem.used), reserved_bytes=reserved, processes=tuple(procs), spec=spec)  # fmt: skip
+
+
+# The name the planner, doctor and benchmarks use for the lookup.
+resolve_gpu = find_gpu

@@ -1,0 +1,73 @@
+"""GPU catalogue totals (as CUDA reports them) and forgiving name resolution."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomguard.errors import BadInput, UnknownGPU
+from oomguard.facts.gpus import GPU_CATALOGUE, NoGPUDetected, custom_gpu, detect_gpus, find_gpu
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical"),
+    [
+        ("RTX 4090", "RTX 4090"),
+        ("4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("H100-80G", "H100 SXM"),
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("h100", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("H100 NVL", "H100 NVL"),
+        ("a100", "A100 80GB SXM"),
+        ("A100-40GB", "A100 40GB SXM"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB SXM"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA A10G", "A10G"),
+        ("rtx 3080 12gb", "RTX 3080 12GB"),
+        ("RTX 4060 Ti 16GB", "RTX 4060 Ti 16GB"),
+        ("RTX PRO 6000", "RTX PRO 6000 Blackwell"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("rtx 4090 24gb", "RTX 4090"),
+    ],
+)
+def test_forgiving_names(name: str, canonical: str) -> None:
+    assert find_gpu(name).name == canonical
+
+
+def test_cuda_totals_are_below_marketing_size_and_sourced() -> None:
+    for gpu in GPU_CATALOGUE:
+        assert gpu.total_bytes < gpu.marketing_gb * 2**30, gpu.name
+        assert gpu.total_gib > 0.9 * gpu.marketing_gb * 1e9 / 2**30 * 0.93, gpu.name
+        assert gpu.source.startswith(("observed", "derived")), gpu.name
+        assert gpu.device_name and gpu.compute_capability
+
+
+def test_observed_totals_match_real_logs() -> None:
+    assert find_gpu("H100 SXM").total_gib == pytest.approx(79.19, abs=0.005)
+    assert find_gpu("RTX 3090").total_gib == pytest.approx(23.58, abs=0.005)
+    assert (
+        find_gpu("a100").device_name.lower().find("a100") >= 0
+    )  # vLLM keys default tiers on "a100"
+
+
+def test_unknown_gpu_lists_close_names() -> None:
+    with pytest.raises(UnknownGPU, match="closest: .*RTX 4090"):
+        find_gpu("RTX 4099")
+
+
+def test_custom_gpu_rejects_non_positive() -> None:
+    assert custom_gpu(40.0).total_bytes == 40 * 2**30
+    with pytest.raises(BadInput):
+        custom_gpu(-1)
+
+
+def test_detect_without_driver_is_clear_error() -> None:
+    try:
+        gpus = detect_gpus()
+    except NoGPUDetected as exc:
+        assert "--gpu" in exc.one_line()
+        assert isinstance(exc, BadInput)
+    else:  # a machine with a GPU: the numbers must be self-consistent
+        for gpu in gpus:
+            assert gpu.total_bytes >= gpu.free_bytes and gpu.spec.total_bytes > 0
