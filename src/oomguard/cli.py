@@ -22,12 +22,14 @@ _err = Console(stderr=True, highlight=False)
 
 def _register_faces() -> None:
     from oomguard.doctor.cli import register as register_doctor
+    from oomguard.facts.cli import register as register_facts
     from oomguard.guard.cli import register as register_guard
     from oomguard.plan.cli import register as register_plan
 
     register_plan(app)
     register_doctor(app)
     register_guard(app)
+    register_facts(app)
 
 
 @app.command("version")

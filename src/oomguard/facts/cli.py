@@ -1,0 +1,87 @@
+"""``oomguard models`` and ``oomguard gpus``: what the built-in catalogues know."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def register(app: typer.Typer) -> None:
+    """Add the catalogue listing commands to the main app."""
+
+    @app.command("models")
+    def models(
+        contains: str = typer.Argument("", help="Only names containing this text."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """List the built-in model catalogue (offline): parameters, context, sources."""
+        from oomguard.facts.catalogue import list_entries
+
+        needle = contains.lower()
+        rows = []
+        for entry in list_entries():
+            if needle and not any(needle in n.lower() for n in entry.names):
+                continue
+            spec = entry.spec()
+            rows.append(
+                {
+                    "id": entry.id,
+                    "architecture": spec.architecture,
+                    "params_b": round(spec.total_params / 1e9, 3),
+                    "published_params_b": (
+                        round(entry.published_params / 1e9, 3) if entry.published_params else None
+                    ),
+                    "max_model_len": spec.derived_max_model_len,
+                    "quantization": spec.quant.method,
+                    "config_source": entry.config_source,
+                }
+            )
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        table = Table(title=f"{len(rows)} catalogue models")
+        for col in ("model", "architecture", "params (B)", "context", "quant"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                r["id"],
+                r["architecture"],
+                f"{r['params_b']:.2f}",
+                f"{r['max_model_len']:,}",
+                r["quantization"] or "-",
+            )
+        Console().print(table)
+
+    @app.command("gpus")
+    def gpus(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+        """List the GPU catalogue: the total memory CUDA reports for each card, and its source."""
+        from oomguard.facts.gpus import list_gpus
+
+        items = list_gpus()
+        if as_json:
+            typer.echo(
+                json.dumps(
+                    [
+                        {
+                            "name": g.name,
+                            "total_gib": round(g.total_gib, 2),
+                            "marketing_gb": g.marketing_gb,
+                            "vendor": g.vendor,
+                            "source": g.source,
+                        }
+                        for g in items
+                    ],
+                    indent=2,
+                )
+            )
+            return
+        table = Table(title=f"{len(items)} GPUs (total as CUDA reports it)")
+        for col in ("GPU", "on the box", "CUDA total (GiB)", "total is"):
+            table.add_column(col)
+        for g in items:
+            kind = g.source.split(":", 1)[0] if ":" in g.source else "catalogue"
+            table.add_row(g.name, f"{g.marketing_gb:g} GB", f"{g.total_gib:.2f}", kind)
+        Console().print(table)
