@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if debug:
         args = [a for a in args if a != "--debug"]
     try:
-        app(args=args, prog_name="oomguard", standalone_mode=False)
+        rv = app(args=args, prog_name="oomguard", standalone_mode=False)
+        if isinstance(rv, int):
+            return rv
     except OomguardError as exc:
         if debug:
             raise

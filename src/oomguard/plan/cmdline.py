@@ -1,0 +1,710 @@
+"""Read a pasted vLLM command line into settings, and write settings back as commands.
+
+Accepts what users paste: ``vllm serve MODEL --flag value``, ``python -m
+vllm.entrypoints.openai.api_server --model MODEL``, ``--flag=value``, boolean flags and their
+``--no-`` forms, vLLM's human-readable integers (``1k`` = 1000, ``1K`` = 1024, ``20G`` =
+20·2^30), leading ``VAR=value`` environment assignments, backslash line continuations and
+``--config file.yaml`` (vLLM's flat YAML: keys are flag names; command-line flags win).
+
+Every flag is accounted for: the ones the memory model uses become :class:`EngineSettings`
+fields; other real vLLM flags are kept (and those that change memory in ways the model does not
+account for are named); anything else is reported as unknown, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.errors import BadInput, MalformedConfig
+from oomguard.plan._vllm_flags import ALIASES, BOOL_FLAGS, LIST_FLAGS, VALUE_FLAGS
+
+if TYPE_CHECKING:
+    from oomguard.memory.engine import EngineSettings
+
+# Choices vLLM accepts (vLLM 0.32.0 argument parser; quantization: QUANTIZATION_METHODS plus
+# methods of older releases users still pass).
+DTYPE_CHOICES = ("auto", "bfloat16", "float", "float16", "float32", "half")
+KV_CACHE_DTYPE_CHOICES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_ds_mla",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_per_token_head",
+    "int4_per_token_head",
+    "int8_per_token_head",
+    "nvfp4",
+    "nvfp4_4over6",
+    "nvfp4_ds_mla",
+    "turboquant_3bit_nc",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_k8v4",
+    "ultraquant_4bit",
+)
+QUANTIZATION_CHOICES = (
+    "aqlm",
+    "auto_awq",
+    "auto_gptq",
+    "awq",
+    "awq_marlin",
+    "bitblas",
+    "bitsandbytes",
+    "compressed-tensors",
+    "deepseek_v4_fp8",
+    "deepspeedfp",
+    "experts_int8",
+    "fbgemm_fp8",
+    "fp8",
+    "fp8_per_block",
+    "fp8_per_channel",
+    "fp8_per_tensor",
+    "fp_quant",
+    "gguf",
+    "gpt_oss_mxfp4",
+    "gptq",
+    "gptq_bitblas",
+    "gptq_marlin",
+    "gptq_marlin_24",
+    "hqq",
+    "humming",
+    "inc",
+    "int8_per_channel_weight_only",
+    "ipex",
+    "marlin",
+    "modelopt",
+    "modelopt_fp4",
+    "modelopt_mixed",
+    "modelopt_mxfp8",
+    "moe_wna16",
+    "mxfp4",
+    "mxfp8",
+    "nvfp4_per_token",
+    "online",
+    "petit_nvfp4",
+    "ptpc_fp8",
+    "qqq",
+    "quark",
+    "rtn",
+    "torchao",
+    "tpu_int8",
+)
+PERFORMANCE_MODE_CHOICES = ("balanced", "interactivity", "throughput")
+
+# vLLM flags that change GPU memory in ways the memory model does not account for: the plan
+# names them so the user knows the prediction ignores them.
+UNMODELLED_MEMORY_FLAGS = frozenset(
+    {
+        "enable-lora",
+        "max-loras",
+        "max-lora-rank",
+        "speculative-config",
+        "spec-method",
+        "spec-model",
+        "spec-tokens",
+        "speculative-model",
+        "num-speculative-tokens",
+        "limit-mm-per-prompt",
+        "mm-processor-cache-gb",
+        "mm-ipc-gpu-memory-gb",
+        "disable-sliding-window",
+        "disable-hybrid-kv-cache-manager",
+        "mamba-cache-dtype",
+        "mamba-ssm-cache-dtype",
+        "mamba-block-size",
+        "mamba-cache-mode",
+        "compilation-config",
+        "cudagraph-capture-sizes",
+        "max-cudagraph-capture-size",
+        "kv-offloading-size",
+        "kv-transfer-config",
+        "decode-context-parallel-size",
+        "prefill-context-parallel-size",
+        "swap-space",
+        "hf-overrides",
+        "enable-sleep-mode",
+        "async-scheduling",
+        "max-seq-len-to-capture",
+    }
+)
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(text: str, *, flag: str = "value", allow_auto: bool = False) -> int:
+    """Parse an integer the way vLLM does: ``1k``=1000, ``1K``=1024, ``25.6k``=25600.
+
+    Decimals are allowed only with the decimal suffixes k/m/g/t. With ``allow_auto``
+    (``--max-model-len``), ``auto`` and ``-1`` give -1 (auto-fit). Raises :class:`BadInput`.
+    """
+    value = str(text).strip()
+    if allow_auto and (value == "-1" or value.lower() == "auto"):
+        return -1
+    match = _HUMAN_INT.fullmatch(value)
+    if match:
+        number, suffix = match.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." in number:
+            raise BadInput(
+                f"{flag} {value!r}: decimals are not allowed with the binary suffix {suffix}",
+                f"write {number}{suffix.lower()} (decimal) or a whole number of {suffix}",
+            )
+        return int(number) * _BINARY[suffix]
+    try:
+        return int(value)
+    except ValueError:
+        raise BadInput(
+            f"{flag} {value!r} is not an integer",
+            "use a whole number, optionally with k/m/g (×1000) or K/M/G (×1024) as vLLM does",
+        ) from None
+
+
+def _parse_float(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise BadInput(f"{flag} {text!r} is not a number", f"pass a number to {flag}") from None
+
+
+def _parse_int(text: str, flag: str) -> int:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise BadInput(
+            f"{flag} {text!r} is not an integer", f"pass a whole number to {flag}"
+        ) from None
+
+
+def _parse_bool(text: str, flag: str) -> bool:
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise BadInput(f"{flag} {text!r} is not true or false", f"write {flag} or --no-{flag[2:]}")
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str, str], str]:
+    def parse(text: str, flag: str) -> str:
+        value = str(text).strip()
+        if value not in choices:
+            shown = ", ".join(choices[:12]) + (", …" if len(choices) > 12 else "")
+            raise BadInput(f"{flag} {value!r} is not a value vLLM accepts", f"use one of: {shown}")
+        return value
+
+    return parse
+
+
+def _optional_choice(choices: Sequence[str]) -> Callable[[str, str], str | None]:
+    inner = _choice(choices)
+
+    def parse(text: str, flag: str) -> str | None:
+        if str(text).strip().lower() in ("none", "null", ""):
+            return None
+        return inner(text, flag)
+
+    return parse
+
+
+def _positive(parse: Callable[[str, str], int]) -> Callable[[str, str], int]:
+    def checked(text: str, flag: str) -> int:
+        value = parse(text, flag)
+        if value <= 0:
+            raise BadInput(f"{flag} {text!r} must be positive", f"pass a positive number to {flag}")
+        return value
+
+    return checked
+
+
+def _max_model_len(text: str, flag: str) -> int:
+    value = parse_human_int(text, flag=flag, allow_auto=True)
+    if value == 0 or value < -1:
+        raise BadInput(
+            f"{flag} {text!r}: a context length must be positive",
+            "pass the longest prompt+output in tokens, or 'auto' (-1) to let vLLM fit it",
+        )
+    return value
+
+
+def _utilization(text: str, flag: str) -> float:
+    value = _parse_float(text, flag)
+    if not 0.0 < value <= 1.0:
+        raise BadInput(
+            f"{flag} {text!r} is outside (0, 1]",
+            "it is the fraction of the GPU's total memory vLLM may use, e.g. 0.85",
+        )
+    return value
+
+
+def _non_negative_float(text: str, flag: str) -> float:
+    value = _parse_float(text, flag)
+    if value < 0:
+        raise BadInput(f"{flag} {text!r} must not be negative", f"pass 0 or more to {flag}")
+    return value
+
+
+def _human(text: str, flag: str) -> int:
+    return parse_human_int(text, flag=flag)
+
+
+# vLLM flag (canonical long name) → (EngineSettings field, value parser). Boolean fields use
+# ``None`` as parser (presence means True; ``--no-`` means False).
+_SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
+    "tensor-parallel-size": ("tensor_parallel_size", _positive(_parse_int)),
+    "pipeline-parallel-size": ("pipeline_parallel_size", _positive(_parse_int)),
+    "data-parallel-size": ("data_parallel_size", _positive(_parse_int)),
+    "enable-expert-parallel": ("enable_expert_parallel", None),
+    "gpu-memory-utilization": ("gpu_memory_utilization", _utilization),
+    "max-model-len": ("max_model_len", _max_model_len),
+    "max-num-seqs": ("max_num_seqs", _positive(_parse_int)),
+    "max-num-batched-tokens": ("max_num_batched_tokens", _positive(_human)),
+    "kv-cache-dtype": ("kv_cache_dtype", _choice(KV_CACHE_DTYPE_CHOICES)),
+    "dtype": ("dtype", _choice(DTYPE_CHOICES)),
+    "quantization": ("quantization", _optional_choice(QUANTIZATION_CHOICES)),
+    "enforce-eager": ("enforce_eager", None),
+    "block-size": ("block_size", _positive(_parse_int)),
+    "enable-prefix-caching": ("enable_prefix_caching", None),
+    "kv-cache-memory-bytes": ("kv_cache_memory_bytes", _positive(_human)),
+    "num-gpu-blocks-override": ("num_gpu_blocks_override", _positive(_parse_int)),
+    "cpu-offload-gb": ("cpu_offload_gb", _non_negative_float),
+    "performance-mode": ("performance_mode", _choice(PERFORMANCE_MODE_CHOICES)),
+}
+# The reverse map, in the order commands are rendered.
+FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
+_RENDER_ORDER = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "quantization",
+    "dtype",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_dtype",
+    "block_size",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "num_gpu_blocks_override",
+    "cpu_offload_gb",
+    "performance_mode",
+)
+# Field values that equal vLLM's own defaults are not rendered (None = "vLLM decides").
+_FIELD_DEFAULTS: dict[str, Any] = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "enable_expert_parallel": False,
+    "dtype": "auto",
+    "kv_cache_dtype": "auto",
+    "enforce_eager": False,
+    "cpu_offload_gb": 0.0,
+}
+
+
+@dataclass(frozen=True)
+class ParsedCommand:
+    """A pasted vLLM command, read.
+
+    ``settings_kwargs`` holds only the :class:`EngineSettings` fields the command set (use
+    :meth:`settings` to build the value). ``other_flags`` keeps every other real vLLM flag with
+    its raw value, ``unmodelled`` names those that change memory in ways the plan does not
+    model, ``unknown`` the flags vLLM does not have.
+    """
+
+    model: str
+    settings_kwargs: Mapping[str, Any]
+    usage_context: str = "server"
+    other_flags: Mapping[str, Any] = field(default_factory=dict)
+    unmodelled: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    config_file: str | None = None
+
+    def settings(self, **overrides: Any) -> EngineSettings:
+        """The command's settings as an EngineSettings (fields it did not set stay None)."""
+        from oomguard.memory.engine import EngineSettings
+
+        kwargs = {"usage_context": self.usage_context, **self.settings_kwargs, **overrides}
+        return EngineSettings(**kwargs)
+
+    def notes(self) -> list[str]:
+        """One line per flag the plan does not use, for display next to the plan."""
+        lines: list[str] = []
+        if self.unknown:
+            lines.append(
+                "not vLLM flags (ignored; check the spelling): "
+                + ", ".join(f"--{name}" for name in self.unknown)
+            )
+        if self.unmodelled:
+            lines.append(
+                "change memory but are not modelled (the prediction ignores them): "
+                + ", ".join(f"--{name}" for name in self.unmodelled)
+            )
+        return lines
+
+
+def _tokens_of(command: str | Sequence[str]) -> list[str]:
+    if isinstance(command, str):
+        text = command.replace("\\\r\n", " ").replace("\\\n", " ")
+        try:
+            return shlex.split(text, comments=True)
+        except ValueError as exc:
+            raise BadInput(f"cannot read the command line: {exc}", "check the quotes") from None
+    tokens: list[str] = []
+    for token in command:
+        if token in ("\\", "\\\n"):
+            continue
+        tokens.append(token)
+    return tokens
+
+
+_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
+_API_SERVER_MODULES = (
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.api_server",
+    "vllm.entrypoints.cli.main",
+)
+
+
+def _strip_launcher(tokens: list[str]) -> tuple[list[str], bool]:
+    """Drop env assignments and the launcher; return the arguments and whether a positional
+    model is allowed (``vllm serve``) or the model comes only from ``--model``."""
+    i = 0
+    while (
+        i < len(tokens) and _ENV_ASSIGNMENT.fullmatch(tokens[i]) and not tokens[i].startswith("-")
+    ):
+        i += 1
+    rest = tokens[i:]
+    if rest and rest[0] in ("env",):
+        rest = rest[1:]
+        while rest and _ENV_ASSIGNMENT.fullmatch(rest[0]):
+            rest = rest[1:]
+    if rest and Path(rest[0]).name == "vllm":
+        if len(rest) < 2 or rest[1] != "serve":
+            sub = rest[1] if len(rest) > 1 else "(nothing)"
+            raise BadInput(
+                f"only 'vllm serve' commands can be planned, got 'vllm {sub}'",
+                "paste the 'vllm serve MODEL --flags…' line",
+            )
+        return rest[2:], True
+    if rest and re.fullmatch(r"python(\d(\.\d+)?)?", Path(rest[0]).name):
+        if len(rest) >= 3 and rest[1] == "-m":
+            module = rest[2]
+            if module == "vllm.entrypoints.cli.main":
+                if len(rest) > 3 and rest[3] == "serve":
+                    return rest[4:], True
+            elif module in _API_SERVER_MODULES:
+                return rest[3:], False
+        raise BadInput(
+            "the command does not start vLLM's server",
+            "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'",
+        )
+    if rest and rest[0] == "serve":
+        return rest[1:], True
+    return rest, True
+
+
+def _canonical(name: str) -> str:
+    name = name.replace("_", "-")
+    return ALIASES.get(name, name)
+
+
+def _split_flags(args: list[str]) -> tuple[list[str], list[tuple[str, str | bool | list[str]]]]:
+    """Split arguments into positionals and (canonical flag name, value) pairs in order."""
+    positionals: list[str] = []
+    pairs: list[tuple[str, str | bool | list[str]]] = []
+    i = 0
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token == "--":
+            positionals.extend(args[i:])
+            break
+        if not token.startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", token):
+            positionals.append(token)
+            continue
+        raw = token.lstrip("-")
+        inline: str | None = None
+        if "=" in raw:
+            raw, inline = raw.split("=", 1)
+        name = _canonical(raw)
+        negated = False
+        if name not in BOOL_FLAGS and name.startswith("no-") and _canonical(name[3:]) in BOOL_FLAGS:
+            name, negated = _canonical(name[3:]), True
+        if name in BOOL_FLAGS:
+            if negated:
+                pairs.append((name, False))
+            elif inline is not None:
+                pairs.append((name, _parse_bool(inline, f"--{name}")))
+            else:
+                pairs.append((name, True))
+            continue
+        if name in LIST_FLAGS:
+            values: list[str] = [] if inline is None else [inline]
+            while inline is None and i < len(args) and not args[i].startswith("--"):
+                values.append(args[i])
+                i += 1
+            pairs.append((name, values))
+            continue
+        if inline is not None:
+            pairs.append((name, inline))
+            continue
+        # A value flag (known) or an unknown flag: take the next token as its value unless it
+        # is another flag.
+        if i < len(args) and (
+            not args[i].startswith("-") or re.fullmatch(r"-\d+(\.\d+)?", args[i])
+        ):
+            pairs.append((name, args[i]))
+            i += 1
+        elif name in VALUE_FLAGS:
+            raise BadInput(f"--{name} needs a value", f"write --{name} VALUE")
+        else:
+            pairs.append((name, True))
+    return positionals, pairs
+
+
+def _config_pairs(
+    path_text: str, base_dir: Path | None
+) -> list[tuple[str, str | bool | list[str]]]:
+    """vLLM's ``--config`` YAML as flag pairs (flat keys; nested values become JSON)."""
+    import json
+
+    import yaml
+
+    path = Path(path_text)
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if path.suffix not in (".yaml", ".yml"):
+        raise MalformedConfig(
+            f"--config {path_text}: vLLM reads only .yaml/.yml config files",
+            "rename or convert the file to YAML",
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"--config {path_text}: no such file", "check the path") from None
+    except (OSError, yaml.YAMLError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise MalformedConfig(
+            f"--config {path_text} is not valid YAML: {reason}", "fix the file"
+        ) from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise MalformedConfig(
+            f"--config {path_text} is not a mapping of flag names to values",
+            "write one 'flag-name: value' per line",
+        )
+    pairs: list[tuple[str, str | bool | list[str]]] = []
+    for key, value in data.items():
+        name = _canonical(str(key))
+        if isinstance(value, bool):
+            pairs.append((name, value))
+        elif isinstance(value, list):
+            pairs.append((name, [str(item) for item in value]))
+        elif isinstance(value, dict):
+            pairs.append((name, json.dumps(value)))
+        elif value is None:
+            continue
+        else:
+            pairs.append((name, str(value)))
+    return pairs
+
+
+def parse_command(
+    command: str | Sequence[str], *, base_dir: str | Path | None = None
+) -> ParsedCommand:
+    """Read a pasted ``vllm serve …`` (or api_server) command into a :class:`ParsedCommand`.
+
+    ``base_dir`` resolves a relative ``--config`` path. Raises :class:`BadInput` (one line)
+    for a malformed value or a command without a model.
+    """
+    tokens = _tokens_of(command)
+    if not tokens:
+        raise BadInput("the pasted command is empty", "paste 'vllm serve MODEL --flags…'")
+    args, positional_model = _strip_launcher(tokens)
+    positionals, pairs = _split_flags(args)
+
+    config_file: str | None = None
+    config_values = [value for name, value in pairs if name == "config"]
+    if len(config_values) > 1:
+        raise BadInput("more than one --config file given", "vLLM reads a single --config file")
+    if config_values:
+        if not isinstance(config_values[0], str):
+            raise BadInput("--config needs a file name", "write --config FILE.yaml")
+        config_file = config_values[0]
+        base = Path(base_dir) if base_dir is not None else None
+        # vLLM inserts the config's flags before the command-line flags: the command line wins.
+        pairs = _config_pairs(config_file, base) + [(n, v) for n, v in pairs if n != "config"]
+
+    model: str | None = None
+    if positional_model and positionals:
+        model = positionals[0]
+        extra_positionals = positionals[1:]
+    else:
+        extra_positionals = positionals
+    settings: dict[str, Any] = {}
+    other: dict[str, Any] = {}
+    unmodelled: list[str] = []
+    unknown: list[str] = []
+    for name, value in pairs:
+        if name == "model":
+            if not isinstance(value, str):
+                raise BadInput("--model needs a value", "write --model MODEL")
+            if model is None or not positional_model or not positionals:
+                model = value
+            continue
+        if name in _SETTING_FLAGS:
+            field_name, parse = _SETTING_FLAGS[name]
+            if parse is None:
+                if not isinstance(value, bool):
+                    value = _parse_bool(str(value), f"--{name}")
+                settings[field_name] = value
+            else:
+                if isinstance(value, bool) or isinstance(value, list):
+                    raise BadInput(f"--{name} needs a value", f"write --{name} VALUE")
+                settings[field_name] = parse(value, f"--{name}")
+            continue
+        known = name in BOOL_FLAGS or name in VALUE_FLAGS or name in LIST_FLAGS
+        if not known:
+            if name not in unknown:
+                unknown.append(name)
+            other[name] = value
+            continue
+        other[name] = value
+        if name in UNMODELLED_MEMORY_FLAGS and name not in unmodelled:
+            unmodelled.append(name)
+    for stray in extra_positionals:
+        unknown.append(stray)
+    if model is None:
+        raise BadInput(
+            "the command names no model",
+            "write 'vllm serve MODEL …' or pass --model MODEL",
+        )
+    return ParsedCommand(
+        model=model,
+        settings_kwargs=settings,
+        other_flags=other,
+        unmodelled=tuple(unmodelled),
+        unknown=tuple(unknown),
+        config_file=config_file,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def explicit_flags(settings: EngineSettings) -> list[tuple[str, Any]]:
+    """(EngineSettings field, value) pairs a command must carry: set, and not vLLM's default."""
+    out: list[tuple[str, Any]] = []
+    for name in _RENDER_ORDER:
+        value = getattr(settings, name, None)
+        if value is None:
+            continue
+        if name in _FIELD_DEFAULTS and value == _FIELD_DEFAULTS[name]:
+            continue
+        out.append((name, value))
+    return out
+
+
+def _cli_value(name: str, value: Any) -> str:
+    if name == "max_model_len" and value == -1:
+        return "auto"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _flag_tokens(settings: EngineSettings) -> list[str]:
+    tokens: list[str] = []
+    for name, value in explicit_flags(settings):
+        flag = "--" + FIELD_TO_FLAG[name]
+        if isinstance(value, bool):
+            tokens.append(flag if value else "--no-" + FIELD_TO_FLAG[name])
+        else:
+            tokens.extend([flag, _cli_value(name, value)])
+    return tokens
+
+
+def _other_tokens(other_flags: Mapping[str, Any] | None) -> list[str]:
+    tokens: list[str] = []
+    for name, value in (other_flags or {}).items():
+        flag = "--" + name
+        if value is True:
+            tokens.append(flag)
+        elif value is False:
+            tokens.append("--no-" + name)
+        elif isinstance(value, list):
+            tokens.append(flag)
+            tokens.extend(str(v) for v in value)
+        else:
+            tokens.extend([flag, str(value)])
+    return tokens
+
+
+def render_serve(
+    model: str,
+    settings: EngineSettings,
+    *,
+    other_flags: Mapping[str, Any] | None = None,
+    multiline: bool = False,
+) -> str:
+    """``vllm serve MODEL --flags…`` carrying every explicitly set field of ``settings``.
+
+    ``other_flags`` (e.g. ``ParsedCommand.other_flags``) are appended unchanged so that a
+    pasted command comes back with its port, served name and so on.
+    """
+    parts = ["vllm", "serve", model]
+    flag_tokens = _flag_tokens(settings) + _other_tokens(other_flags)
+    if not multiline:
+        return shlex.join(parts + flag_tokens)
+    lines = [shlex.join(parts)]
+    i = 0
+    while i < len(flag_tokens):
+        group = [flag_tokens[i]]
+        i += 1
+        while i < len(flag_tokens) and not flag_tokens[i].startswith("--"):
+            group.append(flag_tokens[i])
+            i += 1
+        lines.append("  " + shlex.join(group))
+    return " \\\n".join(lines)
+
+
+def render_llm(model: str, settings: EngineSettings) -> str:
+    """``LLM(model=..., field=value, ...)`` for offline use (keyword names are vLLM's)."""
+    args = [f"model={model!r}"]
+    for name, value in explicit_flags(settings):
+        args.append(f"{name}={value!r}")
+    return "LLM(" + ", ".join(args) + ")"
+
+
+def render_yaml(model: str, settings: EngineSettings) -> str:
+    """A flat YAML file for ``vllm serve --config FILE`` (keys are vLLM's flag names)."""
+    import yaml
+
+    data: dict[str, Any] = {"model": model}
+    for name, value in explicit_flags(settings):
+        if name == "max_model_len" and value == -1:
+            value = "auto"
+        data[FIELD_TO_FLAG[name]] = value
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def settings_from_kwargs(base: EngineSettings, **changes: Any) -> EngineSettings:
+    """A copy of ``base`` with ``changes`` applied (thin wrapper kept for readability)."""
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,891 @@
+"""Search for the cheapest vLLM configuration that serves a workload, and the ways out when none does.
+
+The search follows the OOM checklist (seeds: "the eight-step checklist"): cap
+``gpu_memory_utilization`` to what is free after co-tenants, cap ``max_model_len`` to the P99,
+cap ``max_num_seqs`` to the real concurrency, lower ``max_num_batched_tokens``, then spread over
+the GPUs the user already has (no quality cost), then fp8 KV cache, then a quantized checkpoint
+(fp8, then int4), and finally prefix caching only when prefixes are shared. Each step is tried
+only when the cheaper ones do not serve the workload; within a step the least aggressive value
+that serves wins. Every candidate is priced by :func:`oomguard.memory.engine.predict`; the search
+is bounded (a few dozen predictions) so a plan takes well under a second.
+
+"Serves" is vLLM's own figure: the maximum concurrency at ``max_model_len = p99_tokens`` (which
+already accounts for per-request blocks, sliding windows and Mamba state) must reach
+``concurrency × (1 + margin)``, with the concurrency reduced for a prefix all requests share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.facts.quant import quant_from_name
+from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
+from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
+from oomguard.plan.cmdline import render_serve
+from oomguard.plan.result import (
+    Alternative,
+    Candidate,
+    FlagReason,
+    Recommendation,
+    ServeCheck,
+    SizingRow,
+    Workload,
+)
+
+GIB = 2**30
+# vLLM's own CUDA context (and NCCL communicators with TP > 1) are created before the free-memory
+# check, so they come out of what is free, not out of the requested budget. Estimate.
+CONTEXT_RESERVE_BYTES = 512 * 2**20
+NCCL_RESERVE_BYTES = 256 * 2**20
+# Lower max_num_batched_tokens only down to this; below it long prompts prefill very slowly.
+_BATCHED_TOKEN_STEPS = (4096, 2048, 1024, 512)
+_COUNTS = (1, 2, 4, 8)
+# GGUF Q4_K_M averages about 4.85 bits per weight over a Llama-class model (llama.cpp quantize
+# tables: 8.03 B params → 4.92 GB); the token embedding stays on the CPU.
+GGUF_Q4_K_M_BITS = 4.85
+LLAMA_CPP_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context + compute buffers (estimate)
+PCIE_GBPS = 25.0  # PCIe 4.0 x16, achievable host→device bandwidth
+HOST_RAM_GBPS = 60.0  # dual-channel DDR5, what CPU-side layers stream per token
+
+
+@dataclass(frozen=True)
+class WeightsOption:
+    """How the weights are stored for one candidate."""
+
+    key: str  # "native" | "fp8" | "int4"
+    label: str
+    model_ref: str
+    model: ModelSpec
+    quantization: str | None  # the --quantization value to pass (None: autodetect / unquantized)
+
+
+@dataclass
+class SearchSpace:
+    """Everything the search holds fixed, and the knobs it may turn."""
+
+    model_ref: str
+    model: ModelSpec
+    gpu: GPUSpec
+    gpu_count: int
+    base: EngineSettings
+    fixed: frozenset[str]
+    workload: Workload
+    free_bytes: int | None = None  # NVML free memory of the emptiest-enough GPU (None: empty)
+    measured: Callable[[int], MeasuredTerms | None] | None = None  # by TP, native weights only
+    cache: dict[Any, MemoryPrediction] = field(default_factory=dict)
+    predictions: int = 0
+    _default_util: float | None = None
+
+    def default_util(self) -> float:
+        """vLLM's default ``gpu_memory_utilization`` for this version (or the user's value)."""
+        if self.base.gpu_memory_utilization is not None:
+            return float(self.base.gpu_memory_utilization)
+        if self._default_util is None:
+            native = WeightsOption("native", "", self.model_ref, self.model, self.base.quantization)
+            probe = self.price(
+                native, dataclasses.replace(self.base, max_model_len=self.workload.p99_tokens)
+            )
+            self._default_util = float(probe.settings.gpu_memory_utilization or 0.9)
+        return self._default_util
+
+    # -- pricing ------------------------------------------------------------------------------
+
+    def effective_free_bytes(self, tp: int) -> int | None:
+        """Free memory at vLLM's check: NVML free (or total) less co-tenant headroom and context."""
+        if self.free_bytes is None and self.workload.headroom_bytes == 0:
+            return None
+        free = self.gpu.total_bytes if self.free_bytes is None else self.free_bytes
+        reserve = CONTEXT_RESERVE_BYTES + (NCCL_RESERVE_BYTES if tp > 1 else 0)
+        return max(0, free - self.workload.headroom_bytes - reserve)
+
+    def price(
+        self, weights: WeightsOption, settings: EngineSettings, gpu: GPUSpec | None = None
+    ) -> MemoryPrediction:
+        """Predict (cached) one configuration on ``gpu`` (default: the search's GPU)."""
+        gpu = gpu or self.gpu
+        free = self.effective_free_bytes(settings.tensor_parallel_size) if gpu is self.gpu else None
+        use_measured = weights.key == "native" and self.measured is not None and gpu is self.gpu
+        key = (weights.key, gpu.name, gpu.total_bytes, free, use_measured, settings)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        measured = None
+        if use_measured and self.measured is not None:
+            measured = self.measured(settings.tensor_parallel_size)
+        pred = predict(
+            weights.model, gpu, settings, free_bytes=free, measured=measured, strict=False
+        )
+        self.predictions += 1
+        self.cache[key] = pred
+        return pred
+
+    def share_factor(self, settings: EngineSettings) -> float:
+        """Fraction of per-request KV left after a shared prefix is stored once.
+
+        Only for pure full/MLA attention with prefix caching on; sliding windows drop the prefix
+        and Mamba state is per request, so those are priced without sharing (conservative).
+        """
+        w = self.workload
+        if w.shared_prefix_tokens <= 0 or settings.enable_prefix_caching is False:
+            return 1.0
+        kinds = {layer.kind for layer in self.model.layers}
+        if not kinds <= {AttentionKind.FULL, AttentionKind.MLA, AttentionKind.NONE}:
+            return 1.0
+        shared = min(w.shared_prefix_tokens, w.p99_tokens)
+        per_request = (w.p99_tokens - shared) + shared / w.concurrency
+        return per_request / w.p99_tokens
+
+    def serve_check(
+        self,
+        weights: WeightsOption,
+        settings: EngineSettings,
+        pred: MemoryPrediction,
+        gpu: GPUSpec | None = None,
+    ) -> ServeCheck:
+        """Does ``settings`` serve the workload? Uses vLLM's concurrency at max_model_len = P99."""
+        w = self.workload
+        factor = self.share_factor(settings)
+        effective = w.concurrency * factor
+        required = effective * (1 + w.margin)
+        needed_tokens = math.ceil(w.concurrency * w.p99_tokens * factor * (1 + w.margin))
+        max_len = pred.settings.max_model_len
+        check = pred
+        reason = ""
+        if max_len is not None and max_len < w.p99_tokens:
+            return ServeCheck(False, 0.0, required, effective, needed_tokens, -1.0,
+                              f"max_model_len {max_len} is below the P99 of {w.p99_tokens} tokens")  # fmt: skip
+        if max_len != w.p99_tokens:
+            check = self.price(
+                weights, dataclasses.replace(settings, max_model_len=w.p99_tokens), gpu
+            )
+        conc = float(check.max_concurrency) if pred.fits else 0.0
+        served = pred.fits and conc >= required
+        if not pred.fits:
+            reason = pred.problems[0].message if pred.problems else "does not start"
+        elif not served:
+            reason = (
+                f"{conc:.2f} concurrent requests of {w.p99_tokens} tokens fit; "
+                f"{required:.2f} needed (incl. {w.margin:.0%} margin)"
+            )
+        achieved = conc / effective - 1 if effective else 0.0
+        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason)
+
+    def candidate(
+        self,
+        weights: WeightsOption,
+        settings: EngineSettings,
+        gpu: GPUSpec | None = None,
+        count: int | None = None,
+    ) -> Candidate:
+        """Price ``settings`` and wrap it with its serve check."""
+        pred = self.price(weights, settings, gpu)
+        check = self.serve_check(weights, settings, pred, gpu)
+        return Candidate(
+            model_ref=weights.model_ref,
+            model=weights.model,
+            gpu=gpu or self.gpu,
+            gpu_count=count if count is not None else self.gpu_count,
+            settings=settings,
+            prediction=pred,
+            serve=check,
+            weights_label=weights.label,
+            weights_key=weights.key,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Knob values
+
+
+def valid_tp_sizes(model: ModelSpec, max_gpus: int) -> list[int]:
+    """TP sizes vLLM accepts for ``model`` on at most ``max_gpus`` GPUs (heads divisible)."""
+    sizes = []
+    for tp in range(1, max_gpus + 1):
+        if model.num_attention_heads % tp:
+            continue
+        kv = model.num_kv_heads
+        if kv and not (kv % tp == 0 or tp % kv == 0):
+            continue
+        sizes.append(tp)
+    return sizes
+
+
+def _dtype_label(model: ModelSpec) -> str:
+    if model.quant.method:
+        return f"{model.quant.method} checkpoint"
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16 (fp32 checkpoint)"}.get(
+        model.dtype, model.dtype
+    )
+
+
+def weights_options(
+    model_ref: str, model: ModelSpec, gpu: GPUSpec, base: EngineSettings, fixed: frozenset[str]
+) -> list[WeightsOption]:
+    """Native weights first, then (unquantized checkpoints only) online fp8, then int4 AWQ."""
+    native = WeightsOption("native", _dtype_label(model) if not base.quantization else
+                           f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
+    options = [native]
+    if model.quant.method or base.quantization or "quantization" in fixed:
+        return options
+    cc = gpu.compute_capability
+    fp8_ok = gpu.vendor == "amd" or not cc or float(cc) >= 8.0
+    if fp8_ok:
+        options.append(
+            WeightsOption("fp8", "fp8 (online, --quantization fp8)", model_ref, model, "fp8")
+        )
+    awq_ref = quantized_ref(model_ref, "AWQ")
+    awq_quant = quant_from_name(awq_ref) or QuantSpec(
+        method="awq", weight_bits=4, group_size=128, zero_point=True, scale_granularity="group"
+    )
+    awq = dataclasses.replace(model, quant=awq_quant)
+    options.append(WeightsOption("int4", "int4 AWQ checkpoint", awq_ref, awq, None))
+    return options
+
+
+def weights_of(c: Candidate) -> WeightsOption:
+    """The weights option a candidate was priced with (to price variations of it)."""
+    return WeightsOption(
+        c.weights_key, c.weights_label, c.model_ref, c.model, c.settings.quantization
+    )
+
+
+def quantized_ref(model_ref: str, suffix: str) -> str:
+    """The conventional name of a quantized re-upload (``<repo>-AWQ``); the user must check it."""
+    return f"{model_ref}-{suffix}"
+
+
+# --------------------------------------------------------------------------------------------
+# The search
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    """Result of one bounded search: the winner (if any) and the most capable candidate tried."""
+
+    best: Candidate | None
+    most_capable: Candidate | None
+    steps: tuple[str, ...]
+
+
+def _util_cap(space: SearchSpace, tp: int) -> float | None:
+    free = space.effective_free_bytes(tp)
+    if free is None:
+        return None
+    return math.floor(free / space.gpu.total_bytes * 100) / 100
+
+
+def base_settings(
+    space: SearchSpace, default_util: float, tp: int
+) -> tuple[EngineSettings, list[str]]:
+    """The checklist's first three steps (utilization, max_model_len, max_num_seqs) on ``base``."""
+    s = space.base
+    steps: list[str] = []
+    changes: dict[str, Any] = {}
+    if "gpu_memory_utilization" not in space.fixed and "kv_cache_memory_bytes" not in space.fixed:
+        cap = _util_cap(space, tp)
+        util = default_util if cap is None else min(default_util, cap)
+        if util != default_util:
+            changes["gpu_memory_utilization"] = max(util, 0.01)
+        steps.append("gpu_memory_utilization")
+    if "max_model_len" not in space.fixed or s.max_model_len == -1:
+        changes["max_model_len"] = space.workload.p99_tokens
+        steps.append("max_model_len")
+    if "max_num_seqs" not in space.fixed:
+        changes["max_num_seqs"] = space.workload.concurrency
+        steps.append("max_num_seqs")
+    return dataclasses.replace(s, **changes), steps
+
+
+def search(
+    space: SearchSpace, *, allow_quantization: bool = True, tp_sizes: Iterable[int] | None = None
+) -> SearchOutcome:
+    """Walk the checklist in cost order; return the first configuration that serves.
+
+    Cost order, cheapest first: batch-token cap < tensor parallelism over the given GPUs <
+    fp8 KV cache < fp8 weights < int4 checkpoint. For each (weights, KV dtype, TP) the smallest
+    batch-token cap is priced first; only if it serves is the largest serving cap looked for.
+    """
+    model = space.model
+    default_util = space.default_util()
+    if "tensor_parallel_size" in space.fixed:
+        tps = [space.base.tensor_parallel_size]
+    else:
+        pp = space.base.pipeline_parallel_size
+        tps = (
+            list(tp_sizes)
+            if tp_sizes is not None
+            else valid_tp_sizes(model, max(1, space.gpu_count // pp))
+        )
+    fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
+    kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
+    options = weights_options(space.model_ref, model, space.gpu, space.base, space.fixed)
+    if not allow_quantization:
+        options = options[:1]
+
+    most_capable: Candidate | None = None
+
+    def consider(c: Candidate) -> None:
+        nonlocal most_capable
+
+        def key(x: Candidate) -> tuple[bool, float, int]:
+            conc = x.serve.max_concurrency if x.serve else 0.0
+            return (x.fits, conc, -x.prediction.weights.value_bytes)
+
+        if most_capable is None or key(c) > key(most_capable):
+            most_capable = c
+
+    for weights in options:
+        for kv_dtype in kv_dtypes:
+            for tp in tps:
+                settings, steps = base_settings(space, default_util, tp)
+                settings = dataclasses.replace(
+                    settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+                    quantization=weights.quantization,
+                )  # fmt: skip
+                default_pred = space.price(weights, settings)
+                if not default_pred.settings.max_num_batched_tokens:
+                    continue
+                default_tokens = int(default_pred.settings.max_num_batched_tokens)
+                seqs = int(default_pred.settings.max_num_seqs or 1)
+                if "max_num_batched_tokens" in space.fixed:
+                    caps: list[int | None] = [space.base.max_num_batched_tokens]
+                else:
+                    caps = [None] + [
+                        t for t in _BATCHED_TOKEN_STEPS if t < default_tokens and t >= seqs
+                    ]
+                # Serving is monotone in the cap: price the smallest first.
+                smallest = space.candidate(
+                    weights, dataclasses.replace(settings, max_num_batched_tokens=caps[-1])
+                )
+                consider(smallest)
+                if not smallest.serves:
+                    continue
+                chosen = smallest
+                for cap in caps[:-1]:
+                    c = space.candidate(
+                        weights, dataclasses.replace(settings, max_num_batched_tokens=cap)
+                    )
+                    if c.serves:
+                        chosen = c
+                        break
+                steps = list(steps)
+                if (
+                    chosen.settings.max_num_batched_tokens is not None
+                    and "max_num_batched_tokens" not in space.fixed
+                ):
+                    steps.append("max_num_batched_tokens")
+                if tp != space.base.tensor_parallel_size:
+                    steps.append("tensor_parallel_size")
+                if kv_dtype != space.base.kv_cache_dtype:
+                    steps.append("kv_cache_dtype")
+                if weights.key != "native":
+                    steps.append("quantization")
+                return SearchOutcome(chosen, most_capable, tuple(steps))
+    return SearchOutcome(None, most_capable, ())
+
+
+# --------------------------------------------------------------------------------------------
+# Prefix caching and reasons
+
+
+def apply_prefix_caching(
+    space: SearchSpace, chosen: Candidate
+) -> tuple[Candidate, FlagReason | None]:
+    """Turn prefix caching on only when prefixes are shared (and off for hybrids when they are not)."""
+    if "enable_prefix_caching" in space.fixed:
+        return chosen, None
+    weights = weights_of(chosen)
+    default_on = bool(chosen.prediction.settings.enable_prefix_caching)
+    shared = space.workload.shared_prefix_tokens
+    if shared > 0:
+        c = space.candidate(
+            weights, dataclasses.replace(chosen.settings, enable_prefix_caching=True)
+        )
+        if c.serves:
+            factor = space.share_factor(c.settings)
+            saving = (
+                f"; counted once, the {shared}-token prefix cuts the KV need to {factor:.0%} of "
+                "unshared requests"
+                if factor < 1
+                else "; this model's sliding-window/Mamba layers keep per-request state, so no "
+                "capacity is counted for it"
+            )
+            return c, FlagReason("enable-prefix-caching", True,
+                                 f"requests share a {shared}-token prefix: its KV blocks are computed once and reused{saving}")  # fmt: skip
+        return chosen, None
+    if space.model.has_mamba and default_on:
+        c = space.candidate(
+            weights, dataclasses.replace(chosen.settings, enable_prefix_caching=False)
+        )
+        if c.serves:
+            return c, FlagReason("enable-prefix-caching", False,
+                                 "no shared prefix: on this hybrid model prefix caching keeps extra Mamba "
+                                 "state pages per request ('align' mode) for no benefit")  # fmt: skip
+    return chosen, None
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+def explain(
+    space: SearchSpace,
+    chosen: Candidate,
+    steps: Iterable[str],
+    given: MemoryPrediction,
+    default_util: float,
+) -> list[FlagReason]:
+    """One reason per flag the recommendation sets (and for the checklist steps it skipped)."""
+    w = space.workload
+    s = chosen.settings
+    p = chosen.prediction
+    reasons: list[FlagReason] = []
+    steps = set(steps)
+    if chosen.model_ref != space.model_ref:
+        reasons.append(FlagReason("model", chosen.model_ref,
+                                  f"an int4 AWQ checkpoint of {space.model_ref} (weights {_gib(p.weights.value_bytes)} "
+                                  f"per GPU instead of {_gib(given.weights.value_bytes)}); check the exact repo name"))  # fmt: skip
+    if (
+        s.quantization
+        and "quantization" not in space.fixed
+        and s.quantization != space.base.quantization
+    ):
+        reasons.append(FlagReason("quantization", s.quantization,
+                                  f"online fp8 weights: {_gib(p.weights.value_bytes)} per GPU instead of "
+                                  f"{_gib(given.weights.value_bytes)}; needs no new checkpoint, small accuracy cost"))  # fmt: skip
+    if s.tensor_parallel_size != 1 and "tensor_parallel_size" not in space.fixed:
+        reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
+                                  f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
+                                  f"split over {s.tensor_parallel_size} GPUs: {_gib(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
+    if "gpu_memory_utilization" in steps:
+        util = s.gpu_memory_utilization
+        if util is None:
+            free_now = "" if space.free_bytes is None else f" ({_gib(space.free_bytes)} free now)"
+            reasons.append(FlagReason("gpu-memory-utilization", f"default ({default_util})",
+                                      f"vLLM's default leaves {_gib(p.total_bytes - p.requested_bytes)} for the CUDA "
+                                      f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
+                                      "processes share it"))  # fmt: skip
+        else:
+            why = []
+            if space.workload.headroom_bytes:
+                why.append(f"{_gib(space.workload.headroom_bytes)} kept free for co-tenants")
+            if space.free_bytes is not None:
+                why.append(f"only {_gib(space.free_bytes)} free now (NVML)")
+            reasons.append(FlagReason("gpu-memory-utilization", util,
+                                      f"vLLM refuses to start when free memory < util × total; capped below the default "
+                                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context"))  # fmt: skip
+    if "max_model_len" in steps:
+        derived = space.model.derived_max_model_len
+        reasons.append(FlagReason("max-model-len", s.max_model_len,
+                                  f"your P99 prompt+output is {w.p99_tokens} tokens; the model's default "
+                                  f"{derived} would size every request's worst case for context you never use"))  # fmt: skip
+    if "max_num_seqs" in steps:
+        default_seqs = given.settings.max_num_seqs
+        reasons.append(FlagReason("max-num-seqs", s.max_num_seqs,
+                                  f"your peak concurrency; vLLM's default {default_seqs} would admit more sequences than "
+                                  "the KV pool holds and grows the sampler's profiled peak"))  # fmt: skip
+    if s.max_num_batched_tokens is not None and "max_num_batched_tokens" not in space.fixed:
+        before = given.activation.value_bytes
+        reasons.append(FlagReason("max-num-batched-tokens", s.max_num_batched_tokens,
+                                  f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation peak drops "
+                                  f"from ~{_gib(before)} to ~{_gib(p.activation.value_bytes)}, which goes to the KV cache; "
+                                  "long prompts prefill in more steps"))  # fmt: skip
+    if s.kv_cache_dtype != "auto" and "kv_cache_dtype" not in space.fixed:
+        reasons.append(FlagReason("kv-cache-dtype", s.kv_cache_dtype,
+                                  f"fp8 KV halves the bytes per token ({p.kv_bytes_per_token} B/token per GPU); "
+                                  "small accuracy cost, fastest on Ada/Hopper/Blackwell"))  # fmt: skip
+    order = ["model", "gpu-memory-utilization", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
+             "tensor-parallel-size", "kv-cache-dtype", "quantization"]  # fmt: skip
+    reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
+    check = chosen.serve
+    if check is not None:
+        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {w.concurrency} "
+                "with the shared prefix" if check.effective_concurrency < w.concurrency
+                else f"{w.concurrency} needed")  # fmt: skip
+        reasons.append(FlagReason("(verdict)", None,
+                                  f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
+                                  f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
+                                  f"(margin asked: {w.margin:.0%})"))  # fmt: skip
+    return reasons
+
+
+def min_utilization(chosen: Candidate) -> float | None:
+    """Approximate lowest ``gpu_memory_utilization`` that still serves (KV shrinks 1:1 with util)."""
+    p = chosen.prediction
+    check = chosen.serve
+    if (
+        check is None
+        or not check.served
+        or chosen.settings.kv_cache_memory_bytes
+        or check.max_concurrency <= 0
+    ):
+        return None
+    spare = p.kv_cache_bytes * (1 - check.required_concurrency / check.max_concurrency)
+    util = (p.requested_bytes - spare + p.bytes_per_block) / p.total_bytes
+    return min(1.0, math.ceil(util * 100) / 100)
+
+
+def recommend(
+    space: SearchSpace, given: MemoryPrediction
+) -> tuple[Recommendation | None, SearchOutcome]:
+    """Run the checklist search on the user's GPUs and explain the winner."""
+    outcome = search(space)
+    if outcome.best is None:
+        return None, outcome
+    chosen, prefix_reason = apply_prefix_caching(space, outcome.best)
+    default_util = space.default_util()
+    reasons = explain(space, chosen, outcome.steps, given, default_util)
+    steps = list(outcome.steps)
+    if prefix_reason is not None:
+        reasons.insert(len(reasons) - 1, prefix_reason)
+        steps.append("enable_prefix_caching")
+    return Recommendation(chosen, tuple(reasons), tuple(steps), min_utilization(chosen)), outcome
+
+
+# --------------------------------------------------------------------------------------------
+# Fallbacks
+
+
+def _sub_space(space: SearchSpace, gpu: GPUSpec, count: int) -> SearchSpace:
+    return SearchSpace(
+        model_ref=space.model_ref, model=space.model, gpu=gpu, gpu_count=count,
+        base=space.base, fixed=space.fixed - {"tensor_parallel_size"}, workload=space.workload,
+        free_bytes=None, measured=None, cache=space.cache,
+    )  # fmt: skip
+
+
+def _more_gpus(space: SearchSpace) -> list[Candidate]:
+    found: list[Candidate] = []
+    for count in _COUNTS:
+        if count <= space.gpu_count:
+            continue
+        sub = _sub_space(space, space.gpu, count)
+        tps = [t for t in valid_tp_sizes(space.model, count) if t > 1]
+        if not tps:
+            continue
+        outcome = search(sub, tp_sizes=tps[-1:])
+        if outcome.best is not None:
+            found.append(dataclasses.replace(outcome.best, gpu_count=count))
+            if outcome.best.model is space.model and not outcome.best.settings.quantization:
+                break  # native weights serve: larger counts add nothing new
+    return found
+
+
+def _larger_gpus(
+    space: SearchSpace, gpus: Iterable[GPUSpec], weights_per_gpu_tp1: int
+) -> list[Candidate]:
+    native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
+    rows: list[Candidate] = []
+    for gpu in gpus:
+        if gpu.total_bytes <= space.gpu.total_bytes:
+            continue
+        c = _smallest_count(space, native, gpu, weights_per_gpu_tp1)
+        if c is not None:
+            rows.append(c)
+    rows.sort(key=lambda c: (c.gpu_count * c.gpu.total_bytes, c.gpu_count))
+    return rows[:3]
+
+
+def _smallest_count(
+    space: SearchSpace,
+    native: WeightsOption,
+    gpu: GPUSpec,
+    weights_per_gpu_tp1: int,
+    counts: Iterable[int] = _COUNTS,
+) -> Candidate | None:
+    """The smallest GPU count (valid TP) of ``gpu`` at which native weights serve the workload."""
+    last: Candidate | None = None
+    for count in counts:
+        if count not in valid_tp_sizes(space.model, count):
+            continue
+        if weights_per_gpu_tp1 / count > gpu.total_bytes * 0.95:
+            continue  # weights alone do not fit: skip the prediction
+        settings = dataclasses.replace(
+            space.base,
+            tensor_parallel_size=count,
+            max_model_len=space.workload.p99_tokens
+            if "max_model_len" not in space.fixed else space.base.max_model_len,
+            max_num_seqs=space.workload.concurrency
+            if "max_num_seqs" not in space.fixed else space.base.max_num_seqs,
+            gpu_memory_utilization=space.base.gpu_memory_utilization,
+        )  # fmt: skip
+        c = space.candidate(native, settings, gpu=gpu, count=count)
+        last = c
+        if c.serves:
+            return c
+    return None if last is None or not last.serves else last
+
+
+def _max_context(space: SearchSpace, c: Candidate) -> tuple[int, int]:
+    """(longest context at the workload's concurrency, most requests at the P99) for ``c``."""
+    w = space.workload
+    weights = weights_of(c)
+    at_p99 = c.serve.max_concurrency if c.serve else 0.0
+    factor = space.share_factor(c.settings)
+    most_requests = int(at_p99 / (1 + w.margin) / factor) if factor else 0
+    lo, hi = 0, w.p99_tokens
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        pred = space.price(weights, dataclasses.replace(c.settings, max_model_len=mid))
+        if pred.fits and float(pred.max_concurrency) >= w.concurrency * factor * (1 + w.margin):
+            lo = mid
+        else:
+            hi = mid
+    return (lo // 16) * 16, most_requests
+
+
+def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, float] | None:
+    """Smallest ``--cpu-offload-gb`` (whole GiB, per GPU) at which native weights serve.
+
+    When even offloading every weight does not serve, returns that (non-serving) candidate.
+    """
+    tps = valid_tp_sizes(space.model, space.gpu_count)
+    tp = tps[-1] if "tensor_parallel_size" not in space.fixed else space.base.tensor_parallel_size
+    settings, _ = base_settings(space, space.default_util(), tp)
+    settings = dataclasses.replace(settings, tensor_parallel_size=tp)
+    probe = space.price(native, settings)
+    weights_gib = probe.weights.value_bytes / GIB
+    hi = math.ceil(weights_gib)
+    top = space.candidate(native, dataclasses.replace(settings, cpu_offload_gb=float(hi)))
+    if not top.serves:
+        return top, weights_gib
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        c = space.candidate(native, dataclasses.replace(settings, cpu_offload_gb=float(mid)))
+        if c.serves:
+            hi = mid
+        else:
+            lo = mid
+    best = space.candidate(native, dataclasses.replace(settings, cpu_offload_gb=float(hi)))
+    return best, weights_gib
+
+
+def llama_cpp_split(space: SearchSpace, kv_bytes_per_token_tp1: int) -> dict[str, Any]:
+    """GPU-layer split for llama.cpp with a Q4_K_M GGUF: how many layers ``-ngl`` puts on the GPU."""
+    model = space.model
+    w = space.workload
+    per_layer_params = sum(g.count for g in model.params if g.per_layer)
+    embed_params = sum(g.count for g in model.params if not g.per_layer and g.stage in ("first",))
+    head_params = sum(
+        g.count for g in model.params if not g.per_layer and g.stage in ("last", "all")
+    )
+    layers = max(1, model.num_layers)
+    bytes_per_weight = GGUF_Q4_K_M_BITS / 8
+    layer_bytes = per_layer_params / layers * bytes_per_weight
+    head_bytes = (head_params or embed_params) * bytes_per_weight
+    ctx = w.concurrency * w.p99_tokens
+    kv_layer_bytes = kv_bytes_per_token_tp1 / layers * ctx  # f16 KV, as llama.cpp's default
+    vram = space.gpu.total_bytes * space.gpu_count - space.workload.headroom_bytes
+    budget = vram - LLAMA_CPP_RESERVE_BYTES * space.gpu_count - head_bytes
+    ngl = int(max(0, min(layers, budget // (layer_bytes + kv_layer_bytes)))) if budget > 0 else 0
+    cpu_bytes = (layers - ngl) * layer_bytes
+    file_gib = (per_layer_params + embed_params + head_params) * bytes_per_weight / GIB
+    tokens_per_s = HOST_RAM_GBPS * 1e9 / cpu_bytes if cpu_bytes > 0 else None
+    return {
+        "gguf": "Q4_K_M",
+        "file_gib": round(file_gib, 1),
+        "layers": layers,
+        "ngl": ngl,
+        "gpu_gib": round(
+            (
+                ngl * (layer_bytes + kv_layer_bytes)
+                + head_bytes
+                + LLAMA_CPP_RESERVE_BYTES * space.gpu_count
+            )
+            / GIB,
+            1,
+        ),
+        "cpu_ram_gib": round(
+            (cpu_bytes + (layers - ngl) * kv_layer_bytes + embed_params * bytes_per_weight) / GIB, 1
+        ),
+        "layer_gib": round(layer_bytes / GIB, 3),
+        "kv_per_layer_gib": round(kv_layer_bytes / GIB, 3),
+        "ctx_size": ctx,
+        "parallel": w.concurrency,
+        "decode_tokens_per_s_bound": None if tokens_per_s is None else round(tokens_per_s, 1),
+    }
+
+
+def alternatives(
+    space: SearchSpace,
+    outcome: SearchOutcome,
+    given: MemoryPrediction,
+    catalogue: Iterable[GPUSpec],
+) -> list[Alternative]:
+    """Ranked ways out when nothing on the given GPUs serves the workload, each with its numbers."""
+    w = space.workload
+    out: list[tuple[str, str, bool, dict[str, Any], str, tuple[str, ...], Candidate | None]] = []
+    native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
+    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1, max_model_len=w.p99_tokens,
+                                                  max_num_seqs=w.concurrency))  # fmt: skip
+    weights_tp1 = tp1.weights.value_bytes
+
+    def numbers(c: Candidate) -> dict[str, Any]:
+        return {
+            "gpu": c.gpu.name,
+            "gpu_count": c.gpu_count,
+            "weights": c.weights_label,
+            "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
+            "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
+            "kv_cache_tokens": c.prediction.kv_cache_tokens,
+            "max_concurrency": round(c.serve.max_concurrency, 2) if c.serve else None,
+            "margin_achieved": round(c.serve.margin_achieved, 3) if c.serve else None,
+        }
+
+    def label(c: Candidate) -> str:
+        kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
+        tp = (
+            f", TP {c.settings.tensor_parallel_size}" if c.settings.tensor_parallel_size > 1 else ""
+        )
+        return f"{c.gpu_count}× {c.gpu.name} ({c.weights_label}{kv}{tp})"
+
+    for c in _more_gpus(space):
+        out.append(
+            ("more_gpus", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
+        )
+    for c in _larger_gpus(space, catalogue, weights_tp1):
+        out.append(
+            ("larger_gpu", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
+        )
+    best = outcome.most_capable
+    if best is not None:
+        if best.fits and best.serve is not None and best.serve.max_concurrency > 0:
+            ctx, most = _max_context(space, best)
+            nums = {**numbers(best), "max_context_at_concurrency": ctx, "max_requests_at_p99": most}
+            parts = []
+            if ctx >= 16:
+                parts.append(f"{w.concurrency} requests of ≤{ctx:,} tokens")
+            if most >= 1:
+                parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
+            title = (f"on {space.gpu_count}× {space.gpu.name} with {best.weights_label}"
+                     + (", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else "")
+                     + ": serve " + (" or ".join(parts) if parts else "almost nothing") + " instead")  # fmt: skip
+            out.append(("shorter_context", title, False, nums,
+                        render_serve(best.model_ref, dataclasses.replace(best.settings, max_model_len=max(ctx, 16))
+                                     if ctx >= 16 else best.settings),
+                        ("requests longer than the context are rejected; fewer sequences queue instead of running",), best))  # fmt: skip
+        else:
+            reason = (
+                best.prediction.problems[0].message
+                if best.prediction.problems
+                else "does not start"
+            )
+            out.append(("quantization", f"even {best.weights_label} on {space.gpu_count}× {space.gpu.name} does not start",
+                        False, {**numbers(best), "problem": reason}, render_serve(best.model_ref, best.settings), (), best))  # fmt: skip
+    offload = _cpu_offload(space, native)
+    if offload is not None and not offload[0].serves:
+        c, weights_gib = offload
+        check = c.serve
+        conc = check.max_concurrency if check else 0.0
+        out.append(("cpu_offload", f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
+                    f"in host RAM, {conc:.2f} requests of {w.p99_tokens:,} tokens fit ({check.required_concurrency if check else 0:.2f} needed)",
+                    False, numbers(c), render_serve(c.model_ref, c.settings),
+                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",), c))  # fmt: skip
+    elif offload is not None:
+        c, weights_gib = offload
+        gb = c.settings.cpu_offload_gb
+        step_s = gb * GIB / (PCIE_GBPS * 1e9)
+        nums = {**numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
+                "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
+        out.append(("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
+                    render_serve(c.model_ref, c.settings),
+                    (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
+                     if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
+                     "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
+                     "check that 'Model loading took' drops by the offloaded amount",
+                     "KV offloading / LMCache does not add room for active context; only weight offload does"), c))  # fmt: skip
+    kv_tp1 = (
+        tp1.kv_bytes_per_token
+        if tp1.settings.kv_cache_dtype == "auto"
+        else tp1.kv_bytes_per_token * 2
+    )
+    split = llama_cpp_split(space, kv_tp1)
+    if split["ngl"] > 0:
+        name = space.model_ref.split("/")[-1]
+        cmd = (f"llama-server -m {name}-Q4_K_M.gguf --ctx-size {split['ctx_size']} "
+               f"--parallel {split['parallel']} --n-gpu-layers {split['ngl']}")  # fmt: skip
+        caveats = [
+            f"{split['layers'] - split['ngl']} of {split['layers']} layers run on the CPU: decode is bound by host RAM "
+            f"bandwidth (≤{split['decode_tokens_per_s_bound']} tokens/s at {HOST_RAM_GBPS:.0f} GB/s)"
+            if split["ngl"] < split["layers"]
+            else "all layers fit on the GPU",
+            "a different engine: OpenAI-compatible llama-server, no PagedAttention/continuous batching at vLLM's scale",
+            "split computed from per-layer bytes of a Q4_K_M GGUF and f16 KV; llama.cpp's --fit can refine it",
+        ]
+        if space.model.moe is not None:
+            caveats.append(
+                "MoE: --n-cpu-moe (experts on CPU, attention on GPU) is usually faster than a layer split"
+            )
+        out.append(("llama_cpp", f"llama.cpp Q4_K_M with {split['ngl']}/{split['layers']} layers on the GPU", True,
+                    split, cmd, tuple(caveats), None))  # fmt: skip
+
+    order = {
+        "more_gpus": 0,
+        "larger_gpu": 0,
+        "quantization": 1,
+        "shorter_context": 1,
+        "cpu_offload": 2,
+        "llama_cpp": 3,
+    }
+
+    def hardware(item: tuple[Any, ...]) -> float:
+        c = item[6]
+        return (
+            c.gpu_count * c.gpu.total_bytes
+            if c is not None and item[0] in ("more_gpus", "larger_gpu")
+            else 0
+        )
+
+    out.sort(key=lambda item: (order[item[0]], hardware(item)))
+    return [
+        Alternative(
+            rank=i + 1,
+            kind=k,
+            title=t,
+            serves_workload=s,
+            numbers=n,
+            command=cmd,
+            caveats=tuple(x for x in cav if x),
+            candidate=c,
+        )  # fmt: skip
+        for i, (k, t, s, n, cmd, cav, c) in enumerate(out)
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Sizing table
+
+
+def sizing_table(
+    space: SearchSpace, catalogue: Iterable[GPUSpec]
+) -> list[tuple[SizingRow, Candidate]]:
+    """For each catalogue GPU: the smallest count (1, 2, 4, 8) whose native weights serve the workload."""
+    native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
+    probe = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1,
+                                                    max_model_len=space.workload.p99_tokens,
+                                                    max_num_seqs=space.workload.concurrency))  # fmt: skip
+    weights_tp1 = probe.weights.value_bytes
+    rows: list[tuple[SizingRow, Candidate]] = []
+    for gpu in catalogue:
+        c = _smallest_count(space, native, gpu, weights_tp1)
+        if c is None:
+            continue
+        check = c.serve
+        rows.append((
+            SizingRow(
+                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpu_count, serves=c.serves,
+                kv_cache_tokens=c.prediction.kv_cache_tokens,
+                max_concurrency=check.max_concurrency if check else float(c.prediction.max_concurrency),
+                margin_achieved=check.margin_achieved if check else None,
+                command=render_serve(c.model_ref, c.settings),
+                weights_gib_per_gpu=round(c.prediction.weights.value_bytes / GIB, 2),
+            ),
+            c,
+        ))  # fmt: skip
+    rows.sort(key=lambda rc: (rc[1].gpu_count * rc[1].gpu.total_bytes, rc[1].gpu_count))
+    return rows

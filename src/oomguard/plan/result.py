@@ -1,0 +1,384 @@
+"""The plan as a value: what the CLI renders and the Python API returns.
+
+A :class:`PlanResult` holds the configuration oomguard tells the user to run (``plan``), the
+user's configuration as given (``given``), the workload, the recommendation with a reason per
+flag, ranked alternatives when nothing fits, a sizing table when no GPU was named, and where
+calibrated measurements replaced estimates. ``to_dict()`` / ``to_json()`` give one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from oomguard.plan.cmdline import explicit_flags, render_llm, render_serve, render_yaml
+
+if TYPE_CHECKING:
+    from oomguard.memory.engine import EngineSettings, MemoryPrediction
+    from oomguard.memory.spec import GPUSpec, ModelSpec
+
+GIB = 2**30
+
+
+def _gib(value_bytes: float | int | None) -> float | None:
+    return None if value_bytes is None else round(value_bytes / GIB, 2)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the deployment must serve.
+
+    ``p99_tokens`` is the 99th-percentile prompt+output length, ``concurrency`` the peak number
+    of sequences in flight, ``shared_prefix_tokens`` the prefix all requests share (stored once
+    with prefix caching), ``margin`` the spare KV capacity demanded (0.1 = 10 %), and
+    ``headroom_bytes`` GPU memory kept free for co-tenants.
+    """
+
+    p99_tokens: int
+    concurrency: int
+    shared_prefix_tokens: int = 0
+    margin: float = 0.10
+    headroom_bytes: int = 0
+    stated: bool = True  # False when oomguard assumed it (one request at full context)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "p99_tokens": self.p99_tokens,
+            "concurrency": self.concurrency,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "margin": self.margin,
+            "headroom_gib": _gib(self.headroom_bytes),
+            "stated": self.stated,
+        }
+
+
+@dataclass(frozen=True)
+class ServeCheck:
+    """Whether a configuration serves the workload, in the binding sense.
+
+    ``max_concurrency`` is vLLM's own figure at ``max_model_len = p99_tokens`` (it accounts for
+    per-request blocks, sliding windows and Mamba state); ``required_concurrency`` is the
+    workload's concurrency × (1 + margin), reduced for a shared prefix.
+    """
+
+    served: bool
+    max_concurrency: float
+    required_concurrency: float
+    effective_concurrency: float  # concurrency after prefix sharing, before the margin
+    kv_tokens_needed: int
+    margin_achieved: float  # spare capacity over the effective concurrency (0.25 = 25 %)
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "served": self.served,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "required_concurrency": round(self.required_concurrency, 2),
+            "kv_tokens_needed": self.kv_tokens_needed,
+            "margin_achieved": round(self.margin_achieved, 3),
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One fully specified deployment and the memory model's prediction for it."""
+
+    model_ref: str  # what goes after ``vllm serve``
+    model: ModelSpec
+    gpu: GPUSpec
+    gpu_count: int
+    settings: EngineSettings  # explicit settings (None = vLLM's default)
+    prediction: MemoryPrediction
+    serve: ServeCheck | None = None
+    weights_label: str = ""  # "bf16", "fp8 (online)", "int4 AWQ checkpoint"
+    weights_key: str = "native"  # "native" | "fp8" | "int4"
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.prediction.fits)
+
+    @property
+    def serves(self) -> bool:
+        return self.fits and (self.serve is None or self.serve.served)
+
+    def commands(self, other_flags: dict[str, Any] | None = None) -> dict[str, str]:
+        """The runnable forms of this configuration."""
+        return {
+            "vllm_serve": render_serve(self.model_ref, self.settings, other_flags=other_flags),
+            "llm": render_llm(self.model_ref, self.settings),
+            "yaml": render_yaml(self.model_ref, self.settings),
+        }
+
+    def summary_dict(self) -> dict[str, Any]:
+        """The compact figures used by alternatives and sizing rows."""
+        p = self.prediction
+        return {
+            "gpu": self.gpu.name,
+            "gpu_count": self.gpu_count,
+            "weights": self.weights_label,
+            "settings": {name: value for name, value in explicit_flags(self.settings)},
+            "fits": self.fits,
+            "weights_gib": _gib(p.weights.value_bytes),
+            "kv_cache_gib": _gib(p.kv_cache_bytes),
+            "kv_cache_tokens": p.kv_cache_tokens,
+            "max_concurrency": round(float(p.max_concurrency), 2),
+            "serve": self.serve.to_dict() if self.serve else None,
+            "command": render_serve(self.model_ref, self.settings),
+        }
+
+
+@dataclass(frozen=True)
+class FlagReason:
+    """One flag of the recommendation and why it has that value."""
+
+    flag: str  # vLLM flag name without dashes, or "model"
+    value: Any
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"flag": self.flag, "value": self.value, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The cheapest configuration found that serves the workload, with a reason per flag."""
+
+    candidate: Candidate
+    reasons: tuple[FlagReason, ...]
+    steps: tuple[str, ...]  # checklist steps that were needed, in order
+    min_gpu_memory_utilization: float | None = None  # lowest util that still serves (approx.)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": list(self.steps),
+            "flags": [r.to_dict() for r in self.reasons],
+            "min_gpu_memory_utilization": self.min_gpu_memory_utilization,
+            **self.candidate.summary_dict(),
+            "commands": self.candidate.commands(),
+        }
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A ranked way out when the workload does not fit the given GPUs."""
+
+    rank: int
+    kind: str  # more_gpus | larger_gpu | quantization | shorter_context | cpu_offload | llama_cpp
+    title: str
+    serves_workload: bool
+    numbers: dict[str, Any]
+    command: str
+    caveats: tuple[str, ...] = ()
+    candidate: Candidate | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "kind": self.kind,
+            "title": self.title,
+            "serves_workload": self.serves_workload,
+            "numbers": self.numbers,
+            "command": self.command,
+            "caveats": list(self.caveats),
+        }
+        if self.candidate is not None:
+            out["config"] = self.candidate.summary_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class SizingRow:
+    """One line of the sizing table: a GPU model and the smallest count that serves."""
+
+    gpu: str
+    total_gib: float
+    count: int
+    serves: bool
+    kv_cache_tokens: int
+    max_concurrency: float
+    margin_achieved: float | None
+    command: str
+    weights_gib_per_gpu: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu,
+            "total_gib": round(self.total_gib, 2),
+            "count": self.count,
+            "serves": self.serves,
+            "kv_cache_tokens": self.kv_cache_tokens,
+            "max_concurrency": round(self.max_concurrency, 2),
+            "margin_achieved": None
+            if self.margin_achieved is None
+            else round(self.margin_achieved, 3),
+            "weights_gib_per_gpu": self.weights_gib_per_gpu,
+            "command": self.command,
+        }
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Whether measured terms from real logs replaced the model's estimates."""
+
+    used: bool
+    source: str = ""
+    terms: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"used": self.used, "source": self.source, "terms": list(self.terms)}
+
+
+_ESTIMATE_TERMS = ("weights", "activation", "non_torch", "cudagraph")
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Everything ``oomguard plan`` knows; the CLI renders it, the API returns it.
+
+    ``plan`` is the configuration oomguard tells the user to run: the recommendation when a
+    workload was given and one serves it, otherwise the configuration as given (``given``).
+    ``fits`` and :attr:`exit_code` follow ``plan`` (and the workload, when stated).
+    """
+
+    model_ref: str
+    plan: Candidate
+    given: Candidate
+    gpu_source: str  # "catalogue" | "nvml" | "custom" | "sizing"
+    workload: Workload | None = None
+    recommendation: Recommendation | None = None
+    alternatives: tuple[Alternative, ...] = ()
+    sizing: tuple[SizingRow, ...] = ()
+    calibration: Calibration = field(default_factory=lambda: Calibration(used=False))
+    notes: tuple[str, ...] = ()
+    other_flags: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        """True when the planned configuration starts and (if stated) serves the workload."""
+        if self.workload is not None and self.workload.stated:
+            return self.plan.serves
+        return self.plan.fits
+
+    @property
+    def exit_code(self) -> int:
+        """0 fits, 1 does not fit (bad input never reaches a PlanResult: it raises)."""
+        return 0 if self.fits else 1
+
+    @property
+    def command(self) -> str:
+        """The ``vllm serve`` command of the planned configuration."""
+        return render_serve(self.plan.model_ref, self.plan.settings, other_flags=self.other_flags)
+
+    def commands(self) -> dict[str, str]:
+        """``vllm serve`` (one line and multi-line), ``LLM(...)`` and YAML forms of the plan."""
+        out = self.plan.commands(self.other_flags)
+        out["vllm_serve_multiline"] = render_serve(
+            self.plan.model_ref, self.plan.settings, other_flags=self.other_flags, multiline=True
+        )
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """One JSON-ready object (keys documented in the README's plan section)."""
+        p = self.plan.prediction
+        s = p.settings
+        settings = {
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "pipeline_parallel_size": s.pipeline_parallel_size,
+            "data_parallel_size": s.data_parallel_size,
+            "enable_expert_parallel": s.enable_expert_parallel,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "max_model_len": s.max_model_len,
+            "max_num_seqs": s.max_num_seqs,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "kv_cache_dtype": s.kv_cache_dtype,
+            "quantization": s.quantization,
+            "dtype": s.dtype,
+            "enforce_eager": s.enforce_eager,
+            "block_size": s.block_size,
+            "enable_prefix_caching": s.enable_prefix_caching,
+            "kv_cache_memory_bytes": s.kv_cache_memory_bytes,
+            "num_gpu_blocks_override": s.num_gpu_blocks_override,
+            "cpu_offload_gb": s.cpu_offload_gb,
+            "performance_mode": s.performance_mode,
+        }
+        estimates = {}
+        for term in _ESTIMATE_TERMS:
+            est = getattr(p, term)
+            estimates[term] = {
+                "estimated": bool(est.estimated),
+                "value_gib": _gib(est.value_bytes),
+                "low_gib": _gib(est.low_bytes),
+                "high_gib": _gib(est.high_bytes),
+                "basis": est.basis,
+            }
+        out: dict[str, Any] = {
+            "model": self.model_ref,
+            "model_name": self.plan.model.name,
+            "vllm_version": s.vllm_version,
+            "gpu": {
+                "name": self.plan.gpu.name,
+                "total_gib": round(self.plan.gpu.total_gib, 2),
+                "count": self.plan.gpu_count,
+                "free_gib": _gib(p.free_bytes) if self.gpu_source == "nvml" else None,
+                "source": self.gpu_source,
+            },
+            "settings": settings,
+            "memory": {
+                "total_gib": _gib(p.total_bytes),
+                "requested_gib": _gib(p.requested_bytes),
+                "weights_gib": _gib(p.weights.value_bytes),
+                "activation_gib": _gib(p.activation.value_bytes),
+                "non_torch_gib": _gib(p.non_torch.value_bytes),
+                "cudagraph_gib": _gib(p.cudagraph.value_bytes),
+                "kv_cache_gib": _gib(p.kv_cache_bytes),
+            },
+            "kv_cache_tokens": p.kv_cache_tokens,
+            "max_concurrency": round(float(p.max_concurrency), 2),
+            "kv_bytes_per_token": p.kv_bytes_per_token,
+            "num_blocks": p.num_blocks,
+            "bytes_per_block": p.bytes_per_block,
+            "estimated_max_model_len": p.estimated_max_model_len,
+            "fits": self.fits,
+            "starts": self.plan.fits,
+            "problems": [{"code": pr.code, "message": pr.message} for pr in p.problems],
+            "command": self.command,
+            "commands": self.commands(),
+            "log_lines": list(p.log_lines),
+            "workload": None
+            if self.workload is None
+            else {
+                **self.workload.to_dict(),
+                **(self.plan.serve.to_dict() if self.plan.serve else {}),
+            },
+            "recommendation": None
+            if self.recommendation is None
+            else self.recommendation.to_dict(),
+            "alternatives": [a.to_dict() for a in self.alternatives],
+            "sizing": [row.to_dict() for row in self.sizing],
+            "estimates": estimates,
+            "calibration": self.calibration.to_dict(),
+            "given": None
+            if self.given is self.plan
+            else {
+                "fits": self.given.fits,
+                "serve": self.given.serve.to_dict() if self.given.serve else None,
+                "kv_cache_gib": _gib(self.given.prediction.kv_cache_bytes),
+                "kv_cache_tokens": self.given.prediction.kv_cache_tokens,
+                "max_concurrency": round(float(self.given.prediction.max_concurrency), 2),
+                "problems": [
+                    {"code": pr.code, "message": pr.message}
+                    for pr in self.given.prediction.problems
+                ],
+                "command": render_serve(self.given.model_ref, self.given.settings),
+            },
+            "notes": list(self.notes),
+            "elapsed_s": round(self.elapsed_s, 4),
+        }
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """:meth:`to_dict` as a JSON string."""
+        return json.dumps(self.to_dict(), indent=indent, default=str)

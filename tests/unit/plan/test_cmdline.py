@@ -1,0 +1,182 @@
+"""Reading pasted vLLM command lines and writing them back."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from oomguard.errors import BadInput, MalformedConfig
+from oomguard.memory.engine import EngineSettings
+from oomguard.plan.cmdline import (
+    parse_command,
+    parse_human_int,
+    render_llm,
+    render_serve,
+    render_yaml,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1k", 1000),
+        ("1K", 1024),
+        ("25.6k", 25600),
+        ("20G", 20 * 2**30),
+        ("2m", 2_000_000),
+        ("8192", 8192),
+    ],
+)
+def test_human_ints_follow_vllm(text: str, expected: int) -> None:
+    assert parse_human_int(text) == expected
+
+
+def test_human_int_rejects_decimal_binary_and_garbage() -> None:
+    with pytest.raises(BadInput, match="decimals are not allowed"):
+        parse_human_int("1.5K")
+    with pytest.raises(BadInput, match="not an integer"):
+        parse_human_int("lots")
+    assert parse_human_int("auto", allow_auto=True) == -1
+
+
+def test_vllm_serve_with_every_flag_form() -> None:
+    cmd = (
+        "CUDA_VISIBLE_DEVICES=0,1 vllm serve meta-llama/Llama-3.1-8B-Instruct \\\n"
+        "  -tp 2 --gpu-memory-utilization=0.85 --max-model-len 16k --max-num-seqs 32 \\\n"
+        "  --max-num-batched-tokens 4K --kv-cache-dtype fp8 --no-enable-prefix-caching "
+        "--enforce-eager --port 8000 --served-model-name chat"
+    )
+    parsed = parse_command(cmd)
+    assert parsed.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert parsed.settings_kwargs == {
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.85,
+        "max_model_len": 16000,
+        "max_num_seqs": 32,
+        "max_num_batched_tokens": 4096,
+        "kv_cache_dtype": "fp8",
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+    }
+    assert parsed.other_flags == {"port": "8000", "served-model-name": ["chat"]}
+    assert parsed.unknown == ()
+    settings = parsed.settings()
+    assert isinstance(settings, EngineSettings) and settings.tensor_parallel_size == 2
+
+
+def test_api_server_module_form_and_underscored_flags() -> None:
+    parsed = parse_command(
+        "python3 -m vllm.entrypoints.openai.api_server --model Qwen/Qwen2.5-7B-Instruct "
+        "--tensor_parallel_size 1 --max-model-len auto --quantization fp8"
+    )
+    assert parsed.model == "Qwen/Qwen2.5-7B-Instruct"
+    assert parsed.settings_kwargs["max_model_len"] == -1
+    assert parsed.settings_kwargs["quantization"] == "fp8"
+
+
+def test_unknown_and_unmodelled_flags_are_reported_not_dropped() -> None:
+    parsed = parse_command("vllm serve m --bogus 3 --enable-lora --max-loras 4 --swap-space 8")
+    assert parsed.unknown == ("bogus",)
+    assert set(parsed.unmodelled) == {"enable-lora", "max-loras", "swap-space"}
+    assert parsed.other_flags["bogus"] == "3"
+    notes = " ".join(parsed.notes())
+    assert "--bogus" in notes and "--enable-lora" in notes
+
+
+@pytest.mark.parametrize(
+    ("cmd", "message"),
+    [
+        ("vllm serve m --gpu-memory-utilization 1.5", "outside"),
+        ("vllm serve m --max-model-len -5", "must be positive"),
+        ("vllm serve m --max-num-seqs zero", "not an integer"),
+        ("vllm serve m --kv-cache-dtype fp7", "not a value vLLM accepts"),
+        ("vllm serve m --tensor-parallel-size 0", "must be positive"),
+        ("vllm serve m --max-model-len", "needs a value"),
+        ("vllm chat m", "only 'vllm serve'"),
+        ("vllm serve --port 8000", "names no model"),
+        ("vllm serve 'm", "cannot read the command line"),
+    ],
+)
+def test_bad_values_raise_one_line(cmd: str, message: str) -> None:
+    with pytest.raises(BadInput, match=message) as info:
+        parse_command(cmd)
+    assert "\n" not in info.value.one_line()
+
+
+def test_config_yaml_is_read_and_command_line_wins(tmp_path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: Qwen/Qwen3-8B\ntensor-parallel-size: 2\nmax_model_len: 8192\n"
+        "enable-prefix-caching: false\nport: 9000\n"
+    )
+    parsed = parse_command(f"vllm serve --config {config} --max-model-len 4096")
+    assert parsed.model == "Qwen/Qwen3-8B"
+    assert parsed.settings_kwargs["tensor_parallel_size"] == 2
+    assert parsed.settings_kwargs["max_model_len"] == 4096  # command line beats the file
+    assert parsed.settings_kwargs["enable_prefix_caching"] is False
+    assert parsed.config_file == str(config)
+
+
+def test_malformed_config_file(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tensor-parallel-size: [1,\n")
+    with pytest.raises(MalformedConfig):
+        parse_command(f"vllm serve m --config {bad}")
+    with pytest.raises(BadInput, match="no such file"):
+        parse_command(f"vllm serve m --config {tmp_path / 'missing.yaml'}")
+    with pytest.raises(MalformedConfig, match="yaml"):
+        parse_command(f"vllm serve m --config {tmp_path / 'x.json'}")
+
+
+ROUND_TRIP = [
+    EngineSettings(),
+    EngineSettings(
+        tensor_parallel_size=4, max_model_len=8192, max_num_seqs=16, kv_cache_dtype="fp8"
+    ),
+    EngineSettings(
+        gpu_memory_utilization=0.85,
+        max_num_batched_tokens=2048,
+        quantization="fp8",
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        kv_cache_memory_bytes=20 * 2**30,
+        cpu_offload_gb=12.5,
+        max_model_len=-1,
+        pipeline_parallel_size=2,
+    ),
+]
+
+
+@pytest.mark.parametrize("settings", ROUND_TRIP)
+def test_serve_command_round_trip(settings: EngineSettings) -> None:
+    for multiline in (False, True):
+        text = render_serve("org/model", settings, multiline=multiline)
+        parsed = parse_command(text)
+        assert parsed.model == "org/model"
+        assert parsed.settings() == settings
+        assert parsed.unknown == ()
+
+
+@pytest.mark.parametrize("settings", ROUND_TRIP)
+def test_yaml_round_trip_through_config_flag(settings: EngineSettings, tmp_path) -> None:
+    path = tmp_path / "plan.yaml"
+    path.write_text(render_yaml("org/model", settings))
+    assert yaml.safe_load(path.read_text())["model"] == "org/model"
+    parsed = parse_command(["vllm", "serve", "--config", str(path)])
+    assert parsed.settings() == settings
+
+
+def test_other_flags_survive_rendering() -> None:
+    parsed = parse_command("vllm serve m --max-model-len 4096 --port 8000 --trust-remote-code")
+    again = parse_command(
+        render_serve(parsed.model, parsed.settings(), other_flags=parsed.other_flags)
+    )
+    assert again.other_flags == parsed.other_flags
+    assert again.settings_kwargs == parsed.settings_kwargs
+
+
+def test_llm_kwargs_render_is_python() -> None:
+    text = render_llm("org/model", EngineSettings(max_model_len=8192, enforce_eager=True))
+    assert text == "LLM(model='org/model', max_model_len=8192, enforce_eager=True)"
+    call = text.replace("LLM(", "dict(", 1)
+    assert eval(call) == {"model": "org/model", "max_model_len": 8192, "enforce_eager": True}  # noqa: S307
