@@ -1,6 +1,6 @@
 """The pure memory model of vLLM: specs in, the numbers vLLM prints out (no I/O)."""
 
-from oomguard.memory.activation import Estimate
+from oomguard.memory.activation import DEFAULT_COEFFICIENTS, Coefficients, Estimate
 from oomguard.memory.engine import (
     EngineSettings,
     MeasuredTerms,
@@ -12,6 +12,8 @@ from oomguard.memory.engine import (
 from oomguard.memory.versions import VllmEra, resolve_era
 
 __all__ = [
+    "DEFAULT_COEFFICIENTS",
+    "Coefficients",
     "EngineSettings",
     "Estimate",
     "MeasuredTerms",

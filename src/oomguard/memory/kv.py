@@ -10,6 +10,7 @@ vllm-memory notes. Everything here is exact integer arithmetic; nothing is estim
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
@@ -127,6 +128,9 @@ class RequestBound:
     max_model_len: int
     lookahead_tokens: int  # max_num_batched_tokens (≤0.25) or max_in_flight_tokens (0.26+)
     num_speculative_blocks: int = 0
+    # encoder tokens one request's cross-attention layers hold (vLLM's
+    # scheduler_config.max_num_encoder_input_tokens; 0 when the model has no cross-attention)
+    encoder_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,19 @@ class ChunkedLocal(FullAttention):
     def max_blocks_per_request(self, bound: RequestBound) -> int:
         tokens = min(self.attention_chunk_size + bound.lookahead_tokens, bound.max_model_len)
         return cdiv(tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class CrossAttention(FullAttention):
+    """Cross-attention over the request's encoder tokens (vLLM CrossAttentionSpec, §4.5).
+
+    One request holds ``cdiv(encoder_tokens, block_size)`` blocks whatever its decoded length
+    (vllm 0.32 ``v1/kv_cache_interface.py``: the bound is the scheduler's
+    ``max_num_encoder_input_tokens``).
+    """
+
+    def max_blocks_per_request(self, bound: RequestBound) -> int:
+        return cdiv(bound.encoder_tokens, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -342,6 +359,8 @@ def build_layer_specs(
             return ChunkedLocal(
                 bs, None, n, hk, hv, attention_chunk_size=layer.attention_chunk_size
             )
+        if layer.kind is AttentionKind.CROSS:
+            return CrossAttention(bs, None, n, hk, hv)
         return FullAttention(bs, None, n, hk, hv)
 
     has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
@@ -379,7 +398,15 @@ def build_layer_specs(
             else:
                 align = 16 if era.mamba_align_16 else max(16, block_size)
             if mamba_cache_mode == "all":
-                chunk = math.lcm(256, align)
+                # per-block Mamba caching: the block is a multiple of lcm(chunk, alignment),
+                # chunk = the model's SSD chunk size (vLLM's fallback 256 when the facts carry
+                # none; e.g. Nemotron-H and Falcon-H1 publish 128 or 256)
+                chunks = [
+                    ly.mamba.mamba_chunk_size
+                    for ly in model.layers
+                    if ly.mamba is not None and ly.mamba.mamba_chunk_size
+                ]
+                chunk = math.lcm(max(chunks) if chunks else 256, align)
                 needed = chunk * cdiv(cdiv(m, a1), chunk)
             else:
                 needed = align * cdiv(m, align * a1)
@@ -540,17 +567,39 @@ def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout
     return KVLayout(tuple(groups), max_page * group_size, tuple(warnings))
 
 
-def project_layout(global_layout: KVLayout, stage_layers: range) -> KVLayout:
+def state_entry_layer(model: ModelSpec) -> tuple[int, ...]:
+    """Decoder layer of each entry of ``model.layers``.
+
+    ``ModelSpec.layers`` may be longer than ``num_layers``: Falcon-H1 lists two state entries
+    per decoder layer (attention, then Mamba2). Entries are spread evenly, in order, over the
+    decoder layers, so a pipeline stage owns the entries of its layers.
+    """
+    n_entries, n_layers = len(model.layers), max(1, model.num_layers)
+    if n_entries == n_layers:
+        return tuple(range(n_entries))
+    return tuple(min(n_layers - 1, i * n_layers // n_entries) for i in range(n_entries))
+
+
+def stage_state_indices(model: ModelSpec, stage_layers: range) -> frozenset[int]:
+    """Indices into ``model.layers`` that belong to the decoder layers ``stage_layers``."""
+    owner = state_entry_layer(model)
+    return frozenset(i for i, layer in enumerate(owner) if layer in stage_layers)
+
+
+def project_layout(global_layout: KVLayout, stage_layers: Collection[int]) -> KVLayout:
     """The global groups projected onto one pipeline stage's layers (vLLM 0.17+, §7.1).
 
-    Bytes per block is the largest per-group sum of member pages on this stage. Without PP
-    (all layers on the stage) the layout is returned unchanged.
+    ``stage_layers`` are indices into ``ModelSpec.layers`` (state entries, see
+    :func:`stage_state_indices`). Bytes per block is the largest per-group sum of member pages
+    on this stage. Without PP (all layers on the stage) the layout is returned unchanged.
     """
     if not global_layout.groups:
         return global_layout
     everything = {i for g in global_layout.groups for i in g.layers}
-    if everything <= set(stage_layers):
+    stage_set = set(stage_layers)
+    if everything <= stage_set:
         return global_layout
+    stage_layers = stage_set
     groups = []
     for g in global_layout.groups:
         mine = tuple(i for i in g.layers if i in stage_layers)

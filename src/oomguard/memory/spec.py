@@ -52,6 +52,9 @@ class MambaStateSpec:
     head_v_dim: int = 0
     # dtype of the SSM state when the model pins it (e.g. "float32" for Nemotron-H); None: conv dtype
     ssm_dtype: str | None = None
+    # the model's SSD chunk size (config ``chunk_size`` / ``mamba_chunk_size``); sizes the
+    # per-block Mamba caching ("all" mode) block size. None: vLLM's fallback of 256 is used.
+    mamba_chunk_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,9 @@ class ParamGroup:
 class QuantSpec:
     """The checkpoint's weight format. ``method=None`` means unquantized (model dtype)."""
 
-    method: str | None = None  # "fp8", "awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4", "nvfp4", "gguf", ...
+    method: str | None = (
+        None  # "fp8", "awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4", "nvfp4", "gguf", ...
+    )
     weight_bits: int = 16
     group_size: int | None = None
     zero_point: bool = False
@@ -157,7 +162,9 @@ class ModelSpec:
     vision: VisionSpec | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (DeepSeek-V3)
     # Exact checkpoint bytes by safetensors dtype when known ({"BF16": n, "F8_E4M3": m, ...}).
-    checkpoint_bytes_by_dtype: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
+    checkpoint_bytes_by_dtype: dict[str, int] = field(
+        default_factory=dict, hash=False, compare=False
+    )
     source: str = ""  # where the facts came from (catalogue entry, path, hub repo)
 
     @property

@@ -110,6 +110,32 @@ def quantized_bytes_per_element(quant: QuantSpec, hidden_size: int, era_minor: i
     )
 
 
+def mxfp4_expert_padding(
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    shards: int = 1,
+    era_minor: int = 33,
+    expert_parallel: bool = False,
+) -> float:
+    """Factor by which the mxfp4 MoE kernels' padding grows one rank's expert bytes (§8).
+
+    vLLM rounds the *per-partition* intermediate size (``intermediate / tp``) and the hidden
+    size before creating the expert tensors (vllm 0.32
+    ``model_executor/layers/quantization/mxfp4.py`` ``maybe_roundup_sizes`` →
+    ``fused_moe/oracle/mxfp4.py`` ``mxfp4_round_up_hidden_size_and_intermediate_size``). The
+    Marlin / TRT-LLM rule (intermediate to 128, hidden to 256) is used: it matches the logged
+    loads of gpt-oss on A100 (Marlin) and H100 at TP=1; 0.11 and older did not round the
+    intermediate size (the logged 0.11 load fits hidden-only padding). With expert
+    parallelism each rank holds whole experts, so the intermediate size is not split.
+    """
+    h2 = -(-hidden_size // 256) * 256
+    per_rank = intermediate_size if expert_parallel else intermediate_size / shards
+    i_rank = int(per_rank)
+    i2 = -(-i_rank // 128) * 128 if era_minor >= 13 else i_rank
+    return (h2 / hidden_size) * (i2 / per_rank) if per_rank else 1.0
+
+
 @dataclass(frozen=True)
 class WeightBreakdown:
     """Weight bytes of each pipeline stage (per TP rank) and how they were computed."""
@@ -152,12 +178,15 @@ def weight_bytes_per_stage(
     quantization: str | None = None,
     cpu_offload_bytes: int = 0,
     era_minor: int = 33,
+    load_mtp: bool = False,
 ) -> WeightBreakdown:
     """Bytes of parameters and buffers one rank of each pipeline stage holds after loading.
 
     ``ep`` > 1 splits expert groups by ``ep`` instead of ``tp`` (expert parallelism spans
     TP × DP ranks). ``quantization`` names an online method (``fp8``) applied to an unquantized
-    checkpoint. ``cpu_offload_bytes`` is subtracted per rank (``--cpu-offload-gb``).
+    checkpoint. ``cpu_offload_bytes`` is subtracted per rank (``--cpu-offload-gb``). The
+    checkpoint's multi-token-prediction layers (group ``mtp``) are skipped by vLLM's loader
+    unless an MTP speculative method runs (``load_mtp``).
     """
     mbytes = dtype_bytes(model_dtype)
     quant = model.quant
@@ -176,17 +205,21 @@ def weight_bytes_per_stage(
         and model.moe is not None
         and model.model_type == "gpt_oss"
     ):
-        # MoE kernels pad hidden to 256 (and, from 0.13, intermediate to 128) for mxfp4.
-        h, i = model.hidden_size, model.moe.expert_intermediate_size
-        h2 = -(-h // 256) * 256
-        i2 = -(-i // 128) * 128 if era_minor >= 13 else i
-        expert_pad = (h2 / h) * (i2 / i)
+        expert_pad = mxfp4_expert_padding(
+            model.hidden_size,
+            model.moe.expert_intermediate_size,
+            shards=ep if ep > 1 else tp,
+            era_minor=era_minor,
+            expert_parallel=ep > 1,
+        )
     has_lm_head = any(g.name == "lm_head" for g in model.params)
     per_stage = []
     for stage, layers in enumerate(ranges):
         total = 0.0
         first, last = stage == 0, stage == pp - 1
         for group in model.params:
+            if group.name == "mtp" and not load_mtp:
+                continue
             elems = _elements_on_rank(group, model, tp, ep)
             if group.per_layer and group.stage == "layers":
                 elems *= len(layers) / model.num_layers
@@ -222,7 +255,14 @@ def weight_bytes_per_stage(
     # Cross-check against the checkpoint's own bytes when the model is unquantized.
     ckpt = model.checkpoint_bytes_by_dtype
     if ckpt and quant.method is None and model.total_params:
-        ckpt_elems = sum(v / _CKPT_DTYPE_BYTES.get(k.upper(), 2) for k, v in ckpt.items())
+        # "ALL": total bytes without a dtype split (safetensors index); price it at the
+        # checkpoint's own dtype (config torch_dtype, float32 when absent)
+        ckpt_dtype_bytes = _CKPT_DTYPE_BYTES.get(
+            {"float32": "F32", "float16": "F16"}.get(model.dtype, "BF16"), 2
+        )
+        ckpt_elems = sum(
+            v / _CKPT_DTYPE_BYTES.get(k.upper(), ckpt_dtype_bytes) for k, v in ckpt.items()
+        )
         ratio = ckpt_elems / model.total_params
         if 0.97 <= ratio <= 1.03:
             per_stage = [int(b * ratio) for b in per_stage]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.memory.spec import (
     AttentionKind,
     LayerSpec,
@@ -110,7 +112,7 @@ def dense(
     )
 
 
-def llama_3_1_8b(**kw: object) -> ModelSpec:
+def llama_3_1_8b(**kw: Any) -> ModelSpec:
     """meta-llama/Llama-3.1-8B-Instruct config.json."""
     return dense(
         "meta-llama/Llama-3.1-8B-Instruct",

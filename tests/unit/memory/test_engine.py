@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -49,13 +50,15 @@ def test_version_defaults() -> None:
     assert resolve_era("0.19").default_gpu_memory_utilization == 0.9
     assert resolve_era("0.20").default_gpu_memory_utilization == 0.92
     e = resolve_era("0.27")
-    kw = dict(platform="cuda", device_total_bytes=int(178 * GIB), device_name="nvidia b200")
+    kw: dict[str, Any] = dict(
+        platform="cuda", device_total_bytes=int(178 * GIB), device_name="nvidia b200"
+    )
     assert batch_defaults(e, usage_context="server", **kw).max_num_batched_tokens == 8192
     assert (
         batch_defaults(resolve_era("0.28"), usage_context="server", **kw).max_num_batched_tokens
         == 16384
     )
-    a100 = dict(
+    a100: dict[str, Any] = dict(
         platform="cuda", device_total_bytes=int(79.15 * GIB), device_name="nvidia a100-sxm4-80gb"
     )
     assert batch_defaults(e, usage_context="server", **a100).max_num_seqs == 256

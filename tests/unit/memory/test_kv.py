@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from oomguard.errors import BadInput
@@ -138,7 +140,9 @@ def test_gpt_oss_sliding_window_groups_and_per_request_blocks() -> None:
 
 def test_gpt_oss_async_scheduling_doubles_the_window_bound_from_0_26() -> None:
     model = gpt_oss_120b()
-    s = dict(max_model_len=131072, kv_cache_memory_bytes=10 * GIB, max_num_batched_tokens=8192)
+    s: dict[str, Any] = dict(
+        max_model_len=131072, kv_cache_memory_bytes=10 * GIB, max_num_batched_tokens=8192
+    )
     p25 = predict(model, H100, EngineSettings(vllm_version="0.25", **s))
     p26 = predict(model, H100, EngineSettings(vllm_version="0.26", **s))
     assert p25.num_blocks == p26.num_blocks == 10 * GIB // (576 * 1024)
@@ -195,7 +199,7 @@ def test_qwen3_next_mamba_block_raise_and_padding() -> None:
 def test_fit_check_subtracts_the_null_block_from_0_29() -> None:
     model = llama_3_1_8b()
     blocks = 8192 // 16  # exactly one request at L = 8192
-    s = dict(max_model_len=8192, kv_cache_memory_bytes=blocks * 2 * MIB)
+    s: dict[str, Any] = dict(max_model_len=8192, kv_cache_memory_bytes=blocks * 2 * MIB)
     ok = predict(model, H100, EngineSettings(vllm_version="0.28", **s))
     assert ok.fits and ok.estimated_max_model_len is None
     bad = predict(model, H100, EngineSettings(vllm_version="0.29", **s))
@@ -214,7 +218,7 @@ def test_fit_check_subtracts_the_null_block_from_0_29() -> None:
 
 def test_fit_error_text_of_older_releases() -> None:
     model = llama_3_1_8b()
-    s = dict(max_model_len=32768, kv_cache_memory_bytes=1000 * 2 * MIB)
+    s: dict[str, Any] = dict(max_model_len=32768, kv_cache_memory_bytes=1000 * 2 * MIB)
     p = predict(model, H100, EngineSettings(vllm_version="0.11", **s))
     (problem,) = [x for x in p.problems if x.code == "max_len_exceeds_kv"]
     assert problem.message.startswith(
