@@ -1,10 +1,176 @@
-"""CLI registration for the doctor face (placeholder until the face lands)."""
+"""``oomguard doctor`` and ``oomguard calibrate``: thin shells over the library.
+
+Exit codes (doctor): 0 a cause was found (or, linting, nothing to fix), 1 lint found problems,
+2 bad input, 3 the log shows no out-of-memory failure.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import typer
+from rich.console import Console
+
+from oomguard.errors import BadInput
+
+_CONTEXT = {
+    "allow_extra_args": True,
+    "ignore_unknown_options": True,
+    "allow_interspersed_args": True,
+}
+_LAUNCHERS = ("vllm", "python", "python3", "serve")
+
+
+def doctor_command(
+    ctx: typer.Context,
+    items: list[str] = typer.Argument(
+        None, help="LOGFILE (or - for stdin); or, after --, a vllm serve command."
+    ),
+    model: str = typer.Option(None, "--model", help="The model, when the log does not name it."),
+    gpu: str = typer.Option(
+        None, "--gpu", help="The GPU (catalogue name, or text like '2x A100 80GB')."
+    ),
+    command: str = typer.Option(
+        None, "--command", help="The original 'vllm serve …' command line."
+    ),
+    p99_tokens: int = typer.Option(
+        None, "--p99-tokens", help="P99 prompt+output tokens of the workload (lint)."
+    ),
+    concurrency: int = typer.Option(None, "--concurrency", help="Peak concurrent requests (lint)."),
+    shared_prefix: bool = typer.Option(
+        None, "--shared-prefix/--no-shared-prefix", help="Prompts share prefixes (lint)."
+    ),
+    cotenant_gib: float = typer.Option(
+        0.0, "--cotenant-gib", help="GiB another workload on the GPU needs (lint)."
+    ),
+    expect_cotenant: bool = typer.Option(
+        False, "--expect-cotenant", help="Another process is meant to share the GPU."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch."""
+    from oomguard.doctor.diagnose import diagnose_file
+    from oomguard.doctor.lint import Workload, lint_command
+    from oomguard.doctor.render import render_diagnosis, render_findings
+    from oomguard.doctor.situation import Context
+
+    tokens = list(items or []) + list(ctx.args)
+    logfile: str | None = None
+    if tokens and Path(tokens[0]).name not in _LAUNCHERS:
+        logfile, tokens = tokens[0], tokens[1:]
+    if tokens:
+        if command:
+            raise BadInput(
+                "give the command either with --command or after --, not both", "drop one of them"
+            )
+        command = " ".join(_quote(t) for t in tokens)
+    console = Console(highlight=False)
+    if logfile is None:
+        if not command:
+            raise BadInput(
+                "nothing to examine",
+                "pass a log file (or - for stdin), or --command 'vllm serve …'",
+            )
+        workload = Workload(
+            p99_tokens=p99_tokens,
+            concurrency=concurrency,
+            shared_prefix=shared_prefix,
+            cotenant_gib=cotenant_gib,
+        )
+        findings = lint_command(command, gpu=gpu, workload=workload)
+        if as_json:
+            typer.echo(
+                json.dumps(
+                    {"findings": [f.to_dict() for f in findings], "command": command}, indent=1
+                )
+            )
+        elif findings:
+            render_findings(console, findings, "Before launch")
+        else:
+            console.print("No problems found in this command.")
+        raise typer.Exit(1 if findings else 0)
+    context = Context(model=model, gpu=gpu, command=command, expect_cotenant=expect_cotenant)
+    diagnosis = diagnose_file(logfile, context)
+    if as_json:
+        typer.echo(json.dumps(diagnosis.to_dict(), indent=1, default=str))
+    else:
+        render_diagnosis(console, diagnosis)
+    raise typer.Exit(0 if diagnosis.oom_found else 3)
+
+
+def calibrate_command(
+    logfiles: list[str] = typer.Argument(..., help="vLLM start-up logs (V0 or V1 format)."),
+    gpu: str = typer.Option(None, "--gpu", help="GPU name, when the log does not state it."),
+    vllm_version: str = typer.Option(
+        None, "--vllm-version", help="vLLM version, when the log does not state it."
+    ),
+    model: str = typer.Option(None, "--model", help="Model, when the log does not name it."),
+    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Store the memory figures of real start-up logs; the planner uses them next time."""
+    from oomguard.calibration import Store, record_logs
+
+    store = Store()
+    stored, skipped = record_logs(
+        logfiles,
+        store=store,
+        gpu=gpu,
+        vllm_version=vllm_version,
+        model=model,
+        tp=tensor_parallel_size,
+    )
+    if as_json:
+        payload: dict[str, Any] = {
+            "store": str(store.path),
+            "stored": [
+                {
+                    "key": o.key,
+                    **{
+                        k: getattr(o, k)
+                        for k in (
+                            "source",
+                            "weights_gib",
+                            "activation_gib",
+                            "non_torch_gib",
+                            "cudagraph_gib",
+                        )
+                    },
+                }
+                for o in stored
+            ],
+            "skipped": skipped,
+        }
+        typer.echo(json.dumps(payload, indent=1))
+    else:
+        console = Console(highlight=False)
+        for obs in stored:
+            terms = ", ".join(
+                f"{name} {value:.2f} GiB"
+                for name, value in (
+                    ("weights", obs.weights_gib),
+                    ("activation", obs.activation_gib),
+                    ("non-torch", obs.non_torch_gib),
+                    ("CUDA graphs", obs.cudagraph_gib),
+                )
+                if value is not None
+            )
+            console.print(f"stored {obs.key}: {terms}  ({obs.source})", soft_wrap=True)
+        for line in skipped:
+            console.print(f"skipped {line}", soft_wrap=True)
+        console.print(f"store: {store.path}")
+    raise typer.Exit(0 if stored else 3)
+
+
+def _quote(token: str) -> str:
+    import shlex
+
+    return shlex.quote(token)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this face's commands to the main app."""
-    return None
+    """Add ``doctor`` and ``calibrate`` to the main app."""
+    app.command("doctor", context_settings=_CONTEXT)(doctor_command)
+    app.command("calibrate")(calibrate_command)

@@ -1,0 +1,1526 @@
+"""Mechanism rules: from what the log shows to ranked root causes and computed fixes.
+
+Each rule models how vLLM spends memory (vllm-memory.md §2–§7) rather than matching message
+texts to labels: the same text ("No available memory for the cache blocks") has different
+causes, told apart by the numbers around it — utilization, weights per GPU, the profiled
+activation peak, the phase that failed, memory held by other processes, and the allocator's
+reserved-but-unallocated memory compared with the failed allocation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+
+from oomguard.doctor.findings import (
+    STEP_ACTION,
+    STEP_BATCHED_TOKENS,
+    STEP_CUDAGRAPH,
+    STEP_ENV,
+    STEP_KV_DTYPE,
+    STEP_MAX_MODEL_LEN,
+    STEP_MAX_NUM_SEQS,
+    STEP_MULTIMODAL,
+    STEP_OFFLOAD,
+    STEP_QUANTIZE,
+    STEP_SWAP,
+    STEP_TP,
+    STEP_UTIL,
+    Finding,
+    Fix,
+)
+from oomguard.doctor.situation import (
+    Situation,
+    ceil2,
+    floor2,
+    nice_max_model_len,
+    power_of_two_at_most,
+)
+from oomguard.logs.parsed import Evidence, Phase
+
+# Memory the CUDA context, NCCL and allocator slack need outside vLLM's budget (GiB).
+CONTEXT_SLACK_GIB = 0.25
+# A co-tenant using at least this share of the GPU is more than a desktop or a sidecar.
+LEFTOVER_SHARE = 0.5
+
+
+class Findings:
+    """Collects findings; the same cause found twice keeps the higher confidence."""
+
+    def __init__(self) -> None:
+        self.by_cause: dict[str, Finding] = {}
+
+    def add(
+        self,
+        cause: str,
+        confidence: float,
+        summary: str,
+        evidence: list[Evidence | None],
+        fixes: list[Fix] | None = None,
+        explanation: str = "",
+    ) -> None:
+        evs = [e for e in evidence if e is not None]
+        current = self.by_cause.get(cause)
+        if current is None:
+            self.by_cause[cause] = Finding(
+                cause, confidence, summary, evs, list(fixes or []), explanation
+            )
+            return
+        if confidence > current.confidence:
+            current.confidence, current.summary = confidence, summary
+            current.explanation = explanation or current.explanation
+            current.fixes = list(fixes or []) + [
+                f for f in current.fixes if f.flag not in {x.flag for x in fixes or []}
+            ]
+        else:
+            known = {f.flag for f in current.fixes}
+            current.fixes.extend(f for f in fixes or [] if f.flag not in known)
+        current.evidence.extend(evs)
+
+    def ranked(self) -> list[Finding]:
+        return sorted(self.by_cause.values(), key=lambda f: -f.confidence)
+
+
+# --- fixes computed from the numbers ------------------------------------------------------------
+
+
+def util_to_fit_free(s: Situation, free_gib: float, total_gib: float, why: str) -> Fix:
+    """The largest utilization whose request (ceil(util × total)) fits in ``free_gib``."""
+    util = floor2(free_gib / total_gib)
+    if util * total_gib > free_gib - 0.05:
+        util = round(util - 0.01, 2)
+    util = max(util, 0.05)
+    return Fix("--gpu-memory-utilization", f"{util:.2f}", why, STEP_UTIL)
+
+
+def lower_util(s: Situation, extra_gib: float, reason: str) -> Fix | None:
+    """Lower utilization enough to leave ``extra_gib`` more outside vLLM's budget."""
+    total = s.total_gib
+    util = s.util
+    if util is None:
+        return None
+    if total:
+        step = max(ceil2((extra_gib + 0.125) / total), 0.01)
+    else:
+        step = 0.05
+    new = round(util - step, 2)
+    if new <= 0.1:
+        return None
+    origin = "" if s.util_stated else f" (vLLM's default {util:g})"
+    return Fix(
+        "--gpu-memory-utilization",
+        f"{new:.2f}",
+        f"{reason}: from {util:g}{origin} to {new:.2f}",
+        STEP_UTIL,
+    )
+
+
+def default_max_num_seqs(s: Situation) -> int:
+    """vLLM's default max_num_seqs for ``vllm serve``: 256 in V0 and on < 70 GiB GPUs, 1024 in
+    V1 on ≥ 70 GiB GPUs (§3.2)."""
+    if s.get("engine") == "v0" or (0 < _version_minor(s) < 8):
+        return 256
+    total = s.total_gib
+    return 1024 if total is None or total >= 70 else 256
+
+
+def fewer_seqs(current: int | None, factor: int = 4, floor: int = 16) -> int:
+    base = current or 1024
+    return max(power_of_two_at_most(max(base // factor, 1)), min(floor, base))
+
+
+def weights_fixes(s: Situation, weights_total_gib: float, budget_per_gpu_gib: float) -> list[Fix]:
+    """A quantized checkpoint and/or tensor parallelism sized so the weights leave room for
+    KV cache (weights ≤ 80 % of each GPU's budget)."""
+    fixes: list[Fix] = []
+    model = s.get("model")
+    tp = s.tp
+    limit = 0.8 * budget_per_gpu_gib
+    int4 = weights_total_gib * 0.28 if not _already_4bit(s) else None
+    fp8 = weights_total_gib * 0.52 if not _already_quantized(s) else None
+    if fp8 is not None and fp8 / tp <= limit:
+        fixes.append(
+            Fix(
+                "--quantization",
+                "fp8",
+                f"8-bit weights take ~{fp8 / tp:.1f} GiB per GPU instead of {weights_total_gib / tp:.1f} GiB "
+                "(online fp8 needs Ada/Hopper or newer; otherwise use an AWQ/GPTQ checkpoint)",
+                STEP_QUANTIZE,
+            )
+        )
+    elif int4 is not None and int4 / tp <= limit:
+        name = f"{model}-AWQ" if model else "an AWQ/GPTQ 4-bit checkpoint of the model"
+        fixes.append(
+            Fix(
+                "--model",
+                name,
+                f"a 4-bit checkpoint takes ~{int4 / tp:.1f} GiB per GPU instead of {weights_total_gib / tp:.1f} GiB",
+                STEP_QUANTIZE,
+            )
+        )
+    for new_tp in (2, 4, 8, 16):
+        if new_tp <= tp:
+            continue
+        if weights_total_gib / new_tp <= limit:
+            fixes.append(
+                Fix(
+                    "--tensor-parallel-size",
+                    str(new_tp),
+                    f"weights {weights_total_gib:.1f} GiB split over {new_tp} GPUs = "
+                    f"{weights_total_gib / new_tp:.1f} GiB each, leaving room for the KV cache",
+                    STEP_TP,
+                )
+            )
+            break
+    return fixes
+
+
+def _already_quantized(s: Situation) -> bool:
+    name = f"{s.get('model') or ''} {s.get('quantization') or ''}".lower()
+    return any(
+        k in name
+        for k in (
+            "awq",
+            "gptq",
+            "fp8",
+            "int8",
+            "int4",
+            "4bit",
+            "8bit",
+            "w4a16",
+            "w8a8",
+            "gguf",
+            "nvfp4",
+            "mxfp4",
+            "bnb",
+        )
+    )
+
+
+def _already_4bit(s: Situation) -> bool:
+    name = f"{s.get('model') or ''} {s.get('quantization') or ''}".lower()
+    return any(
+        k in name for k in ("awq", "gptq", "int4", "4bit", "w4a16", "gguf", "nvfp4", "mxfp4", "q4")
+    )
+
+
+def budget_gib(s: Situation) -> float | None:
+    total, util = s.total_gib, s.util
+    if total is None or util is None:
+        return None
+    return total * util
+
+
+# --- rules -------------------------------------------------------------------------------------
+
+
+def rule_startup_check(s: Situation, out: Findings) -> None:
+    """vLLM refuses to start when free memory < util × total (§2.1)."""
+    p = s.parsed
+    ev = p.evidence("startup_check_failed")
+    if ev is None:
+        return
+    free, total = s.get("startup_free_gib"), s.get("startup_total_gib") or s.total_gib
+    if free is None or total is None:
+        out.add(
+            "util_overshoot",
+            0.6,
+            "vLLM's start-up check found less free memory than it requests",
+            [ev],
+            [
+                Fix(
+                    "--gpu-memory-utilization",
+                    None,
+                    "lower it below free ÷ total memory",
+                    STEP_UTIL,
+                )
+            ],
+        )
+        return
+    others = max(total - free, 0.0)
+    share = others / total if total else 0.0
+    cpu = s.get("platform") == "cpu"
+    util = s.util
+    expected = s.context.expect_cotenant or (s.util_stated and util is not None and util <= 0.6)
+    util_fix = util_to_fit_free(
+        s,
+        free,
+        total,
+        f"{others:.1f} GiB of {total:.2f} GiB are already in use by other processes; vLLM requests "
+        "utilization × total memory, so the request must fit in the {0:.2f} GiB that are free".format(
+            free
+        ),
+    )
+    explanation = (
+        f"At start-up only {free:.2f} of {total:.2f} GiB were free ({share:.0%} of the "
+        f"{'RAM' if cpu else 'GPU'} used by other processes), but vLLM asks for "
+        f"gpu_memory_utilization × total{f' = {util:g} × {total:.2f}' if util else ''} GiB."
+    )
+    if share >= LEFTOVER_SHARE and not expected and not cpu:
+        out.add(
+            "leak_or_other_process",
+            0.8,
+            f"{others:.1f} GiB ({share:.0%}) of the GPU is held by another process at start-up — "
+            "most likely a leftover vLLM or training process",
+            [ev],
+            [
+                Fix(
+                    "action",
+                    "find the process holding the GPU (nvidia-smi --query-compute-apps=pid,used_memory "
+                    "--format=csv) and stop it; then start vLLM unchanged",
+                    "a leftover engine is not a "
+                    "co-tenant to budget for: lowering utilization would waste the GPU",
+                    STEP_ACTION,
+                ),
+                util_fix,
+            ],
+            explanation
+            + " Such a large share with no co-tenant expected is the signature of a process "
+            "that did not exit (an orphaned engine from an earlier run or test).",
+        )
+        out.add(
+            "util_overshoot",
+            0.35,
+            "utilization does not leave room for the memory already in use",
+            [ev],
+            [util_fix],
+            explanation,
+        )
+        return
+    out.add(
+        "util_overshoot",
+        0.85,
+        f"gpu_memory_utilization asks for more than is free: {others:.1f} GiB are used by other processes",
+        [ev],
+        [util_fix],
+        explanation,
+    )
+    if share >= 0.3 and not cpu:
+        out.add(
+            "leak_or_other_process",
+            0.3,
+            "the memory in use may belong to a leftover process",
+            [ev],
+            [
+                Fix(
+                    "action",
+                    "check nvidia-smi for processes that should not be there",
+                    "",
+                    STEP_ACTION,
+                )
+            ],
+        )
+
+
+def rule_kv_too_small(s: Situation, out: Findings) -> None:
+    """The fit check: one request at max_model_len needs more KV than available (§7.2, §5.4)."""
+    p = s.parsed
+    ev = p.evidence("kv_too_small")
+    if ev is None:
+        return
+    length = s.get("kv_error_max_model_len")
+    capacity: int | None = None
+    basis = ""
+    if s.get("estimated_max_model_len"):
+        capacity = int(s.get("estimated_max_model_len"))
+        basis = f"vLLM estimates the maximum model length at {capacity:,}"
+    elif s.get("kv_capacity_tokens"):
+        capacity = int(s.get("kv_capacity_tokens"))
+        basis = f"the KV cache holds {capacity:,} tokens"
+    elif s.get("kv_needed_gib") and s.get("kv_available_gib") and length:
+        need, avail = float(s.get("kv_needed_gib")), float(s.get("kv_available_gib"))
+        if need > 0 and avail > 0:
+            capacity = int(length * avail / need)
+            basis = f"{avail:g} GiB of KV cache holds about {capacity:,} tokens ({need:g} GiB are needed for {length:,})"
+    fixes: list[Fix] = []
+    if capacity:
+        new_len = nice_max_model_len(capacity, s.block_size)
+        fixes.append(
+            Fix(
+                "--max-model-len",
+                str(new_len),
+                f"{basis}; {new_len:,} leaves a small margin "
+                f"(multiple of the {s.block_size}-token block)",
+                STEP_MAX_MODEL_LEN,
+            )
+        )
+    kv_bytes = s.context.args.get("kv_cache_memory_bytes") or p.args.get("kv_cache_memory_bytes")
+    if kv_bytes:
+        need_gib = float(s.get("kv_needed_gib") or 0.0)
+        needed = int(need_gib * 2**30) if need_gib > 0 else _kv_bytes_for_max_len(s)
+        value = f"{max(needed * 5 // 4, 16 * 2**20) // 2**20 + 1}M" if needed else "256M"
+        fixes.append(
+            Fix(
+                "--kv-cache-memory-bytes",
+                value,
+                f"the KV cache gets exactly --kv-cache-memory-bytes ({kv_bytes}); "
+                "it must hold one max_model_len request",
+                STEP_MAX_MODEL_LEN + (0.1 if capacity else -0.1),
+            )
+        )
+    util, total = s.util, s.total_gib
+    need, avail = s.get("kv_needed_gib"), s.get("kv_available_gib")
+    if kv_bytes:
+        pass  # utilization does not size the KV cache when its bytes are given
+    elif util is not None and total and need is not None and avail is not None:
+        new_util = ceil2(util + (float(need) - float(avail)) / total + 0.01)
+        if new_util <= 0.95:
+            fixes.append(
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{new_util:.2f}",
+                    f"adds the missing {float(need) - float(avail):.2f} GiB to the KV budget "
+                    "(only if nothing else needs that memory)",
+                    STEP_UTIL if (s.util_stated and util < 0.85) else STEP_KV_DTYPE + 0.1,
+                )
+            )
+    elif s.util_stated and util is not None and util < 0.85:
+        fixes.append(
+            Fix(
+                "--gpu-memory-utilization",
+                f"{min(util + 0.1, 0.9):.2f}",
+                f"utilization {util:g} leaves little for the KV cache",
+                STEP_UTIL,
+            )
+        )
+    if str(s.get("kv_cache_dtype") or "auto") in ("auto", "bfloat16", "float16"):
+        fixes.append(
+            Fix(
+                "--kv-cache-dtype",
+                "fp8",
+                "halves the KV bytes per token, doubling the tokens the same memory holds",
+                STEP_KV_DTYPE,
+            )
+        )
+    summary = (
+        f"max_model_len {length:,} does not fit in the KV cache"
+        if length
+        else "max_model_len does not fit in the KV cache"
+    )
+    if capacity:
+        summary += f" (it holds {capacity:,} tokens)"
+    out.add(
+        "kv_too_small_for_max_len",
+        0.9,
+        summary,
+        [ev, p.evidence("estimated_max_model_len")],
+        fixes,
+        "vLLM checks at start-up that one request of max_model_len tokens fits in the KV cache "
+        "left after weights, activations and graphs. max_model_len defaults to the model's "
+        "maximum context; cap it to the real P99 prompt+output length.",
+    )
+
+
+def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
+    """Zero (or negative) KV budget: tell apart low utilization, weights, activation, TP."""
+    p = s.parsed
+    ev = p.evidence("no_cache_blocks") or p.evidence("auto_fit_failed")
+    if ev is None:
+        return
+    util, total = s.util, s.total_gib
+    budget = budget_gib(s)
+    w = s.weights_per_gpu_gib
+    weights = float(w.value) if w is not None else None
+    act = s.get("activation_gib")
+    seqs = s.get("max_num_seqs")
+    seqs_known = s.known("max_num_seqs")
+    engine_v1 = s.get("engine") == "v1" or _version_minor(s) >= 8
+    evid = [ev, w.evidence if w else None, s.parsed.evidence("activation_gib")]
+    kv_bytes = s.context.args.get("kv_cache_memory_bytes") or s.parsed.args.get(
+        "kv_cache_memory_bytes"
+    )
+    if kv_bytes:
+        needed = _kv_bytes_for_max_len(s)
+        value = f"{max(needed * 5 // 4, 16 * 2**20) // 2**20 + 1}M" if needed else "256M"
+        out.add(
+            "kv_too_small_for_max_len",
+            0.85,
+            f"--kv-cache-memory-bytes {kv_bytes} is less than one KV block",
+            evid,
+            [
+                Fix(
+                    "--kv-cache-memory-bytes",
+                    value,
+                    "the KV cache gets exactly this many bytes; it must hold "
+                    "at least one max_model_len request"
+                    + (f" ({needed / 2**20:.1f} MiB)" if needed else ""),
+                    STEP_UTIL,
+                )
+            ],
+            "With --kv-cache-memory-bytes vLLM skips profiling and gives the KV cache exactly that budget.",
+        )
+        return
+    low_util = s.util_stated and util is not None and util <= 0.6
+    if s.get("cpu_offload_gib") and util is not None and util <= 0.6:
+        low_util = True
+    if low_util and util is not None:
+        fixes = []
+        if total and weights is not None:
+            need = (weights + float(act or 1.0) + 1.0 + CONTEXT_SLACK_GIB) / total
+            new = min(max(ceil2(need + 0.05), round(util + 0.1, 2)), 0.9)
+            fixes.append(
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{new:.2f}",
+                    f"weights {weights:.1f} GiB + activations "
+                    f"must fit inside utilization × {total:.2f} GiB with room left for the KV cache",
+                    STEP_UTIL,
+                )
+            )
+        else:
+            fixes.append(
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{min(util + 0.2, 0.9):.2f}",
+                    f"{util:g} is this instance's whole budget (weights + activations + KV cache), "
+                    "not just the KV cache",
+                    STEP_UTIL,
+                )
+            )
+        out.add(
+            "kv_too_small_for_max_len",
+            0.75,
+            f"gpu_memory_utilization {util:g} leaves nothing for the KV cache",
+            evid,
+            fixes,
+            "gpu_memory_utilization is the fraction of the GPU for everything vLLM holds; at this "
+            "value the weights and the profiled activations already use it up.",
+        )
+        return
+    if weights is not None and budget is not None and weights >= 0.85 * budget:
+        wt = s.get("weights_total_gib") or weights * s.tp
+        out.add(
+            "weights_dont_fit",
+            0.8,
+            f"weights take {weights:.1f} GiB of the {budget:.1f} GiB budget per GPU: no room for a KV cache",
+            evid,
+            weights_fixes(s, float(wt), budget),
+            "The weights alone nearly fill gpu_memory_utilization × total memory; no utilization or "
+            "length setting makes room — reduce the weights per GPU.",
+        )
+        return
+    if p.has("mm_encoder_profile") or p.has("mm_encoder_frames"):
+        rule_multimodal(s, out, base=0.7, evidence=[ev])
+        return
+    heavy_act = act is not None and budget is not None and float(act) > 0.2 * budget
+    if (seqs_known is not None and seqs_known.stated and int(seqs) >= 512) or heavy_act:
+        target = fewer_seqs(int(seqs) if seqs else None)
+        fixes = [
+            Fix(
+                "--max-num-seqs",
+                str(target),
+                f"the profiling run and sampler warm-up size their buffers "
+                f"for max_num_seqs={seqs or 1024} sequences; {target} cuts that peak",
+                STEP_MAX_NUM_SEQS,
+            )
+        ]
+        if heavy_act:
+            fixes.append(
+                Fix(
+                    "--max-num-batched-tokens",
+                    "2048",
+                    f"the profiled activation peak "
+                    f"({float(act):.1f} GiB) scales with the tokens per batch",
+                    STEP_BATCHED_TOKENS,
+                )
+            )
+        out.add(
+            "concurrency_or_batch",
+            0.7,
+            f"the profiling run for {seqs or 'the default'} sequences used the memory meant for the KV cache",
+            evid,
+            fixes,
+            "vLLM profiles one batch of max_num_batched_tokens over max_num_seqs sequences (and their "
+            "sampler logits); that peak is subtracted before the KV cache gets anything.",
+        )
+        return
+    if s.tp > 1 and (weights is None or budget is None or weights <= 0.5 * budget):
+        out.add(
+            "fragmentation",
+            0.55,
+            f"with tensor parallelism ({s.tp} GPUs) the profiled peak was inflated although the "
+            "weights leave room",
+            evid,
+            [
+                Fix(
+                    "TORCH_NCCL_AVOID_RECORD_STREAMS",
+                    "1",
+                    "with TP>1 NCCL's record_stream keeps activation "
+                    "blocks from being reused, inflating the profiled peak (needs torch ≥ 2.1.2)",
+                    STEP_ENV,
+                ),
+                Fix(
+                    "PYTORCH_CUDA_ALLOC_CONF",
+                    "expandable_segments:True",
+                    "reduces allocator fragmentation",
+                    STEP_ENV + 0.1,
+                ),
+            ]
+            if not s.sleep_mode
+            else [],
+            "Nothing in the weights explains an empty KV budget; with TP>1 the known mechanism is "
+            "allocator fragmentation from NCCL streams inflating the profiled peak.",
+        )
+        return
+    # generic: the budget is too small for weights + activation at these settings
+    fixes = []
+    if util is not None and util < 0.95:
+        fixes.append(
+            Fix(
+                "--gpu-memory-utilization",
+                f"{min(round(util + 0.05, 2), 0.95):.2f}",
+                "gives the KV cache more of the GPU (if nothing else uses it)",
+                STEP_UTIL,
+            )
+        )
+    if engine_v1 and not (seqs_known and seqs_known.stated):
+        fixes.append(
+            Fix(
+                "--max-num-seqs",
+                "256",
+                "the V1 default of 1024 sequences on large GPUs inflates the profiling peak",
+                STEP_MAX_NUM_SEQS,
+            )
+        )
+    out.add(
+        "kv_too_small_for_max_len",
+        0.5,
+        "no memory left for the KV cache after weights and activations",
+        evid,
+        fixes,
+        "The budget (utilization × total) minus weights, activation peak and non-torch "
+        "memory is zero or negative.",
+    )
+    if engine_v1:
+        out.add(
+            "concurrency_or_batch",
+            0.3,
+            "the profiling peak for many sequences may have consumed the budget",
+            evid,
+            [Fix("--max-num-seqs", "256", "smaller profiling and sampler peak", STEP_MAX_NUM_SEQS)],
+        )
+
+
+_CPU_KV = re.compile(r"requested memory for kv \((-?[\d.]+)(?:/([\d.]+))? GiB\)")
+
+
+def rule_cpu_kv_allocation(s: Situation, out: Findings) -> None:
+    """CPU backend: utilization × node RAM minus the process RSS left nothing for the KV cache."""
+    ev = s.parsed.evidence("cpu_kv_allocation_failed")
+    if ev is None:
+        return
+    m = _CPU_KV.search(ev.text)
+    total = s.get("startup_total_gib") or s.total_gib
+    util = s.util
+    fixes: list[Fix] = []
+    if m and total and util is not None and s.util_stated:
+        kv = float(m.group(1))
+        wanted = max(float(m.group(2) or 0.5), 0.5)
+        rss = util * float(total) - kv  # requested − RSS = kv
+        new = min(ceil2((rss + wanted + 0.25) / float(total)), 0.9)
+        fixes.append(
+            Fix(
+                "--gpu-memory-utilization",
+                f"{new:.2f}",
+                f"on the CPU backend the flag is the share of "
+                f"node RAM; {util:g} × {float(total):.2f} GiB is below the {rss:.2f} GiB the worker already "
+                "holds",
+                STEP_UTIL,
+            )
+        )
+    out.add(
+        "kv_too_small_for_max_len",
+        0.8,
+        "utilization × RAM minus what the worker holds leaves no KV cache",
+        [ev],
+        fixes,
+        "On the CPU backend vLLM gives the KV cache gpu_memory_utilization × node RAM minus the "
+        "process's resident memory; a utilization below the RSS leaves a negative budget.",
+    )
+
+
+def rule_mamba(s: Situation, out: Findings) -> None:
+    p = s.parsed
+    ev = p.evidence("mamba_blocks_exceeded")
+    if ev is None:
+        return
+    blocks = int(s.get("mamba_cache_blocks") or 0)
+    seqs = int(s.get("mamba_max_num_seqs") or 0)
+    target = max((blocks // 8) * 8 if blocks >= 16 else blocks, 1)
+    nice = power_of_two_at_most(blocks) if blocks else target
+    if nice >= 0.9 * blocks:
+        target = nice
+    out.add(
+        "concurrency_or_batch",
+        0.92,
+        f"max_num_seqs {seqs} exceeds the {blocks} Mamba state blocks the memory holds",
+        [ev],
+        [
+            Fix(
+                "--max-num-seqs",
+                str(target),
+                f"each running sequence needs one Mamba state block; {blocks} fit",
+                STEP_MAX_NUM_SEQS,
+            )
+        ],
+        "Hybrid (Mamba/linear-attention) models keep a fixed-size state per running sequence; the "
+        "pool must hold max_num_seqs of them.",
+    )
+
+
+def rule_sampler(s: Situation, out: Findings) -> None:
+    p = s.parsed
+    ev = p.evidence("sampler_warmup_oom")
+    if ev is None:
+        return
+    seqs = int(s.get("sampler_warmup_oom_seqs") or s.get("max_num_seqs") or 1024)
+    target = fewer_seqs(seqs)
+    oom = p.first_oom
+    fixes = [
+        Fix(
+            "--max-num-seqs",
+            str(target),
+            f"the sampler warm-up materialises logits for {seqs} "
+            f"sequences × the vocabulary; {target} needs a quarter",
+            STEP_MAX_NUM_SEQS,
+        )
+    ]
+    extra = 0.0
+    if oom is not None and oom.tried_gib is not None and oom.free_gib is not None:
+        extra = max(oom.tried_gib - oom.free_gib, 0.0)
+    util_fix = lower_util(s, max(extra, 0.0), "leaves headroom for the sampler's logits")
+    if util_fix is not None:
+        fixes.append(util_fix)
+    out.add(
+        "concurrency_or_batch",
+        0.9,
+        f"the sampler warm-up with {seqs} dummy requests ran out of memory",
+        [ev, oom.evidence if oom else None],
+        fixes,
+        "vLLM warms up the sampler with max_num_seqs requests; their logits (sequences × vocabulary, "
+        "in float32, plus sort buffers) can take several GiB on large-vocabulary models.",
+    )
+
+
+def rule_multimodal(
+    s: Situation, out: Findings, base: float = 0.8, evidence: list[Evidence | None] | None = None
+) -> None:
+    p = s.parsed
+    ev = p.evidence("mm_encoder_profile") or p.evidence("mm_encoder_frames")
+    if ev is None:
+        return
+    seqs = s.get("max_num_seqs")
+    items = s.get("encoder_profile_items")
+    fixes = [
+        Fix(
+            "--max-num-seqs",
+            str(max(int(seqs) // 8, 1) if seqs else 32),
+            f"the encoder profile runs one maximal image per sequence ({seqs or 'default'} sequences"
+            f"{f', {items} items' if items else ''})",
+            STEP_MAX_NUM_SEQS,
+        ),
+        Fix(
+            "--limit-mm-per-prompt",
+            '{"image": 1}',
+            "profiles one image per prompt instead of the maximum",
+            STEP_MULTIMODAL,
+        ),
+        Fix(
+            "--mm-processor-kwargs",
+            '{"max_pixels": 1003520}',
+            "caps the image size the vision encoder is profiled with (Qwen-VL style processors)",
+            STEP_MULTIMODAL + 0.1,
+        ),
+    ]
+    out.add(
+        "multimodal_encoder",
+        base,
+        "the vision encoder's profiling run (dummy images of maximal size) ran out of memory",
+        [ev, p.evidence("mm_encoder_frames"), *(evidence or [])],
+        fixes,
+        "Before sizing the KV cache vLLM runs the vision/audio encoder on the worst case: maximal "
+        "images for many sequences. Its peak scales with max_num_seqs and the per-prompt item limits, "
+        "not with max_model_len.",
+    )
+
+
+def rule_host_memory(s: Situation, out: Findings) -> None:
+    p = s.parsed
+    swap = p.evidence("cpu_swap_exhausted")
+    if swap is not None:
+        current = s.get("swap_space_gib")
+        new = f"{int(current * 2) if current else 16}"
+        out.add(
+            "cpu_ram",
+            0.9,
+            "vLLM ran out of its CPU swap space for preempted sequences",
+            [swap],
+            [
+                Fix(
+                    "--max-num-seqs",
+                    str(fewer_seqs(s.get("max_num_seqs") or default_max_num_seqs(s), factor=2)),
+                    "fewer sequences in flight need less swap when preempted",
+                    STEP_MAX_NUM_SEQS,
+                ),
+                Fix(
+                    "--swap-space",
+                    new,
+                    "CPU memory (GiB per GPU) for KV blocks of preempted sequences "
+                    "(n>1 / beam search)",
+                    STEP_SWAP,
+                ),
+            ],
+            "This is vLLM's own CPU swap area (--swap-space), not the OS swap file.",
+        )
+    kill = p.evidence("host_ram_kill") or p.evidence("host_alloc_failure")
+    died = p.evidence("died_unexpectedly")
+    explained = p.ooms or any(
+        p.has(sig)
+        for sig in (
+            "no_cache_blocks",
+            "kv_too_small",
+            "startup_check_failed",
+            "cpu_kv_allocation_failed",
+            "mamba_blocks_exceeded",
+            "sampler_warmup_oom",
+            "weight_load_oom",
+            "auto_fit_failed",
+        )
+    )
+    if kill is None and died is not None and not explained and "exit code: 0" not in died.text:
+        kill = died
+    if kill is not None:
+        unified = p.has("unified_memory")
+        fixes = []
+        if s.get("cpu_blocks") or s.get("engine") == "v0":
+            fixes.append(
+                Fix(
+                    "--swap-space",
+                    "0",
+                    "V0 pins swap_space GiB of host RAM per GPU for preempted sequences",
+                    STEP_SWAP,
+                )
+            )
+        if unified:
+            fixes.append(
+                lower_util(s, 2.0, "on unified memory the GPU budget is taken from system RAM")
+                or Fix(
+                    "--gpu-memory-utilization", "0.6", "GPU budget comes from system RAM", STEP_UTIL
+                )
+            )
+        if s.get("cpu_offload_gib"):
+            fixes.append(
+                Fix("--cpu-offload-gb", "0", "offloaded weights live in host RAM", STEP_OFFLOAD)
+            )
+        fixes.append(
+            Fix(
+                "action",
+                "give the container/host more RAM or stop other memory users; "
+                "check `dmesg | grep -i oom`",
+                "the kernel killed the process for host RAM",
+                STEP_ACTION + 9,
+            )
+        )
+        out.add(
+            "cpu_ram",
+            0.85 if kill is not died else 0.6,
+            "the process was killed for lack of host RAM",
+            [kill],
+            fixes,
+            "A kill without a CUDA error is the kernel's OOM killer: host memory ran out "
+            "(weights staged in RAM while loading, pinned swap space, CPU offload, or unified memory).",
+        )
+    drv = p.evidence("driver_oom")
+    if drv is not None and not any(o.kind == "torch" for o in p.ooms):
+        if p.has("cumem_allocator"):
+            cumem_fix = lower_util(
+                s, 2.0, "the co-located process needs the rest of the GPU"
+            ) or Fix(
+                "--gpu-memory-utilization",
+                "0.5",
+                "share the GPU with the co-located trainer",
+                STEP_UTIL,
+            )
+            out.add(
+                "util_overshoot",
+                0.7,
+                "the GPU ran out while vLLM's sleep-mode pool mapped memory",
+                [drv, p.evidence("cumem_allocator")],
+                [cumem_fix],
+                "cumem_allocator maps vLLM's whole budget; with a trainer or another engine on the same "
+                "GPU, utilization × total plus the other process exceeds the card.",
+            )
+        elif (
+            (s.get("cpu_blocks") or 0) > 0
+            and s.parsed.failure_phase is not None
+            and s.parsed.failure_phase.value in (Phase.KV_ALLOCATION, Phase.PROFILING)
+        ):
+            conf = 0.75 if p.has("wsl") else 0.6
+            out.add(
+                "cpu_ram",
+                conf,
+                "allocating the pinned CPU swap cache failed",
+                [drv, p.evidence("wsl")],
+                [
+                    Fix(
+                        "--swap-space",
+                        "0",
+                        f"{s.get('cpu_blocks')} CPU blocks of pinned host memory were "
+                        "requested right before the failure"
+                        + (" (WSL limits pinned memory)" if p.has("wsl") else ""),
+                        STEP_SWAP,
+                    )
+                ],
+                "A CUDA driver error (not a PyTorch allocation) right after the CPU block count is the "
+                "pinned host-memory allocation of the swap space failing.",
+            )
+        else:
+            fix_opt = lower_util(s, 1.0, "leaves room for memory allocated outside PyTorch")
+            out.add(
+                "util_overshoot",
+                0.4,
+                "the CUDA driver could not allocate memory outside PyTorch's pool",
+                [drv],
+                [fix_opt] if fix_opt else [],
+            )
+
+
+def rule_leak(s: Situation, out: Findings) -> None:
+    ev = s.parsed.evidence("memory_growth")
+    if ev is None:
+        return
+    out.add(
+        "leak_or_other_process",
+        0.75,
+        "memory use grows over time at a steady load",
+        [ev],
+        [
+            Fix(
+                "action",
+                "watch per-process memory (nvidia-smi --query-compute-apps=pid,used_memory "
+                "--format=csv -l 60) to see which process grows; upgrade vLLM/torch if it is the engine",
+                "vLLM's KV pool is fixed at start-up: growth comes from elsewhere",
+                STEP_ACTION,
+            ),
+            Fix(
+                "--gpu-memory-utilization",
+                f"{max(round((s.util or 0.9) - 0.1, 2), 0.1):.2f}",
+                "headroom while the growth is found",
+                STEP_UTIL,
+            ),
+        ],
+        "vLLM allocates its KV cache once; steady growth under constant load is a leak (multimodal "
+        "caches, LoRA adapters, NCCL buffers) or another process.",
+    )
+
+
+def rule_profiling_free_increase(s: Situation, out: Findings) -> None:
+    ev = s.parsed.evidence("profiling_free_increase")
+    if ev is None:
+        return
+    grew = s.get("profiling_free_increase")
+    out.add(
+        "other",
+        0.85,
+        f"free memory grew{f' by {grew:.2f} GiB' if grew else ''} while vLLM profiled: "
+        "another process released GPU memory",
+        [ev],
+        [
+            Fix(
+                "action",
+                "start vLLM when no other process on the GPU is starting or stopping, or "
+                "isolate it on its own GPU",
+                "the profiling difference is only valid if nothing else "
+                "changes the GPU's free memory",
+                STEP_ACTION,
+            ),
+            Fix(
+                "--kv-cache-memory-bytes",
+                "<value from an earlier run's suggestion line>",
+                "skips the profiling arithmetic entirely",
+                STEP_UTIL,
+            ),
+        ],
+        "Not an out-of-memory: vLLM measures its own usage as the drop in free memory, which is "
+        "invalid when a co-tenant frees memory (or on unified-memory systems).",
+    )
+
+
+def rule_sleep_expandable(s: Situation, out: Findings) -> None:
+    ev = s.parsed.evidence("sleep_expandable_conflict")
+    if ev is None:
+        return
+    out.add(
+        "other",
+        0.9,
+        "expandable_segments is set, which vLLM's sleep-mode memory pool does not allow",
+        [ev, s.parsed.evidence("expandable_segments_in_use")],
+        [
+            Fix(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                "(unset, or without expandable_segments:True)",
+                "sleep mode's cumem pool cannot use expandable segments",
+                STEP_ENV,
+            )
+        ],
+        "A configuration conflict, not an out-of-memory: remove expandable_segments from "
+        "PYTORCH_CUDA_ALLOC_CONF for engines with --enable-sleep-mode.",
+    )
+
+
+def rule_weight_load_oom(s: Situation, out: Findings) -> None:
+    ev = s.parsed.evidence("weight_load_oom")
+    if ev is None:
+        return
+    _weights_finding(s, out, [ev], 0.85)
+
+
+def _weights_finding(
+    s: Situation, out: Findings, evidence: list[Evidence | None], confidence: float
+) -> None:
+    total = s.total_gib
+    wt = s.known("weights_total_gib")
+    per_gpu = float(wt.value) / s.tp if wt is not None else None
+    budget = budget_gib(s) or (total * 0.9 if total else None)
+    if per_gpu is not None and total and per_gpu < 0.6 * total:
+        # the arithmetic says the weights fit: something else went wrong while loading
+        out.add(
+            "other",
+            confidence * 0.75,
+            f"the weights (~{per_gpu:.1f} GiB per GPU) should fit in {total:.1f} GiB, yet loading ran out of memory",
+            evidence,
+            [
+                Fix(
+                    "action",
+                    "try the previous vLLM release or report a regression; check for another "
+                    "process on the GPU",
+                    "the configuration is not the problem by the numbers",
+                    STEP_ACTION,
+                )
+            ],
+            "Loading needs the weights plus small transient buffers; an OOM far below the GPU's "
+            "size points to a loader regression or an unexpected allocation.",
+        )
+        out.add(
+            "weights_dont_fit",
+            confidence * 0.4,
+            "weight loading ran out of memory",
+            evidence,
+            weights_fixes(s, float(wt.value), budget) if wt is not None and budget else [],
+        )
+        return
+    fixes = (
+        weights_fixes(s, float(wt.value), budget)
+        if wt is not None and budget
+        else [
+            Fix(
+                "--quantization",
+                "awq",
+                "use a 4-bit (AWQ/GPTQ) checkpoint of the model",
+                STEP_QUANTIZE,
+            ),
+            Fix(
+                "--tensor-parallel-size",
+                str(max(s.tp * 2, 2)),
+                "split the weights over more GPUs",
+                STEP_TP,
+            ),
+        ]
+    )
+    summary = "the weights do not fit on the GPU"
+    if per_gpu is not None and total:
+        summary = (
+            f"the weights (~{per_gpu:.1f} GiB per GPU{', ' + wt.origin if wt and wt.origin == 'name' else ''}) "
+            f"do not fit in {total:.1f} GiB"
+        )
+    out.add(
+        "weights_dont_fit",
+        confidence,
+        summary,
+        [*evidence, wt.evidence if wt else None],
+        fixes,
+        "The out-of-memory happened while the model's parameters were being created/loaded: the "
+        "weights alone exceed the GPU at this precision and parallelism.",
+    )
+
+
+def rule_cudagraph(s: Situation, out: Findings) -> None:
+    p = s.parsed
+    fp = p.failure_phase
+    hint = p.evidence("cudagraph_oom_hint")
+    in_capture = (
+        fp is not None
+        and fp.value == Phase.CUDA_GRAPH_CAPTURE
+        and (p.ooms or p.has("driver_oom") or hint)
+    )
+    if not (in_capture or hint):
+        return
+    oom = p.first_oom
+    graphs = s.get("cudagraph_actual_gib") or s.get("cudagraph_estimate_gib")
+    short = 0.0
+    if oom is not None and oom.tried_gib is not None and oom.free_gib is not None:
+        short = max(oom.tried_gib - oom.free_gib, 0.0)
+    fixes: list[Fix] = []
+    # the failed allocation is one graph; the rest of the capture needs about the graphs' size
+    # (vLLM ≤0.3 itself warned "CUDA graphs can take additional 1~3 GiB memory per GPU")
+    util_fix = lower_util(
+        s,
+        max(short, float(graphs) if graphs else 1.0),
+        "CUDA graphs are captured after "
+        "the KV cache is allocated and live in the memory outside utilization × total",
+    )
+    util_first = util_fix is not None and s.util_stated and (s.util or 0) >= 0.95
+    if util_fix is not None:
+        fixes.append(util_fix if util_first else replace(util_fix, step=STEP_CUDAGRAPH + 0.2))
+    fixes.append(
+        Fix(
+            "--max-cudagraph-capture-size",
+            "128",
+            "captures fewer, smaller graphs (older "
+            "releases: --max-seq-len-to-capture / --cudagraph-capture-sizes)",
+            STEP_CUDAGRAPH,
+        )
+    )
+    fixes.append(
+        Fix(
+            "--enforce-eager",
+            None,
+            "no CUDA graphs at all (slower decoding, no capture memory)",
+            STEP_CUDAGRAPH + 0.1,
+        )
+    )
+    out.add(
+        "cuda_graph",
+        0.85,
+        "ran out of memory while capturing CUDA graphs"
+        + (f" (graphs took {graphs:.2f} GiB)" if graphs else ""),
+        [
+            fp.evidence if fp else None,
+            hint,
+            oom.evidence if oom else None,
+            p.evidence("cudagraph_actual_gib"),
+        ],
+        fixes,
+        "CUDA-graph capture runs after the KV cache has taken its share; the graphs' memory must "
+        "fit in what gpu_memory_utilization leaves outside vLLM's budget (or be estimated and "
+        "subtracted, in 0.18+).",
+    )
+
+
+def rule_torch_oom(s: Situation, out: Findings) -> None:
+    """A PyTorch allocator OOM: reason from the phase, the allocator numbers and co-tenants."""
+    p = s.parsed
+    oom = p.first_oom
+    if oom is None or oom.kind == "driver":
+        return
+    total = oom.total_gib or s.total_gib
+    ev = oom.evidence
+    phase = p.failure_phase.value if p.failure_phase else None
+
+    # fragmentation: only when the reserved-but-unallocated memory could have served the request
+    unalloc, tried = oom.reserved_unallocated_gib, oom.tried_gib
+    if unalloc is not None and tried:
+        big = max(0.5, 0.01 * total) if total else 0.5
+        if unalloc >= tried and unalloc >= big:
+            fixes = (
+                []
+                if s.sleep_mode
+                else [
+                    Fix(
+                        "PYTORCH_CUDA_ALLOC_CONF",
+                        "expandable_segments:True",
+                        f"{unalloc:.2f} GiB are reserved but unallocated — more than the {tried:.2f} GiB request",
+                        STEP_ENV,
+                    )
+                ]
+            )
+            if s.sleep_mode:
+                fixes.append(
+                    lower_util(
+                        s,
+                        unalloc,
+                        "sleep mode cannot use expandable segments; leave the "
+                        "fragmented amount outside vLLM's budget",
+                    )
+                    or Fix("--gpu-memory-utilization", None, "lower it", STEP_UTIL)
+                )
+            out.add(
+                "fragmentation",
+                0.75,
+                f"{unalloc:.2f} GiB sit reserved but unallocated while a "
+                f"{tried:.2f} GiB allocation failed",
+                [ev],
+                fixes,
+                "PyTorch's caching allocator holds free blocks that are too fragmented to serve the "
+                "request; expandable segments let it grow blocks in place.",
+            )
+        elif unalloc >= 0.5 * tried and unalloc >= 0.25:
+            out.add(
+                "fragmentation",
+                0.3,
+                "some reserved memory is unallocated",
+                [ev],
+                []
+                if s.sleep_mode
+                else [
+                    Fix(
+                        "PYTORCH_CUDA_ALLOC_CONF",
+                        "expandable_segments:True",
+                        "may let the allocator reuse the fragmented blocks",
+                        STEP_ENV,
+                    )
+                ],
+            )
+
+    # other processes on the GPU
+    others = oom.other_processes_gib
+    if others is not None and total and others >= max(1.0, 0.05 * total):
+        share = others / total
+        free_for_us = total - others - CONTEXT_SLACK_GIB
+        fix = util_to_fit_free(
+            s,
+            free_for_us,
+            total,
+            f"{others:.1f} GiB are used by another process; vLLM's "
+            "utilization is a fraction of the whole GPU, so it must leave that out",
+        )
+        if share >= LEFTOVER_SHARE and not (
+            s.context.expect_cotenant or (s.util_stated and (s.util or 1) <= 0.6)
+        ):
+            out.add(
+                "leak_or_other_process",
+                0.7,
+                f"{others:.1f} GiB ({share:.0%}) of the GPU is held by another process",
+                [ev],
+                [
+                    Fix(
+                        "action",
+                        "stop the process holding the GPU (see nvidia-smi)",
+                        "a leftover process should be removed, not budgeted",
+                        STEP_ACTION,
+                    ),
+                    fix,
+                ],
+            )
+            out.add(
+                "util_overshoot",
+                0.4,
+                "utilization does not budget for the other process",
+                [ev],
+                [fix],
+            )
+        else:
+            out.add(
+                "util_overshoot",
+                0.78,
+                f"another process uses {others:.1f} GiB of the GPU that "
+                "gpu_memory_utilization does not budget for",
+                [ev],
+                [fix],
+                "vLLM's budget is utilization × total memory, regardless of what others use; a "
+                "co-tenant must be subtracted by lowering utilization.",
+            )
+
+    this_share = None
+    if total:
+        held = (
+            oom.this_process_gib
+            or oom.reserved_gib
+            or (oom.processes_gib[0][1] if len(oom.processes_gib) == 1 else None)
+            or oom.allocated_gib
+        )
+        if held is not None:
+            this_share = held / total
+    util = s.util
+    high_util = s.util_stated and util is not None and util >= 0.95
+
+    if phase == Phase.WEIGHT_LOADING:
+        _weights_finding(s, out, [ev, p.failure_phase.evidence if p.failure_phase else None], 0.8)
+    elif phase == Phase.PROFILING:
+        if p.has("mm_encoder_profile") or p.has("mm_encoder_frames"):
+            rule_multimodal(s, out, base=0.8, evidence=[ev])
+        else:
+            seqs = s.get("max_num_seqs")
+            out.add(
+                "concurrency_or_batch",
+                0.6,
+                "the profiling forward pass ran out of memory",
+                [ev],
+                [
+                    Fix(
+                        "--max-num-batched-tokens",
+                        "2048",
+                        "the profiling pass runs one batch of max_num_batched_tokens tokens",
+                        STEP_BATCHED_TOKENS,
+                    ),
+                    Fix(
+                        "--max-num-seqs",
+                        str(fewer_seqs(int(seqs) if seqs else None)),
+                        "fewer sequences in the dummy batch and its sampler logits",
+                        STEP_MAX_NUM_SEQS,
+                    ),
+                ],
+            )
+            _maybe_weights(s, out, [ev], 0.35)
+    elif phase == Phase.KV_ALLOCATION:
+        fix_opt = lower_util(
+            s,
+            max((tried or 0) - (oom.free_gib or 0), 0.0),
+            "the KV tensors did not fit next to what was already allocated",
+        )
+        out.add(
+            "util_overshoot",
+            0.55,
+            "allocating the KV cache itself ran out of memory",
+            [ev],
+            [fix_opt] if fix_opt else [],
+        )
+    elif phase == Phase.SERVING:
+        if high_util and util is not None:
+            short = max((tried or 0) - (oom.free_gib or 0), 0.0)
+            fix_opt = lower_util(
+                s,
+                max(short, 0.5),
+                "leaves room for CUDA graphs, non-torch memory and "
+                "runtime spikes, which live outside the budget",
+            )
+            out.add(
+                "util_overshoot",
+                0.75,
+                f"gpu_memory_utilization {util:g} leaves "
+                f"{(1 - util) * (total or 0):.2f} GiB for everything outside vLLM's budget",
+                [ev],
+                [fix_opt] if fix_opt else [],
+                "At runtime vLLM's KV pool is already allocated; what still allocates (activations "
+                "of unusual batches, graphs, NCCL, non-torch) must fit in the (1 − utilization) share.",
+            )
+            out.add(
+                "concurrency_or_batch",
+                0.35,
+                "a burst of long requests needed more activation memory",
+                [ev],
+                _runtime_batch_fixes(s),
+            )
+        else:
+            out.add(
+                "concurrency_or_batch",
+                0.6,
+                "a batch at runtime needed more memory than profiled",
+                [ev],
+                _runtime_batch_fixes(s)
+                + (
+                    [
+                        f
+                        for f in [
+                            lower_util(s, max((tried or 0), 0.5), "headroom for runtime spikes")
+                        ]
+                        if f
+                    ]
+                    if util
+                    else []
+                ),
+                "Runtime allocations beyond the profiled peak (long prompts with logprobs, n>1, "
+                "multimodal inputs) come out of the memory outside the KV pool.",
+            )
+    elif phase == Phase.CUDA_GRAPH_CAPTURE or phase == Phase.SAMPLER_WARMUP:
+        pass  # handled by their own rules
+    else:
+        # no phase in the excerpt: reason from how much of the GPU this process holds
+        wt = s.known("weights_total_gib")
+        per_gpu = float(wt.value) / s.tp if wt is not None else None
+        if this_share is not None and this_share >= 0.9:
+            if per_gpu is not None and total:
+                if per_gpu >= 0.85 * total:
+                    _weights_finding(s, out, [ev], 0.8)
+                elif per_gpu < 0.6 * total:
+                    budget = (util or 0.9) * total
+                    out.add(
+                        "other",
+                        0.55,
+                        f"PyTorch holds {this_share:.0%} of the GPU although the weights "
+                        f"need ~{per_gpu:.1f} GiB and vLLM's budget is {budget:.1f} GiB",
+                        [ev],
+                        [
+                            Fix(
+                                "action",
+                                "compare with the previous vLLM release (possible regression) "
+                                "and report it",
+                                "the configuration does not explain the allocation",
+                                STEP_ACTION,
+                            )
+                        ],
+                        "vLLM's own accounting caps what it allocates at utilization × total; "
+                        "allocations beyond it, with weights that fit, are not a configuration error.",
+                    )
+                    out.add(
+                        "weights_dont_fit", 0.25, "weights plus buffers may exceed the GPU", [ev]
+                    )
+                else:
+                    _weights_finding(s, out, [ev], 0.55)
+            else:
+                _weights_finding(s, out, [ev], 0.45)
+                fix_opt = lower_util(s, 1.0, "headroom outside the budget")
+                out.add(
+                    "util_overshoot",
+                    0.3,
+                    "vLLM's budget left too little headroom",
+                    [ev],
+                    [fix_opt] if fix_opt else [],
+                )
+        elif high_util:
+            fix_opt = lower_util(s, 1.0, "headroom for memory outside the budget")
+            out.add(
+                "util_overshoot",
+                0.6,
+                f"gpu_memory_utilization {util:g} leaves almost no headroom",
+                [ev],
+                [fix_opt] if fix_opt else [],
+            )
+        else:
+            fix_opt = lower_util(
+                s, max((tried or 0) - (oom.free_gib or 0), 0.5), "headroom outside the budget"
+            )
+            out.add(
+                "util_overshoot",
+                0.3,
+                "the GPU was full when PyTorch needed more",
+                [ev],
+                [fix_opt] if fix_opt else [],
+            )
+            out.add(
+                "concurrency_or_batch",
+                0.25,
+                "a large batch may have needed more activation memory",
+                [ev],
+                _runtime_batch_fixes(s),
+            )
+
+
+def _maybe_weights(
+    s: Situation, out: Findings, evidence: list[Evidence | None], confidence: float
+) -> None:
+    wt = s.known("weights_total_gib")
+    total = s.total_gib
+    if wt is not None and total and float(wt.value) / s.tp >= 0.8 * total:
+        _weights_finding(s, out, evidence, confidence + 0.3)
+
+
+def _runtime_batch_fixes(s: Situation) -> list[Fix]:
+    seqs = s.get("max_num_seqs")
+    fixes = [
+        Fix(
+            "--max-num-seqs",
+            str(fewer_seqs(int(seqs) if seqs else default_max_num_seqs(s), factor=2)),
+            "fewer sequences in flight per step",
+            STEP_MAX_NUM_SEQS,
+        ),
+        Fix(
+            "--max-num-batched-tokens",
+            "4096",
+            "smaller prefill chunks cap the activation peak",
+            STEP_BATCHED_TOKENS,
+        ),
+    ]
+    return fixes
+
+
+def rule_truncated(s: Situation, out: Findings) -> None:
+    """A traceback cut before its exception line: the phase is all we have."""
+    p = s.parsed
+    if not p.has("truncated_traceback") or p.ooms or out.by_cause:
+        return
+    fp = p.failure_phase
+    if fp is None:
+        return
+    if fp.value == Phase.PROFILING and (p.has("mm_encoder_profile") or p.has("mm_encoder_frames")):
+        rule_multimodal(s, out, base=0.65, evidence=[fp.evidence])
+    elif fp.value == Phase.PROFILING:
+        out.add(
+            "concurrency_or_batch",
+            0.35,
+            "start-up failed in the profiling run",
+            [fp.evidence],
+            [Fix("--max-num-seqs", "256", "smaller profiling batch", STEP_MAX_NUM_SEQS)],
+        )
+    elif fp.value == Phase.WEIGHT_LOADING:
+        _weights_finding(s, out, [fp.evidence], 0.45)
+    elif fp.value == Phase.CUDA_GRAPH_CAPTURE:
+        out.add(
+            "cuda_graph",
+            0.45,
+            "start-up failed while capturing CUDA graphs",
+            [fp.evidence],
+            [Fix("--enforce-eager", None, "skip graph capture", STEP_CUDAGRAPH)],
+        )
+
+
+def _kv_bytes_for_max_len(s: Situation) -> int | None:
+    """KV bytes one max_model_len request needs, from the memory model when the model resolves."""
+    if s.model_spec is None:
+        return None
+    try:
+        from oomguard.facts.gpus import custom_gpu
+        from oomguard.memory.engine import EngineSettings, predict
+
+        settings = EngineSettings(
+            platform="cpu" if s.get("platform") == "cpu" else "cuda",
+            max_model_len=s.get("max_model_len"),
+            kv_cache_memory_bytes=2**30,
+            enforce_eager=True,
+        )
+        return int(
+            predict(
+                s.model_spec, custom_gpu(float(s.total_gib or 64.0)), settings, strict=False
+            ).needed_bytes_for_max_len
+        )
+    except Exception:  # the fallback value in the fix is used
+        return None
+
+
+def _version_minor(s: Situation) -> int:
+    import re
+
+    version = s.get("vllm_version")
+    if not version:
+        return 0
+    m = re.match(r"v?0\.(\d+)", str(version))
+    return int(m.group(1)) if m else 0
+
+
+RULES: tuple[Callable[[Situation, Findings], None], ...] = (
+    rule_startup_check,
+    rule_kv_too_small,
+    rule_no_cache_blocks,
+    rule_cpu_kv_allocation,
+    rule_mamba,
+    rule_sampler,
+    rule_cudagraph,
+    rule_weight_load_oom,
+    rule_profiling_free_increase,
+    rule_sleep_expandable,
+    rule_host_memory,
+    rule_leak,
+    rule_torch_oom,
+    rule_truncated,
+)
+
+
+def never_expandable_with_sleep(s: Situation, findings: list[Finding]) -> None:
+    """The trap: expandable_segments breaks sleep mode's memory pool — never advise it then."""
+    if not s.sleep_mode:
+        return
+    for finding in findings:
+        finding.fixes = [f for f in finding.fixes if "expandable_segments:True" not in str(f.value)]
+
+
+def apply_rules(s: Situation) -> list[Finding]:
+    """Run every rule and return the findings, best first, with the sleep-mode trap applied."""
+    out = Findings()
+    for rule in RULES:
+        rule(s, out)
+    ranked = out.ranked()
+    never_expandable_with_sleep(s, ranked)
+    for finding in ranked:
+        finding.confidence = min(max(finding.confidence, 0.05), 0.97)
+    return ranked

@@ -1,0 +1,323 @@
+"""The numbers a diagnosis reasons with: what the log states, what the user told us, and what
+model and GPU facts add — each marked with where it came from."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.logs.parsed import Evidence, ParsedLog
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the user knows that the log may not say."""
+
+    model: str | None = None
+    gpu: str | None = None
+    command: str | None = None  # the original ``vllm serve …`` line
+    args: dict[str, Any] = field(default_factory=dict)  # extra settings (underscore names)
+    expect_cotenant: bool = False  # another workload is meant to share the GPU
+
+
+@dataclass(frozen=True)
+class Known:
+    """A number with its origin: ``log`` (evidence line), ``command``, ``facts``, ``default``."""
+
+    value: Any
+    origin: str
+    evidence: Evidence | None = None
+
+    @property
+    def stated(self) -> bool:
+        return self.origin in ("log", "command")
+
+
+@dataclass
+class Situation:
+    """Everything the rules read. Missing numbers are simply absent (never guessed silently)."""
+
+    parsed: ParsedLog
+    context: Context
+    values: dict[str, Known] = field(default_factory=dict)
+    model_spec: Any = None  # ModelSpec when the model resolved offline
+    gpu_spec: Any = None  # GPUSpec when the GPU resolved
+
+    def get(self, name: str) -> Any:
+        known = self.values.get(name)
+        return known.value if known is not None else None
+
+    def known(self, name: str) -> Known | None:
+        return self.values.get(name)
+
+    def set(self, name: str, value: Any, origin: str, evidence: Evidence | None = None) -> None:
+        if value is None or name in self.values:
+            return
+        self.values[name] = Known(value, origin, evidence)
+
+    # --- derived quantities --------------------------------------------------------------
+    @property
+    def total_gib(self) -> float | None:
+        return self.get("gpu_total_gib")
+
+    @property
+    def tp(self) -> int:
+        return int(self.get("tensor_parallel_size") or 1)
+
+    @property
+    def util(self) -> float | None:
+        return self.get("gpu_memory_utilization")
+
+    @property
+    def util_stated(self) -> bool:
+        known = self.known("gpu_memory_utilization")
+        return known is not None and known.stated
+
+    @property
+    def block_size(self) -> int:
+        size = self.get("block_size")
+        if size:
+            return int(size)
+        return 128 if self.get("platform") == "cpu" else 16
+
+    @property
+    def sleep_mode(self) -> bool:
+        return (
+            self.parsed.has("sleep_mode")
+            or self.parsed.has("cumem_allocator")
+            or bool(self.context.args.get("enable_sleep_mode"))
+        )
+
+    @property
+    def weights_per_gpu_gib(self) -> Known | None:
+        return self.known("weights_per_gpu_gib")
+
+
+_GPU_TOTAL_IN_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s?GiB")
+_GPU_GB_IN_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s?GB\b", re.IGNORECASE)
+_GPU_COUNT_IN_TEXT = re.compile(r"^\s*(\d+)\s?[x×]\s?", re.IGNORECASE)
+_PARAMS_IN_NAME = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s?[bB](?![a-zA-Z])")
+_ACTIVE_PARAMS = re.compile(r"-A\d+(?:\.\d+)?[bB]\b")
+
+
+def _default_util(version: str | None) -> float:
+    """vLLM's default gpu_memory_utilization: 0.9 up to 0.19, 0.92 since 0.20 (§3.1)."""
+    if version:
+        m = re.match(r"v?0\.(\d+)", version)
+        if m and int(m.group(1)) >= 20:
+            return 0.92
+    return 0.9
+
+
+def estimate_weights_from_name(name: str) -> tuple[float, str] | None:
+    """A rough checkpoint size from a model name (``Llama-2-13b`` → 13e9 × 2 bytes).
+
+    Used only when the model is not in the catalogue; returns (GiB, basis) or None. Reads
+    the parameter count ("70B", "7b", "1.5B"; MoE "-A3B" active counts are ignored) and the
+    precision from quantization words in the name (AWQ/GPTQ/INT4/4bit → ~0.56 bytes,
+    FP8/INT8/8bit → ~1.03 bytes, else 2 bytes).
+    """
+    cleaned = _ACTIVE_PARAMS.sub("", name)
+    counts = [float(m.group(1)) for m in _PARAMS_IN_NAME.finditer(cleaned)]
+    counts = [c for c in counts if 0.05 <= c <= 2000]
+    if not counts:
+        return None
+    params_b = max(counts)
+    low = name.lower()
+    if re.search(r"awq|gptq|int4|4bit|4-bit|w4a16|nf4|q4|mxfp4|nvfp4|autoround", low):
+        bytes_per, label = 0.56, "4-bit"
+    elif re.search(r"fp8|int8|8bit|8-bit|w8a8|w8a16|q8", low):
+        bytes_per, label = 1.03, "8-bit"
+    else:
+        bytes_per, label = 2.0, "16-bit"
+    gib = params_b * 1e9 * bytes_per / GIB
+    return gib, f"{params_b:g}B parameters at {label} (from the name)"
+
+
+def _parse_gpu_text(text: str) -> tuple[float | None, int, str]:
+    """Total GiB, count and name from text like ``2x V100 16GB`` or ``A100 80GB (79.35 GiB)``."""
+    count = 1
+    m = _GPU_COUNT_IN_TEXT.match(text)
+    if m:
+        count = int(m.group(1))
+        text = text[m.end() :]
+    total = None
+    g = _GPU_TOTAL_IN_TEXT.search(text)
+    if g:
+        total = float(g.group(1))
+    else:
+        gb = _GPU_GB_IN_TEXT.search(text)
+        if gb:
+            # CUDA reports a little less than the marketing size (80 GB → 79.2 GiB)
+            total = float(gb.group(1)) * 0.985
+    return total, count, text.strip()
+
+
+def build_situation(parsed: ParsedLog, context: Context) -> Situation:
+    """Merge the log, the user's context and offline model/GPU facts into one Situation.
+
+    The log wins over the command line (it is what actually ran); the command line wins over
+    facts; facts over defaults. Never raises on unknown models or GPUs: the fact is skipped.
+    """
+    s = Situation(parsed=parsed, context=context)
+    for name, obs in parsed.fields.items():
+        s.set(name, obs.value, "log", obs.evidence)
+    ctx_args = dict(context.args)
+    if context.command:
+        from oomguard.logs.parser import command_args
+
+        ctx_args = {**command_args(context.command), **ctx_args}
+    arg_map = {
+        "model": "model",
+        "tensor_parallel_size": "tensor_parallel_size",
+        "pipeline_parallel_size": "pipeline_parallel_size",
+        "gpu_memory_utilization": "gpu_memory_utilization",
+        "max_model_len": "max_model_len",
+        "max_num_seqs": "max_num_seqs",
+        "max_num_batched_tokens": "max_num_batched_tokens",
+        "block_size": "block_size",
+        "kv_cache_dtype": "kv_cache_dtype",
+        "quantization": "quantization",
+        "dtype": "dtype",
+        "enforce_eager": "enforce_eager",
+        "cpu_offload_gb": "cpu_offload_gib",
+        "swap_space": "swap_space_gib",
+        "enable_prefix_caching": "enable_prefix_caching",
+    }
+    for key, value in ctx_args.items():
+        target = arg_map.get(key)
+        if target is None or value is None:
+            continue
+        if target in (
+            "tensor_parallel_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+        ):
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                continue
+        elif target in ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib"):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+        s.set(target, value, "command")
+    if context.model:
+        s.set("model", context.model, "command")
+    if ctx_args.get("limit_mm_per_prompt"):
+        s.set("mm_limits", ctx_args["limit_mm_per_prompt"], "command")
+    s.context.args.update({k: v for k, v in ctx_args.items() if k not in s.context.args})
+
+    # GPU facts
+    if context.gpu:
+        total, count, name = _parse_gpu_text(context.gpu)
+        gpu_spec = _resolve_gpu(name)
+        if gpu_spec is not None:
+            s.gpu_spec = gpu_spec
+            s.set("gpu_total_gib", gpu_spec.total_bytes / GIB, "facts")
+        if total is not None:
+            s.set("gpu_total_gib", total, "command")
+        if count > 1:
+            s.set("gpu_count", count, "command")
+        s.set("gpu_name", name, "command")
+    elif s.get("gpu_name"):
+        gpu_spec = _resolve_gpu(str(s.get("gpu_name")))
+        if gpu_spec is not None:
+            s.gpu_spec = gpu_spec
+            s.set("gpu_total_gib", gpu_spec.total_bytes / GIB, "facts")
+
+    util_known = s.known("gpu_memory_utilization")
+    if util_known is None:
+        s.set("gpu_memory_utilization", _default_util(s.get("vllm_version")), "default")
+
+    # weights per GPU: observed, else model facts, else the model's name
+    weights = s.known("weights_gib")
+    if weights is not None:
+        s.set("weights_per_gpu_gib", weights.value, weights.origin, weights.evidence)
+    model = s.get("model")
+    if model:
+        spec = _resolve_model(str(model))
+        if spec is not None:
+            s.model_spec = spec
+            weights_total = _weights_from_spec(spec, s)
+            if weights_total is not None:
+                s.set("weights_total_gib", weights_total, "facts")
+                s.set("weights_per_gpu_gib", weights_total / s.tp, "facts")
+        if "weights_per_gpu_gib" not in s.values:
+            estimate = estimate_weights_from_name(str(model))
+            if estimate is not None:
+                s.set("weights_total_gib", estimate[0], "name")
+                s.set("weights_per_gpu_gib", estimate[0] / s.tp, "name")
+    if "weights_total_gib" not in s.values and weights is not None:
+        s.set("weights_total_gib", weights.value * s.tp, weights.origin, weights.evidence)
+    return s
+
+
+def _resolve_gpu(name: str) -> Any:
+    try:
+        from oomguard.facts.gpus import find_gpu
+
+        return find_gpu(name)
+    except Exception:  # unknown GPU names and a facts module still in the works both mean "no fact"
+        return None
+
+
+def _resolve_model(ref: str) -> Any:
+    try:
+        from oomguard.facts.resolve import resolve_model
+
+        return resolve_model(ref, allow_hub=False)
+    except Exception:  # not catalogued offline: fall back to the name
+        return None
+
+
+def _weights_from_spec(spec: Any, s: Situation) -> float | None:
+    try:
+        from oomguard.memory.weights import resolve_model_dtype, weight_bytes_per_stage
+
+        dtype = resolve_model_dtype(spec, str(s.get("dtype") or "auto"))
+        breakdown = weight_bytes_per_stage(
+            spec, model_dtype=dtype, tp=1, quantization=s.get("quantization")
+        )
+        return float(breakdown.max_bytes) / GIB
+    except Exception:  # weights of exotic formats: leave to the log or the name
+        return None
+
+
+# --- arithmetic shared by the rules -------------------------------------------------------------
+
+
+def floor2(x: float) -> float:
+    """Round down to two decimals (a utilization that never exceeds its bound)."""
+    return math.floor(x * 100 + 1e-9) / 100
+
+
+def ceil2(x: float) -> float:
+    return math.ceil(x * 100 - 1e-9) / 100
+
+
+def nice_max_model_len(capacity_tokens: int, block_size: int) -> int:
+    """A max_model_len safely below ``capacity_tokens``: keep ≥1 % margin, stay a multiple of
+    the block size, and prefer a round number (7,344 → 7,200) when it costs ≤ 5 %."""
+    if capacity_tokens <= block_size:
+        return max(capacity_tokens, 1)
+    ceiling = int(capacity_tokens * 0.99)
+    floor_ok = capacity_tokens * 0.95
+    best = (ceiling // block_size) * block_size
+    rounded = [
+        (ceiling // step) * step
+        for step in (math.lcm(r, block_size) for r in (1000, 512, 400, 256, 128, 100))
+    ]
+    good = [c for c in rounded if c >= floor_ok and c > 0]
+    return max(good) if good else max(best, block_size)
+
+
+def power_of_two_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)

@@ -1,0 +1,800 @@
+"""The one catalogue of vLLM / PyTorch log and error texts that oomguard understands.
+
+Each :class:`Pattern` names the message it matches, a cheap lower-case trigger (the regex runs
+only on records containing one of its triggers), the fields its named groups set, the
+signature it raises and the startup phase it marks. Texts and their version ranges are those
+of ``vllm-memory.md`` §2, §5.4, §7.2, §9, §11 (read from the published vLLM wheels 0.9.2 …
+0.33.0 and the installed 0.32.0 CPU build), plus PyTorch's allocator messages (old
+``(GPU 0; X total capacity; …)`` and new ``GPU 0 has a total capacity of …`` forms). Number
+formats differ by version (``%.2f``, ``format_gib`` without trailing zeros, ``%.4f``, thousands
+separators), so every number group accepts all of them.
+
+Group names are field names of :data:`oomguard.logs.parsed.FIELD_RULES`; a group ``X_unit``
+next to a ``*_gib`` group gives the unit of ``X`` (GiB when absent).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from oomguard.logs.parsed import Phase
+
+NUM = r"-?\d[\d,]*(?:\.\d+)?"
+UNIT = r"(?:[KMGT]i?B|B|bytes)"
+
+
+def _mem(name: str) -> str:
+    return rf"(?P<{name}>{NUM})\s?(?P<{name}_unit>{UNIT})"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One message shape: run ``regex`` on records containing any of ``triggers``."""
+
+    name: str
+    triggers: tuple[str, ...]
+    regex: re.Pattern[str]
+    signature: str | None = None
+    phase: Phase | None = None  # the log reached this phase
+    frame_phase: Phase | None = None  # a traceback frame inside this phase
+    failure_phase: Phase | None = None  # the failure happened in this phase (explicit)
+    handler: str | None = None  # special handling in the parser
+    first_only: bool = False  # run once per log (costly patterns on common words)
+
+
+def _p(
+    name: str,
+    triggers: str | tuple[str, ...],
+    regex: str,
+    *,
+    flags: int = 0,
+    **kwargs: Any,
+) -> Pattern:
+    trig = (triggers,) if isinstance(triggers, str) else triggers
+    return Pattern(
+        name=name, triggers=tuple(t.lower() for t in trig), regex=re.compile(regex, flags), **kwargs
+    )
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    # --- version and engine -----------------------------------------------------------------
+    _p(
+        "version_api_server",
+        "server version",
+        r"vLLM API server version v?(?P<vllm_version>\d+\.\d+[\w.+-]*)",
+    ),
+    _p(
+        "version_engine_init",
+        "llm engine (v",
+        r"LLM engine \(v(?P<vllm_version>\d+\.\d+[\w.+-]*)\)",
+    ),
+    _p(
+        "version_generic",
+        ("vllm version", "vllm==", "vllm_version", "vllm-version"),
+        r"(?i:vllm)[ _=-]{1,2}(?:version)?\s*[:=]?\s*v?(?P<vllm_version>\d+\.\d+\.\d+[\w.+-]*)",
+    ),
+    _p("version_bare", "version ", r"^\s*version:? v?(?P<vllm_version>\d+\.\d+\.\d+[\w.+-]*)\s*$"),
+    _p(
+        "version_egg",
+        "site-packages/vllm-",
+        r"site-packages/vllm-(?P<vllm_version>\d+\.\d+\.\d+[\w.]*?)-py\d",
+    ),
+    _p("version_image", "vllm-openai:v", r"vllm-openai:v(?P<vllm_version>\d+\.\d+\.\d+[\w.+-]*)"),
+    _p(
+        "engine_v0",
+        ("v0 llm engine", "falling back to v0", "vllm_use_v1=0"),
+        r"Initializing a V0 LLM engine|Falling back to V0|VLLM_USE_V1=0",
+        handler="engine_v0",
+    ),
+    _p(
+        "engine_v1",
+        ("v1 llm engine", "vllm/v1/", "enginecore"),
+        r"Initializing a V1 LLM engine|vllm/v1/|EngineCore",
+        handler="engine_v1",
+    ),
+    # --- arguments --------------------------------------------------------------------------
+    _p(
+        "non_default_args",
+        "non-default args",
+        r"non-default args: (?P<payload>\{.*\})",
+        handler="args_dict",
+    ),
+    _p("engine_config", "with config:", r"with config: (?P<payload>.*)", handler="args_pairs"),
+    _p("namespace_args", "namespace(", r"args: Namespace\((?P<payload>.*)\)", handler="args_pairs"),
+    _p(
+        "command_line",
+        ("vllm serve", "vllm.entrypoints"),
+        r"(?P<payload>(?:vllm serve|-m\s+vllm\.entrypoints\.[\w.]+)(?:\s.*)?)$",
+        handler="args_cmdline",
+    ),
+    _p("llm_constructor", "llm(", r"\bLLM\((?P<payload>.*)\)", handler="args_kwargs"),
+    _p(
+        "load_model_start",
+        "starting to load model",
+        r"Starting to load model (?P<model>\S+?)(?:\.\.\.)?\s*$",
+        phase=Phase.WEIGHT_LOADING,
+    ),
+    _p("max_model_len_used", "using max model len", r"Using max model len (?P<max_model_len>\d+)"),
+    _p(
+        "chunked_prefill",
+        "max_num_batched_tokens=",
+        r"Chunked prefill is enabled with max_num_batched_tokens=(?P<max_num_batched_tokens>\d+)",
+    ),
+    _p(
+        "block_size_forced",
+        ("block size to",),
+        r"(?:Forcing|Setting) (?:kv cache|attention) block size to (?P<block_size>\d+)",
+    ),
+    # --- GPU --------------------------------------------------------------------------------
+    _p(
+        "nvidia_smi_row",
+        ("nvidia", "tesla", "quadro"),
+        r"^\|\s+\d+\s+(?P<gpu_name>(?:NVIDIA|Tesla|Quadro)[\w -]*?)\s+(?:On|Off)\s+\|",
+    ),
+    _p(
+        "gpu_listing",
+        ("gpu 0:", "gpu 1:", "gpu 2:", "gpu 3:"),
+        r"\bGPU \d+: (?P<gpu_name>(?:NVIDIA|Tesla|Quadro|AMD|Instinct)[\w .-]*?)\s*(?:\(UUID|$)",
+    ),
+    _p(
+        "device_name",
+        ("device name", "device_name"),
+        r"(?i:device[_ ]name)\s*[:=]\s*['\"]?(?P<gpu_name>(?:NVIDIA|Tesla|Quadro|AMD|Intel)[\w .-]*?)['\"]?\s*(?:,|\)|$)",
+    ),
+    # --- startup snapshot and the free-memory check (§2.1) ----------------------------------
+    _p(
+        "startup_check_gpu",
+        "on startup is less",
+        rf"Free memory on device(?: \S+)? \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup is less"
+        rf"(?: than desired GPU memory utilization \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\))?",
+        signature="startup_check_failed",
+        phase=Phase.STARTUP,
+        failure_phase=Phase.STARTUP,
+    ),
+    _p(
+        "startup_check_cpu",
+        "on startup is less than desired cpu",
+        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup is less than desired CPU memory utilization"
+        rf"(?: \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\))?",
+        signature="startup_check_failed",
+        phase=Phase.STARTUP,
+        failure_phase=Phase.STARTUP,
+        handler="platform_cpu",
+    ),
+    _p(
+        "startup_external_weights",
+        "externally held weights on device",
+        rf"Externally held weights on device \S+ \((?P<ext>{NUM})/(?P<startup_total_gib>{NUM}) GiB\)",
+        signature="startup_check_failed",
+        phase=Phase.STARTUP,
+        failure_phase=Phase.STARTUP,
+    ),
+    _p(
+        "cpu_kv_allocation_failed",
+        "on kv cache allocation is less",
+        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on kv cache allocation is less",
+        signature="cpu_kv_allocation_failed",
+        failure_phase=Phase.KV_ALLOCATION,
+        handler="platform_cpu",
+    ),
+    _p(
+        "startup_suggestion",
+        "on startup. desired",
+        rf"Free memory on device(?: \S+)? \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup\. "
+        rf"Desired GPU memory utilization is \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\)",
+        phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    _p(
+        "usage_suggestion_old",
+        "for weight,",
+        rf"Actual usage is (?P<weights_gib>{NUM}) GiB for weight, (?P<activation_gib>{NUM}) GiB for peak activation, "
+        rf"(?P<non_torch_gib>{NUM}) GiB for non-torch memory, and (?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
+    ),
+    _p(
+        "usage_suggestion_new",
+        "for consumed memory",
+        rf"Actual usage is (?P<total_consumed_gib>{NUM}) GiB for consumed memory \(weights \+ non-torch\), "
+        rf"(?P<activation_gib>{NUM}) GiB for peak activation, and (?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
+    ),
+    _p(
+        "debug_initial_free",
+        "requested memory:",
+        rf"Initial free memory: (?P<startup_free_gib>{NUM}) ?GiB; Requested memory: (?P<gpu_memory_utilization>{NUM}) \(util\), (?P<requested_gib>{NUM}) ?GiB",
+    ),
+    # --- weights (§2.2) -----------------------------------------------------------------------
+    _p(
+        "model_loading_took",
+        "model loading took",
+        rf"Model loading took (?P<weights_gib>{NUM})\s?(?P<weights_gib_unit>GiB|GB)",
+        handler="weights_done",
+    ),
+    _p(
+        "loading_weights_took_old",
+        "loading model weights took",
+        rf"Loading model weights took (?P<weights_gib>{NUM})\s?(?P<weights_gib_unit>GiB|GB)",
+        handler="weights_done",
+    ),
+    _p(
+        "weights_v0_profile",
+        "model weights take",
+        rf"model weights take (?P<weights_gib>{NUM})\s?GiB",
+    ),
+    _p("weights_debug", "weights memory:", rf"weights memory: (?P<weights_gib>{NUM})\s?GiB"),
+    _p(
+        "weight_load_oom",
+        "failed to load model - not enough",
+        r"Failed to load model - not enough GPU memory",
+        signature="weight_load_oom",
+        failure_phase=Phase.WEIGHT_LOADING,
+    ),
+    # --- profiling (§2.3, §2.4, §11 DEBUG lines, V0) ----------------------------------------
+    _p(
+        "activation_v0",
+        "activation peak memory takes",
+        rf"PyTorch activation peak memory takes (?P<activation_gib>{NUM})\s?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "activation_debug",
+        "torch peak memory increase",
+        rf"torch peak memory increase: (?P<activation_gib>{NUM})\s?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "peak_torch_v0_table",
+        "peak_torch_memory=",
+        rf"peak_torch_memory=(?P<peak_torch_gib>{NUM})\s?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "non_torch_v0",
+        "non_torch_memory",
+        rf"non_torch_memory(?: takes|=| )\s?(?P<non_torch_gib>{NUM})\s?GiB",
+    ),
+    _p(
+        "non_torch_debug",
+        "non-torch forward increase",
+        rf"non-torch forward increase memory: (?P<non_torch_gib>{NUM})\s?GiB",
+    ),
+    _p(
+        "total_consumed_debug",
+        "total consumed",
+        rf"total consumed \(from mem_get_info\): (?P<total_consumed_gib>{NUM})\s?GiB",
+    ),
+    _p(
+        "non_kv_total_debug",
+        "total non kv cache memory",
+        rf"Total non KV cache memory: (?P<non_kv_total_gib>{NUM})\s?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "requested_v0",
+        "total_gpu_memory (",
+        rf"total_gpu_memory \((?P<gpu_total_gib>{NUM})\s?GiB\) x (?:gpu_memory_utilization )?\(?(?P<gpu_memory_utilization>{NUM})\)? = (?P<requested_gib>{NUM})\s?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p("total_v0_table", "total_gpu_memory=", rf"total_gpu_memory=(?P<gpu_total_gib>{NUM})\s?GiB"),
+    _p(
+        "util_v0_table",
+        "gpu_memory_utilization=",
+        rf"\bgpu_memory_utilization=(?P<gpu_memory_utilization>{NUM})\b",
+    ),
+    _p(
+        "kv_v0_table",
+        "kv_cache_size=",
+        rf"\bkv_cache_size=(?P<available_kv_gib>{NUM})\s?GiB",
+        phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "kv_v0",
+        "reserved for kv cache is",
+        rf"the rest (?:of the memory )?reserved for KV Cache is (?P<available_kv_gib>{NUM})\s?GiB",
+        phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "kv_available",
+        "available kv cache memory:",
+        rf"Available KV cache memory: (?P<available_kv_gib>{NUM})\s?GiB",
+        phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "kv_override",
+        "as specified by kv_cache_memory_bytes",
+        rf"Initial free memory (?P<startup_free_gib>{NUM}) GiB, reserved (?P<available_kv_gib>{NUM}) GiB memory for KV Cache",
+        phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "cpu_auto_set",
+        ("gib for kv cache on node",),
+        rf"(?:Auto|Explicitly) set \((?P<available_kv_gib>{NUM})/(?P<gpu_total_gib>{NUM})\) GiB for KV cache on node",
+        phase=Phase.KV_ALLOCATION,
+        handler="platform_cpu",
+    ),
+    _p(
+        "cpu_kvcache_space",
+        "vllm_cpu_kvcache_space",
+        r"VLLM_CPU_KVCACHE_SPACE",
+        handler="platform_cpu",
+    ),
+    _p(
+        "profiling_free_increase",
+        "error in memory profiling",
+        rf"Error in memory profiling\. Initial free memory (?P<a>{NUM}) GiB, current free memory (?P<b>{NUM}) GiB",
+        signature="profiling_free_increase",
+        failure_phase=Phase.PROFILING,
+        handler="free_increase",
+    ),
+    _p(
+        "free_memory_grew",
+        "free memory grew by",
+        rf"Free memory grew by (?P<profiling_free_increase>{NUM}) GiB during profiling",
+        signature="free_memory_grew",
+    ),
+    # --- CUDA graphs (§2.6) -------------------------------------------------------------------
+    _p(
+        "cudagraph_estimated",
+        "estimated cuda graph memory",
+        rf"Estimated CUDA graph memory: (?P<cudagraph_estimate_gib>{NUM}) ?GiB",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "cudagraph_pool",
+        "cuda graph pool memory",
+        rf"CUDA graph pool memory: (?P<cudagraph_actual_gib>{NUM}) GiB \(actual\), (?P<cudagraph_estimate_gib>{NUM}) GiB \(estimated\)",
+        phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    _p(
+        "graph_capturing_finished",
+        "graph capturing finished",
+        rf"Graph capturing finished in {NUM} secs?, took (?P<cudagraph_actual_gib>{NUM})\s?(?P<cudagraph_actual_gib_unit>GiB|GB|MiB|G|M)?",
+        phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    _p(
+        "cudagraph_util_hint",
+        "is equivalent to --gpu-memory-utilization",
+        rf"--gpu-memory-utilization=(?P<u>{NUM}) is equivalent to --gpu-memory-utilization=(?P<e>{NUM})",
+        handler="cudagraph_hint",
+    ),
+    _p(
+        "capture_start",
+        (
+            "capturing cudagraphs",
+            "capturing cuda graph",
+            "capturing the model for cuda graphs",
+            "cuda graphs can take additional",
+            "cudagraph_capture_sizes",
+        ),
+        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|cudagraph_capture_sizes",
+        phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    _p(
+        "cudagraph_oom_hint",
+        "vllm_memory_profiler_estimate_cudagraphs=0",
+        r"(?:try setting|persists)[^.]{0,80}VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0",
+        signature="cudagraph_oom_hint",
+        failure_phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    _p(
+        "capture_frames",
+        ("capture", "cudagraph"),
+        r"\b(?:capture_model|_capture_cudagraphs|capture_graph|cudagraph_capture|CUDAGraphRunner|graph_capture|_warmup_and_capture|CUDAGraphWrapper|_capture_graph)\b",
+        frame_phase=Phase.CUDA_GRAPH_CAPTURE,
+    ),
+    # --- KV capacity (§5.4, §6) ---------------------------------------------------------------
+    _p(
+        "kv_cache_size",
+        "kv cache size:",
+        r"(?:(?P<device_label>GPU \+ host|GPU|CPU|XPU|HPU|TPU) )?KV cache size: (?P<kv_tokens>[\d,]+) tokens",
+        phase=Phase.KV_ALLOCATION,
+        handler="kv_device",
+    ),
+    _p(
+        "max_concurrency",
+        "maximum concurrency for",
+        rf"Maximum concurrency for (?P<concurrency_max_model_len>[\d,]+)(?:[ -]tokens?(?: per request|/request| requests)?)?: (?P<max_concurrency>{NUM})\s?x",
+    ),
+    _p(
+        "blocks_v0",
+        " blocks:",
+        r"(?:^|#|\s)(?:GPU|CUDA|cuda|gpu|XPU|xpu|HPU|hpu) blocks: (?P<gpu_blocks>\d+)(?:, # CPU blocks: (?P<cpu_blocks>\d+))?",
+        phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "auto_fit_reduced",
+        "auto-fit max_model_len: reduced",
+        r"Auto-fit max_model_len: reduced from \d+ to (?P<auto_fit_reduced_to>\d+)",
+    ),
+    # --- the fit errors (§7.2) ------------------------------------------------------------
+    _p(
+        "kv_needed",
+        "kv cache is needed",
+        rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) GiB KV cache is needed, which is larger than the available KV cache memory \((?P<kv_available_gib>{NUM}) GiB\)",
+        signature="kv_too_small",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "kv_estimated_len",
+        "estimated maximum model length",
+        r"estimated maximum model length is (?P<estimated_max_model_len>\d+)",
+    ),
+    _p(
+        "kv_tokens_v0_error",
+        "stored in kv cache",
+        r"max seq len \((?P<kv_error_max_model_len>\d+)\) is larger than the maximum number of tokens that can be stored in KV cache \((?P<kv_capacity_tokens>\d+)\)",
+        signature="kv_too_small",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "no_cache_blocks",
+        "no available memory for the cache blocks",
+        r"No available memory for the cache blocks",
+        signature="no_cache_blocks",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "auto_fit_failed",
+        "cannot auto-fit max_model_len",
+        r"Cannot auto-fit max_model_len",
+        signature="auto_fit_failed",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "mamba_blocks",
+        "mamba cache blocks",
+        r"max_num_seqs \((?P<mamba_max_num_seqs>\d+)\) exceeds available Mamba cache blocks \((?P<mamba_cache_blocks>\d+)\)",
+        signature="mamba_blocks_exceeded",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    # --- sampler warm-up ------------------------------------------------------------------------
+    _p(
+        "sampler_warmup_oom",
+        "warming up sampler with",
+        r"CUDA out of memory occurred when warming up sampler with (?P<sampler_warmup_oom_seqs>\d+) dummy requests",
+        signature="sampler_warmup_oom",
+        failure_phase=Phase.SAMPLER_WARMUP,
+    ),
+    _p(
+        "sampler_frames",
+        ("_dummy_sampler_run", "warming up sampler"),
+        r"_dummy_sampler_run|warming up sampler",
+        frame_phase=Phase.SAMPLER_WARMUP,
+    ),
+    # --- out-of-memory reports --------------------------------------------------------------------
+    _p(
+        "torch_oom",
+        ("out of memory", "outofmemoryerror", "tried to allocate"),
+        r"(?:torch\.(?:cuda\.)?OutOfMemoryError|(?:CUDA|HIP|XPU) out of memory|Tried to allocate)(?! occurred when warming up sampler)",
+        signature="cuda_oom",
+        handler="oom_torch",
+    ),
+    _p(
+        "driver_oom",
+        (
+            "error: out of memory",
+            "cuda_error_out_of_memory",
+            "cudaerrormemoryallocation",
+            "out_of_device_memory",
+            "out of device memory",
+        ),
+        r"(?i:cuda error: out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|OUT_OF_DEVICE_MEMORY|out of device memory)",
+        signature="driver_oom",
+        handler="oom_driver",
+    ),
+    _p(
+        "cumem_allocator",
+        ("cumem_allocator", "cumemallocator"),
+        r"(?i:cumem_allocator|CuMemAllocator)",
+        signature="cumem_allocator",
+    ),
+    _p(
+        "model_execution_error",
+        "error in model execution",
+        r"Error in model execution",
+        phase=Phase.SERVING,
+        failure_phase=Phase.SERVING,
+    ),
+    # --- host memory --------------------------------------------------------------------------
+    _p(
+        "host_ram_kill",
+        ("killed", "oom-kill", "oom_kill", "sigkill", "signal 9", "-9", "137"),
+        r"(?:^|\s)Killed\s*$|oom[-_]kill|Out of memory: Kill(?:ed)? process|SIGKILL|signal 9\b"
+        r"|exit(?:ed)?(?: with)? (?:code|status)[ :=]*(?:-9|137)\b|exitcode[=: ]+-9\b|returncode[=: ]+-9\b",
+        signature="host_ram_kill",
+    ),
+    _p(
+        "died_unexpectedly",
+        ("died unexpectedly", "terminated unexpectedly", "died with exit code"),
+        r"died unexpectedly|terminated unexpectedly|died with exit code",
+        signature="died_unexpectedly",
+    ),
+    _p(
+        "cpu_swap_exhausted",
+        "lack of cpu swap space",
+        r"lack of CPU swap space",
+        signature="cpu_swap_exhausted",
+    ),
+    _p(
+        "host_alloc_failure",
+        (
+            "cannot allocate memory",
+            "bad_alloc",
+            "memoryerror",
+            "defaultcpuallocator",
+            "cudahostalloc",
+        ),
+        r"Cannot allocate memory|std::bad_alloc|(?<![A-Za-z])MemoryError\b|DefaultCPUAllocator: (?:can't allocate|not enough memory)|cudaHostAlloc",
+        signature="host_alloc_failure",
+    ),
+    _p(
+        "wsl",
+        ("/mnt/", "wsl", "microsoft-standard"),
+        r"/mnt/[a-z]/|\bWSL2?\b|microsoft-standard",
+        signature="wsl",
+    ),
+    _p(
+        "unified_memory",
+        ("jetson", "orin", "tegra", "gh200", "gb10", "dgx spark", "unified memory"),
+        r"(?i:\bjetson\b|\borin\b|\btegra\b|\bGH200\b|\bGB10\b|DGX Spark|unified memory)",
+        signature="unified_memory",
+    ),
+    # --- multi-process / distributed ------------------------------------------------------------
+    _p(
+        "nccl_error",
+        ("nccl",),
+        r"NCCL (?:error|WARN|failure)|nccl(?:Unhandled\w*|System|Internal|Invalid\w*)Error|ProcessGroupNCCL.{0,80}(?:[Ee]rror|[Tt]imeout)|Watchdog caught collective",
+        signature="nccl_error",
+    ),
+    # --- allocator configuration ----------------------------------------------------------------
+    _p(
+        "expandable_hint",
+        "to avoid fragmentation",
+        r"expandable_segments:True to avoid fragmentation|max_split_size_mb to avoid fragmentation",
+        signature="expandable_segments_hint",
+    ),
+    _p(
+        "expandable_in_use",
+        "expandable_segments:true",
+        r"PYTORCH_CUDA_ALLOC_CONF['\"]?\s*[=:]\s*['\"]?[\w:,.]*expandable_segments:True",
+        handler="expandable_in_use",
+    ),
+    _p(
+        "sleep_expandable_conflict",
+        ("not in conf", "expandable segments are not compatible"),
+        r"expandable_segments:True\"? not in conf|Expandable segments are not compatible with memory pool",
+        signature="sleep_expandable_conflict",
+    ),
+    _p(
+        "sleep_mode",
+        ("sleep mode", "enable-sleep-mode", "enable_sleep_mode", "sleep(level", "wake_up("),
+        r"(?i:sleep mode)|--enable-sleep-mode|enable_sleep_mode['\"]?\s*[:=]\s*True|\.sleep\(level|\bwake_up\(",
+        signature="sleep_mode",
+    ),
+    _p(
+        "lora",
+        ("enable-lora", "enable_lora", "loading lora"),
+        r"--enable-lora|enable_lora['\"]?\s*[:=]\s*True|Loading LoRA",
+        signature="lora",
+    ),
+    # --- multimodal encoder profiling (§2.3 step 1) ---------------------------------------------
+    _p(
+        "encoder_cache_budget",
+        "encoder cache will be initialized",
+        r"Encoder cache will be initialized with a budget of (?P<encoder_budget_tokens>[\d,]+) tokens, and profiled with (?P<encoder_profile_items>\d+) \w+ items",
+        signature="mm_encoder_profile",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "mm_profile_run",
+        "profile run for multi-modal",
+        r"Starting profile run for multi-modal models",
+        signature="mm_encoder_profile",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "mm_embeddings_too_long",
+        "multi-modal embeddings",
+        r"too short to hold the multi-modal embeddings",
+        signature="mm_encoder_profile",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "mm_frames",
+        (
+            "pixel_values",
+            "image_embeds",
+            "vision",
+            "visual",
+            "_mm_",
+            "multimodal",
+            "image_input",
+            "image_features",
+        ),
+        r"\bpixel_values\b|\bimage_embeds\b|vision_tower|\bvision_model\b|\bvisual\b|_process_image_input|get_multimodal_embeddings"
+        r"|_execute_mm_encoder|embed_multimodal|encode_images|get_image_features",
+        signature="mm_encoder_frames",
+    ),
+    _p(
+        "mm_model_file",
+        ("models/",),
+        r"models/\w*(?:_vl\b|_vl\.|vl_|vision|visual|mllama|llava|pixtral|siglip|clip|intern_vit|idefics|minicpmv|phi3v|phi4mm|gemma3_mm|omni|kimi_vl|aria|molmo|paligemma|blip)\w*\.py",
+        signature="mm_encoder_frames",
+    ),
+    # --- runtime pressure ---------------------------------------------------------------------
+    _p(
+        "kv_usage",
+        "kv cache usage:",
+        rf"(?:GPU|CPU|XPU) KV cache usage: (?P<kv_usage_max_pct>{NUM})%",
+        phase=Phase.SERVING,
+        handler="kv_usage",
+    ),
+    _p(
+        "preemptions",
+        ("preemption", "preempted"),
+        r"Preemptions?: (?P<preemptions>\d+)|is preempted by|preempted by PreemptionMode",
+        signature="preemption",
+    ),
+    _p(
+        "memory_growth_words",
+        ("leak", "泄漏", "keeps growing", "keeps increasing", "over time"),
+        r"(?i:memory leak|leaks? memory|泄漏|keeps (?:growing|increasing)|grows? over time|increas\w* over time)",
+        signature="memory_growth",
+    ),
+    # --- phase markers and traceback frames ---------------------------------------------------
+    _p(
+        "serving_markers",
+        (
+            "application startup complete",
+            "uvicorn running on",
+            "starting vllm api server",
+            "avg prompt throughput",
+            "received request",
+            "post /v1/",
+            "init engine (profile",
+        ),
+        r"Application startup complete|Uvicorn running on|Starting vLLM API server|Avg prompt throughput|Received request"
+        r"|\"POST /v1/|init engine \(profile, create kv cache, warmup model\) took",
+        phase=Phase.SERVING,
+    ),
+    _p(
+        "serving_frames",
+        ("run_busy_loop", "engine_step", "step_with_batch_queue", "run_engine_loop"),
+        r"\b(?:run_busy_loop|_process_engine_step|step_with_batch_queue|run_engine_loop)\b",
+        frame_phase=Phase.SERVING,
+    ),
+    _p(
+        "profiling_frames",
+        (
+            "profile_run",
+            "determine_num_available_blocks",
+            "determine_available_memory",
+            "_dummy_run",
+            "memory_profiling",
+            "profiling.py",
+        ),
+        r"\b(?:profile_run|determine_num_available_blocks|determine_available_memory|_dummy_run|memory_profiling)\b|profiling\.py",
+        frame_phase=Phase.PROFILING,
+    ),
+    _p(
+        "profiling_summary",
+        "memory profiling takes",
+        r"Memory profiling takes",
+        phase=Phase.PROFILING,
+    ),
+    _p(
+        "kv_frames",
+        (
+            "_initialize_kv_caches",
+            "initialize_cache",
+            "raise_if_cache_size_invalid",
+            "get_kv_cache_config",
+            "enough_kv_cache_memory",
+            "allocate_kv_cache",
+            "initialize_kv_cache",
+            "initialize_from_config",
+            "_init_cache_engine",
+            "cacheengine",
+        ),
+        r"\b(?:_initialize_kv_caches|initialize_cache|raise_if_cache_size_invalid|get_kv_cache_configs?|_?check_enough_kv_cache_memory"
+        r"|_allocate_kv_cache\w*|initialize_kv_cache\w*|initialize_from_config|_init_cache_engine|CacheEngine)\b",
+        frame_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        "weight_frames",
+        (
+            "load_model",
+            "load_weights",
+            "weight_loader",
+            "process_weights_after_loading",
+            "model_loader",
+            "_initialize_model",
+            "modulelist",
+            "parameter(torch.empty",
+            "checkpoint shards",
+            "in __init__",
+        ),
+        r"\b(?:load_model|load_weights|weight_loader|process_weights_after_loading|_initialize_model)\b|model_loader/"
+        r"|nn\.ModuleList\(|Parameter\(torch\.empty|checkpoint shards|models/\w+\.py\", line \d+, in (?:__init__|<listcomp>)",
+        frame_phase=Phase.WEIGHT_LOADING,
+    ),
+    _p(
+        "startup_frames",
+        ("init_device", "request_memory", "memorysnapshot"),
+        r"\b(?:init_device|request_memory|MemorySnapshot)\b",
+        frame_phase=Phase.STARTUP,
+    ),
+    _p(
+        "traceback",
+        "traceback (most recent call last)",
+        r"^Traceback \(most recent call last\)",
+        handler="traceback",
+    ),
+    _p(
+        "exception_line",
+        ("error", "exception"),
+        r"^(?:[\w.]+\.)?(?P<exc>\w*(?:Error|Exception))(?::|\(|\s*$)",
+        handler="exception",
+    ),
+)
+
+# Memory figures inside one PyTorch OOM report (applied to the record of an OOM event).
+OOM_TRIED = re.compile(rf"Tried to allocate {_mem('tried')}")
+OOM_TOTAL_FREE = re.compile(
+    rf"GPU (?P<idx>\d+) has a total capac\w* of {_mem('total')} of which {_mem('free')} is free"
+)
+OOM_PROCESS = re.compile(rf"Process (?P<pid>\d+) has {_mem('used')} memory in use")
+OOM_THIS_PROCESS = re.compile(rf"this process has {_mem('used')} memory in use")
+OOM_ALLOCATED = re.compile(rf"Of the allocated memory {_mem('alloc')} is allocated by PyTorch")
+OOM_POOLS = re.compile(rf"{_mem('pools')} allocated in private pools")
+OOM_UNALLOCATED = re.compile(rf"{_mem('unalloc')} is reserved by PyTorch but unallocated")
+OOM_OLD = re.compile(
+    rf"\(GPU (?P<idx>\d+); {_mem('total')} total capacity; {_mem('alloc')} already allocated; "
+    rf"{_mem('free')} free; (?:{NUM}\s?{UNIT} allowed; )?{_mem('reserved')} reserved in total by PyTorch\)"
+)
+
+# Narratives of memory rising over time ("14G … after 1 hour 18G … 2 hours later 20G").
+TIME_WORDS = re.compile(r"(?i:\bhours?\b|\bminutes?\b|\bdays?\b|小时|分钟|时间|天)")
+MEMORY_AMOUNT = re.compile(r"(?<![\d.A-Za-z])(\d+(?:\.\d+)?)\s?(?:GiB|GB|G)(?![A-Za-z0-9])")
+
+# Field value types for conversion of named groups.
+INT_FIELDS = frozenset(
+    {
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_tokens",
+        "gpu_blocks",
+        "cpu_blocks",
+        "concurrency_max_model_len",
+        "kv_error_max_model_len",
+        "kv_capacity_tokens",
+        "estimated_max_model_len",
+        "auto_fit_reduced_to",
+        "mamba_max_num_seqs",
+        "mamba_cache_blocks",
+        "sampler_warmup_oom_seqs",
+        "encoder_budget_tokens",
+        "encoder_profile_items",
+        "preemptions",
+    }
+)
+FLOAT_FIELDS = frozenset(
+    {"gpu_memory_utilization", "max_concurrency", "kv_usage_max_pct", "profiling_free_increase"}
+)
+
+
+def build_trigger_index(patterns: tuple[Pattern, ...]) -> dict[str, tuple[int, ...]]:
+    """Map each trigger to the indices of the patterns it enables."""
+    index: dict[str, list[int]] = {}
+    for i, pattern in enumerate(patterns):
+        for trigger in pattern.triggers:
+            index.setdefault(trigger, []).append(i)
+    return {t: tuple(ix) for t, ix in index.items()}
+
+
+TRIGGERS = build_trigger_index(PATTERNS)

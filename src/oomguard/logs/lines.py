@@ -1,0 +1,201 @@
+"""Raw log lines → clean message bodies → logical records.
+
+A vLLM log arrives with decorations that say nothing about memory: ANSI colours, container
+timestamps, ``docker compose`` service prefixes, process tags such as ``(EngineCore_DP0 pid=1)``
+or ``(RayWorkerWrapper pid=1, ip=10.0.0.1)``, ``[rank0]:``, and the logger's own
+``LEVEL MM-DD HH:MM:SS [file.py:123]`` header. Reporters also paste messages hard-wrapped at
+a fixed width, and vLLM V0 printed one record over several lines. This module strips the
+decorations and joins continuation lines into one logical record, holding at most a few
+kilobytes at a time so that a log of any size streams through in bounded memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+MAX_LINE_CHARS = 16_384  # longer lines are cut (binary blobs, base64 dumps, one-line logs)
+MAX_RECORD_LINES = 12
+MAX_RECORD_CHARS = 8_192
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+_PROCESS_TAG = re.compile(r"^\(?[A-Za-z_][\w.-]*(?: rank=\d+)? pid=\d+(?:, ip=[\w.:-]+)?\)\s*")
+# One decoration at the start of a line; applied repeatedly until none matches.
+_PREFIXES: tuple[re.Pattern[str], ...] = (
+    # ISO / RFC3339 timestamps added by docker, kubectl, journald exports
+    re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s*"),
+    # docker compose service prefix: "vllm-1  | "
+    re.compile(r"^[A-Za-z0-9][\w.-]*\s+\|\s?"),
+    # process tags: (EngineCore_DP0 pid=1) (APIServer pid=1) (Worker_TP1 pid=1)
+    # (VllmWorker rank=0 pid=1) (RayWorkerWrapper pid=1, ip=10.0.0.1); the opening paren is
+    # sometimes lost when a reporter copies from the middle of a line.
+    _PROCESS_TAG,
+    re.compile(r"^\[rank\d+\]:\s?"),
+    # logger header: "INFO 10-24 01:26:57 [core.py:710] ", "INFO 01-11 15:51:02 llm_engine.py:70] ",
+    # "INFO  [gpu_worker.py:642]  ", "INFO 04-29 gpu_executor.py:118] "
+    re.compile(
+        r"^(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+"
+        r"(?:\d{2}-\d{2}(?:\s+\d{2}:\d{2}:\d{2}(?:\.\d+)?)?\s+)?"
+        r"(?:\[[\w./-]+(?::\d+)?\]\s*|[\w./-]+\.py:\d+\]\s*)?"
+    ),
+    # python logging default format: "engine.py :190 2024-02-03 03:44:03,976 "
+    re.compile(r"^[\w./-]+\.py\s*:\d+\s+\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:,\d+)?\s+"),
+)
+_RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
+
+# A line without decorations still starts a new record when it looks like one of these.
+_RECORD_START = re.compile(
+    r"^(?:Traceback \(most recent call last\)|File \"|During handling|The above exception"
+    r"|[A-Za-z_][\w.]*(?:Error|Exception|Warning|Interrupt|Exit)\b"
+    r"|#|\$ |> |vllm |python|Process |\*\*|```|---|===|\|)"
+)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One physical line after cleaning: its 1-based number, body, and whether it had a header."""
+
+    number: int
+    body: str
+    decorated: bool
+    tag: str = ""  # process tag such as "EngineCore_DP0" or "RayWorkerWrapper"
+
+
+@dataclass
+class Record:
+    """A logical message: the first line's number and the joined bodies of its lines."""
+
+    number: int
+    text: str
+    lines: int = 1
+    tag: str = ""
+
+
+def clean(raw: str) -> str:
+    """Remove ANSI escapes and control characters; keep tabs; cut very long lines."""
+    if len(raw) > MAX_LINE_CHARS:
+        raw = raw[:MAX_LINE_CHARS]
+    if "\x1b" in raw:
+        raw = _ANSI.sub("", raw)
+    raw = raw.replace("\ufffd", "")
+    return _CONTROL.sub("", raw).rstrip()
+
+
+def strip_decorations(text: str) -> tuple[str, bool, str]:
+    """Return the message body of a cleaned line, whether a decoration was removed, and the
+    process tag (``EngineCore_DP0``, ``Worker_TP1`` …) if the line carried one."""
+    decorated = False
+    tag = ""
+    for _ in range(8):
+        stripped = text.lstrip() if decorated else text
+        for prefix in _PREFIXES:
+            m = prefix.match(stripped)
+            if m and m.end() > 0:
+                if prefix is _PROCESS_TAG and not tag:
+                    tag = m.group(0).lstrip("(").split(" ", 1)[0]
+                text = stripped[m.end() :]
+                decorated = True
+                break
+        else:
+            break
+    if "[repeated" in text:
+        text = _RAY_REPEAT.sub("", text)
+    return text, decorated, tag
+
+
+def split_physical(chunks: Iterable[str]) -> Iterator[str]:
+    """Yield physical lines from strings that may hold several lines (``\\n`` or ``\\r``)."""
+    for chunk in chunks:
+        if "\n" not in chunk and "\r" not in chunk:
+            yield chunk
+            continue
+        start = 0
+        length = len(chunk)
+        while start < length:
+            nl = chunk.find("\n", start)
+            end = length if nl < 0 else nl
+            piece = chunk[start:end]
+            if "\r" in piece:
+                # progress bars rewrite the line with \r: each segment is its own line
+                yield from (p for p in piece.split("\r") if p)
+            else:
+                yield piece
+            if nl < 0:
+                break
+            start = nl + 1
+
+
+def iter_lines(chunks: Iterable[str]) -> Iterator[Line]:
+    """Number and clean physical lines."""
+    for number, raw in enumerate(split_physical(chunks), start=1):
+        body, decorated, tag = strip_decorations(clean(raw))
+        yield Line(number=number, body=body, decorated=decorated, tag=tag)
+
+
+def _continues(prev: Record, line: Line) -> bool:
+    """Whether an undecorated line is the rest of the previous record (wrapped by a reporter
+    or a multi-line V0 record) rather than a new message."""
+    if line.decorated or not line.body.strip():
+        return False
+    if prev.lines >= MAX_RECORD_LINES or len(prev.text) >= MAX_RECORD_CHARS:
+        return False
+    body = line.body
+    stripped = body.lstrip()
+    if _RECORD_START.match(stripped):
+        return False
+    if stripped.startswith("^") or prev.text.lstrip().startswith('File "'):
+        return body[:1] not in (" ", "\t") and not stripped.startswith("^")
+    first = stripped[:1]
+    # a wrapped message continues in lower case, with a number, or indented; a capitalised
+    # undecorated line ("Killed", "Process SpawnProcess-1:") is a message of its own
+    return first.islower() or first.isdigit() or body[:1] in (" ", "\t")
+
+
+def _join(prev: str, body: str) -> str:
+    # a hard wrap inside a word ("KV cach" + "e is needed") joins without a space
+    if body[:1] not in (" ", "\t") and prev[-1:].isalnum() and body[:1].isalnum():
+        if body[:1].islower() and not prev.endswith((" seconds", " secs")):
+            return prev + body
+    return prev + " " + body.strip()
+
+
+def iter_records(chunks: Iterable[str]) -> Iterator[Record]:
+    """Yield logical records: a line plus the continuation lines that belong to it."""
+    current: Record | None = None
+    for line in iter_lines(chunks):
+        if current is not None and _continues(current, line):
+            current.text = _join(current.text, line.body)
+            current.lines += 1
+            continue
+        if current is not None:
+            yield current
+        current = Record(number=line.number, text=line.body, tag=line.tag)
+    if current is not None:
+        yield current
+
+
+def read_binary_lines(stream: BinaryIO, chunk_bytes: int = 1 << 16) -> Iterator[str]:
+    """Decode a binary stream line by line without ever holding more than one line.
+
+    Lines longer than ``MAX_LINE_CHARS`` are cut and the rest skipped up to the next newline,
+    so a multi-gigabyte file without newlines is still read in bounded memory. Invalid UTF-8
+    becomes U+FFFD and is then dropped by :func:`clean`.
+    """
+    while True:
+        piece = stream.readline(chunk_bytes)
+        if not piece:
+            return
+        if not piece.endswith(b"\n") and len(piece) >= chunk_bytes:
+            head = piece
+            # skip the remainder of an over-long line
+            while True:
+                rest = stream.readline(chunk_bytes)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield head[:MAX_LINE_CHARS].decode("utf-8", errors="replace")
+            continue
+        yield piece.decode("utf-8", errors="replace").rstrip("\n")

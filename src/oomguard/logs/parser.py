@@ -1,0 +1,560 @@
+"""Stream a vLLM log through the pattern catalogue into a bounded :class:`ParsedLog`."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from oomguard.errors import BadInput
+from oomguard.logs import catalogue as cat
+from oomguard.logs.lines import Record, iter_records, read_binary_lines
+from oomguard.logs.parsed import (
+    FIELD_RULES,
+    MAX_LIST,
+    Evidence,
+    Observed,
+    OomEvent,
+    ParsedLog,
+    Phase,
+)
+from oomguard.logs.units import parse_int, parse_number, to_gib
+
+_TRIGGER_ITEMS = tuple(cat.TRIGGERS.items())
+_PAIR = re.compile(
+    r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\{[^{}]*\}|\[[^\[\]]*\]|[^,()]+?)(?=,\s*\w+=|\)?\s*$)"
+)
+_DICT_ITEM = re.compile(r"'(\w+)':\s*('(?:[^'\\]|\\.)*'|\{[^{}]*\}|\[[^\[\]]*\]|[^,}]+)")
+
+# keys of vLLM's args / engine config → ParsedLog field names
+_ARG_FIELDS: dict[str, str] = {
+    "model": "model",
+    "model_tag": "model",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size",
+    "data_parallel_size": "data_parallel_size",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "device_memory_utilization": "gpu_memory_utilization",
+    "max_model_len": "max_model_len",
+    "max_seq_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "block_size": "block_size",
+    "kv_cache_dtype": "kv_cache_dtype",
+    "quantization": "quantization",
+    "dtype": "dtype",
+    "enforce_eager": "enforce_eager",
+    "cpu_offload_gb": "cpu_offload_gib",
+    "swap_space": "swap_space_gib",
+}
+
+
+class _Builder:
+    """Mutable state while streaming; everything it keeps is bounded."""
+
+    def __init__(self) -> None:
+        self.log = ParsedLog()
+        self.tb_phase: Phase | None = None
+        self.open_traceback = False
+        self.last_frame_phase: Phase | None = None
+        self.frame_failure_phase: Observed[Phase] | None = None
+        self.explicit_failure: Observed[Phase] | None = None
+        self.first_failure_line: int | None = None
+        self.weights_done: Evidence | None = None
+        self.cudagraph_hint: tuple[float, float, Evidence] | None = None
+        self.growth_last_gib: float | None = None
+        self.growth_evidence: Evidence | None = None
+        self.frame_evidence: Evidence | None = None
+
+    # --- fields -----------------------------------------------------------------------------
+    def set_field(self, name: str, value: Any, ev: Evidence) -> None:
+        rule = FIELD_RULES.get(name, "first")
+        current = self.log.fields.get(name)
+        if current is None or rule == "last":
+            self.log.fields[name] = Observed(value, ev)
+        elif rule == "min" and isinstance(value, (int, float)) and value < current.value:
+            self.log.fields[name] = Observed(value, ev)
+
+    def signature(self, name: str, ev: Evidence) -> None:
+        log = self.log
+        if name not in log.signatures:
+            log.signatures[name] = ev
+        log.signature_counts[name] = log.signature_counts.get(name, 0) + 1
+
+    def phase(self, phase: Phase, ev: Evidence) -> None:
+        if phase not in self.log.phases:
+            self.log.phases[phase] = ev
+
+    def mark_failure(self, line: int) -> None:
+        if self.first_failure_line is None:
+            self.first_failure_line = line
+
+    # --- one record -------------------------------------------------------------------------
+    def feed(self, record: Record) -> None:
+        text = record.text
+        if not text:
+            return
+        if record.tag and "engine" not in self.log.fields:
+            if (
+                record.tag.startswith(("EngineCore", "Worker_", "APIServer"))
+                or record.tag == "Worker"
+            ):
+                self.set_field("engine", "v1", Evidence.of(record.number, text))
+            elif record.tag == "VllmWorkerProcess":
+                self.set_field("engine", "v0", Evidence.of(record.number, text))
+        if text.lstrip().startswith('File "'):
+            self.open_traceback = True
+            if self.frame_evidence is None:
+                self.frame_evidence = Evidence.of(record.number, text)
+        low = text.lower()
+        candidates: set[int] = set()
+        for trigger, indices in _TRIGGER_ITEMS:
+            if trigger in low:
+                candidates.update(indices)
+        if not candidates:
+            self._growth(record, text)
+            return
+        ev: Evidence | None = None
+        for i in sorted(candidates):
+            pattern = cat.PATTERNS[i]
+            m = pattern.regex.search(text)
+            if m is None:
+                continue
+            if ev is None:
+                ev = Evidence.of(record.number, text)
+            self._apply(pattern, m, ev, record)
+        self._growth(record, text)
+
+    def _apply(self, pattern: cat.Pattern, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        groups = m.groupdict()
+        for name, raw in groups.items():
+            if raw is None or name.endswith("_unit") or name not in FIELD_RULES:
+                continue
+            try:
+                value = self._convert(name, raw, groups)
+            except ValueError:
+                continue
+            self.set_field(name, value, ev)
+        if pattern.signature:
+            self.signature(pattern.signature, ev)
+        if pattern.phase:
+            self.phase(pattern.phase, ev)
+        if pattern.frame_phase:
+            self.phase(pattern.frame_phase, ev)
+            stripped = record.text.lstrip()
+            if stripped.startswith('File "') or (
+                self.open_traceback and record.text[:1] in (" ", "\t")
+            ):
+                # a frame of a traceback: the innermost one names the failing phase
+                self.tb_phase = pattern.frame_phase
+                self.last_frame_phase = pattern.frame_phase
+                self.open_traceback = True
+        if pattern.failure_phase:
+            if self.explicit_failure is None:
+                self.explicit_failure = Observed(pattern.failure_phase, ev)
+            self.mark_failure(record.number)
+        if pattern.handler:
+            getattr(self, "_h_" + pattern.handler)(m, ev, record)
+
+    @staticmethod
+    def _convert(name: str, raw: str, groups: dict[str, str | None]) -> Any:
+        if name.endswith("_gib"):
+            return to_gib(raw, groups.get(name + "_unit") or "GiB")
+        if name in cat.INT_FIELDS:
+            return parse_int(raw)
+        if name in cat.FLOAT_FIELDS:
+            return parse_number(raw)
+        return raw.strip()
+
+    # --- handlers ---------------------------------------------------------------------------
+    def _h_engine_v0(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.set_field("engine", "v0", ev)
+
+    def _h_engine_v1(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.set_field("engine", "v1", ev)
+
+    def _h_platform_cpu(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.set_field("platform", "cpu", ev)
+
+    def _h_kv_device(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        label = m.group("device_label")
+        if label:
+            self.set_field("platform", {"GPU + host": "gpu"}.get(label, label.lower()), ev)
+
+    def _h_weights_done(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.phase(Phase.WEIGHT_LOADING, ev)
+        if self.weights_done is None:
+            self.weights_done = ev
+
+    def _h_free_increase(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        try:
+            grew = parse_number(m.group("b")) - parse_number(m.group("a"))
+        except ValueError:
+            return
+        self.set_field("profiling_free_increase", grew, ev)
+
+    def _h_cudagraph_hint(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if self.cudagraph_hint is None:
+            try:
+                self.cudagraph_hint = (parse_number(m.group("u")), parse_number(m.group("e")), ev)
+            except ValueError:
+                pass
+
+    def _h_kv_usage(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        try:
+            pct = parse_number(m.group("kv_usage_max_pct"))
+        except ValueError:
+            return
+        current = self.log.fields.get("kv_usage_max_pct")
+        if current is None or pct >= current.value:
+            self.log.fields["kv_usage_max_pct"] = Observed(pct, ev)
+
+    def _h_expandable_in_use(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        before = record.text[max(0, m.start() - 16) : m.start()].lower()
+        if "setting" not in before and "try" not in before:
+            self.signature("expandable_segments_in_use", ev)
+
+    def _h_traceback(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.tb_phase = None
+        self.open_traceback = True
+
+    def _h_exception(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        exc = m.group("exc")
+        if exc in ("Error", "Exception") and not record.text.startswith(exc):
+            return
+        self.open_traceback = False
+        if len(self.log.errors) < MAX_LIST:
+            self.log.errors.append(ev)
+        if (
+            self.tb_phase is not None
+            and self.frame_failure_phase is None
+            and _memory_text(record.text)
+        ):
+            self.frame_failure_phase = Observed(self.tb_phase, ev)
+
+    def _h_oom_torch(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self._oom("torch", ev, record.text)
+
+    def _h_oom_driver(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self._oom("driver", ev, record.text)
+
+    def _oom(self, kind: str, ev: Evidence, text: str) -> None:
+        log = self.log
+        log.oom_count += 1
+        self.mark_failure(ev.line)
+        if self.tb_phase is not None and self.frame_failure_phase is None:
+            self.frame_failure_phase = Observed(self.tb_phase, ev)
+        if len(log.ooms) >= MAX_LIST:
+            return
+        event = _parse_oom(kind, ev, text)
+        # the same report is often printed by every rank and again in the final traceback
+        for existing in log.ooms:
+            if (
+                existing.kind == event.kind
+                and existing.tried_gib == event.tried_gib
+                and existing.free_gib == event.free_gib
+            ):
+                if event.total_gib is not None and existing.total_gib is None:
+                    log.ooms[log.ooms.index(existing)] = event
+                return
+        log.ooms.append(event)
+
+    # --- arguments --------------------------------------------------------------------------
+    def _h_args_dict(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        payload = m.group("payload")
+        args: dict[str, Any]
+        try:
+            parsed = ast.literal_eval(payload)
+            args = parsed if isinstance(parsed, dict) else {}
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            args = {k: _literal(v) for k, v in _DICT_ITEM.findall(payload)}
+        self._take_args(args, ev)
+
+    def _h_args_pairs(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        payload = m.group("payload")
+        args = {k: _literal(v) for k, v in _PAIR.findall(payload + ")")}
+        self._take_args(args, ev)
+
+    def _h_args_kwargs(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        payload = m.group("payload")
+        args: dict[str, Any] = {k: _literal(v) for k, v in _PAIR.findall(payload + ")")}
+        first = payload.split(",", 1)[0].strip()
+        if "=" not in first and first[:1] in ("'", '"'):
+            args.setdefault("model", first.strip("'\""))
+        self._take_args(args, ev)
+
+    def _h_args_cmdline(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        args = command_args(m.group("payload"))
+        if args:
+            self._take_args(args, ev)
+
+    def _take_args(self, args: dict[str, Any], ev: Evidence) -> None:
+        if not args:
+            return
+        log = self.log
+        if log.args_evidence is None:
+            log.args_evidence = ev
+        for key, value in args.items():
+            key = str(key).replace("-", "_")
+            if len(log.args) < 96 and key not in log.args:
+                log.args[key] = value
+            field = _ARG_FIELDS.get(key)
+            if field is None or value is None or value == "None":
+                if key == "enable_sleep_mode" and value in (True, "True", "true"):
+                    self.signature("sleep_mode", ev)
+                elif key == "enable_lora" and value in (True, "True", "true"):
+                    self.signature("lora", ev)
+                elif key in ("limit_mm_per_prompt",) and value:
+                    self.signature("mm_limits", ev)
+                continue
+            converted = _arg_value(field, value)
+            if converted is not None:
+                self.set_field(field, converted, ev)
+
+    # --- narratives of memory growth ----------------------------------------------------------
+    def _growth(self, record: Record, text: str) -> None:
+        if not cat.TIME_WORDS.search(text):
+            return
+        amounts = [float(a) for a in cat.MEMORY_AMOUNT.findall(text)]
+        if not amounts:
+            return
+        ev = Evidence.of(record.number, text)
+        rising = len(amounts) >= 2 and all(
+            b > a for a, b in zip(amounts, amounts[1:], strict=False)
+        )
+        if self.growth_last_gib is not None and amounts[0] > self.growth_last_gib * 1.1:
+            rising = True
+        if rising:
+            self.signature("memory_growth", self.growth_evidence or ev)
+        self.growth_last_gib = amounts[-1]
+        if self.growth_evidence is None:
+            self.growth_evidence = ev
+
+    # --- finish -------------------------------------------------------------------------------
+    def finish(self, lines: int) -> ParsedLog:
+        log = self.log
+        log.lines = lines
+        fields = log.fields
+        if "engine" not in fields:
+            for name, engine in (
+                ("available_kv_gib", None),
+                ("kv_tokens", "v1"),
+                ("gpu_blocks", "v0"),
+                ("requested_gib", None),
+            ):
+                obs = fields.get(name)
+                if obs is not None and engine is not None:
+                    self.set_field("engine", engine, obs.evidence)
+                    break
+        if (
+            "activation_gib" not in fields
+            and "peak_torch_gib" in fields
+            and "weights_gib" in fields
+        ):
+            self.set_field(
+                "activation_gib",
+                max(fields["peak_torch_gib"].value - fields["weights_gib"].value, 0.0),
+                fields["peak_torch_gib"].evidence,
+            )
+        if "gpu_total_gib" not in fields:
+            total_ev: tuple[float, Evidence] | None = None
+            if "startup_total_gib" in fields:
+                total_ev = (fields["startup_total_gib"].value, fields["startup_total_gib"].evidence)
+            else:
+                for event in log.ooms:
+                    if event.total_gib is not None:
+                        total_ev = (event.total_gib, event.evidence)
+                        break
+            if total_ev is not None:
+                self.set_field("gpu_total_gib", total_ev[0], total_ev[1])
+        if (
+            self.cudagraph_hint is not None
+            and "cudagraph_estimate_gib" not in fields
+            and "gpu_total_gib" in fields
+        ):
+            util, equiv, ev = self.cudagraph_hint
+            self.set_field(
+                "cudagraph_estimate_gib", max(util - equiv, 0.0) * fields["gpu_total_gib"].value, ev
+            )
+        if self.open_traceback and self.frame_evidence is not None:
+            # a traceback that ends without its exception line (cut by the reporter)
+            found = log.phases.get(self.last_frame_phase) if self.last_frame_phase else None
+            ev = found or self.frame_evidence
+            self.signature("truncated_traceback", ev or self.frame_evidence)
+        log.failure_phase = self._failure_phase()
+        return log
+
+    def _failure_phase(self) -> Observed[Phase] | None:
+        log = self.log
+        if self.explicit_failure is not None:
+            return self.explicit_failure
+        if self.frame_failure_phase is not None:
+            return self.frame_failure_phase
+        failed = log.shows_failure or "truncated_traceback" in log.signatures
+        if not failed:
+            return None
+        if self.last_frame_phase is not None:
+            return Observed(self.last_frame_phase, log.phases[self.last_frame_phase])
+        reached = log.phase_reached
+        if reached is None:
+            return None
+        ev = log.phases[reached]
+        if reached == Phase.WEIGHT_LOADING and self.weights_done is not None:
+            # weights were loaded; whatever failed next was the profiling run
+            return Observed(Phase.PROFILING, self.weights_done)
+        return Observed(reached, ev)
+
+
+def command_args(text: str) -> dict[str, Any]:
+    """vLLM arguments (underscore names) of a pasted ``vllm serve`` / api_server command.
+
+    Returns ``{}`` when the text is not a readable command; never raises.
+    """
+    text = text.strip()
+    if text.startswith("-m "):
+        text = "python " + text
+    text = re.sub(r"^(python\S*)\s+(?:-u\s+)+", r"\1 ", text)
+    try:
+        from oomguard.plan.cmdline import parse_command
+
+        command = parse_command(text)
+    except Exception:  # a fragment we cannot read adds nothing
+        return {}
+    args: dict[str, Any] = {"model": command.model}
+    args.update(command.settings_kwargs)
+    for name, value in command.other_flags.items():
+        args[name.replace("-", "_")] = value
+    return args
+
+
+def _memory_text(text: str) -> bool:
+    low = text.lower()
+    return "memory" in low or "cache blocks" in low or "kv cache" in low
+
+
+def _literal(text: str) -> Any:
+    text = text.strip()
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+def _arg_value(field: str, value: Any) -> Any:
+    try:
+        if field in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+        ):
+            number = int(float(str(value).replace(",", "")))
+            return number if number > 0 else None
+        if field in ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib"):
+            return float(value)
+        if field == "enforce_eager":
+            return str(value).lower() in ("true", "1", "yes")
+        if field == "dtype":
+            return str(value).replace("torch.", "")
+        return str(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _parse_oom(kind: str, ev: Evidence, text: str) -> OomEvent:
+    def gib(m: re.Match[str] | None, name: str) -> float | None:
+        if m is None:
+            return None
+        try:
+            return to_gib(m.group(name), m.group(name + "_unit"))
+        except (ValueError, IndexError):
+            return None
+
+    tried = gib(cat.OOM_TRIED.search(text), "tried")
+    total = free = allocated = reserved = None
+    gpu_index: int | None = None
+    new = cat.OOM_TOTAL_FREE.search(text)
+    if new is not None:
+        total, free, gpu_index = gib(new, "total"), gib(new, "free"), int(new.group("idx"))
+    old = cat.OOM_OLD.search(text)
+    if old is not None:
+        total, free, gpu_index = gib(old, "total"), gib(old, "free"), int(old.group("idx"))
+        allocated, reserved = gib(old, "alloc"), gib(old, "reserved")
+    processes: list[tuple[int, float]] = []
+    for pm in cat.OOM_PROCESS.finditer(text):
+        used = gib(pm, "used")
+        if used is not None and len(processes) < MAX_LIST:
+            processes.append((int(pm.group("pid")), used))
+    this = gib(cat.OOM_THIS_PROCESS.search(text), "used")
+    if allocated is None:
+        allocated = gib(cat.OOM_ALLOCATED.search(text), "alloc")
+    unallocated = gib(cat.OOM_UNALLOCATED.search(text), "unalloc")
+    if unallocated is None and reserved is not None and allocated is not None:
+        unallocated = max(reserved - allocated, 0.0)
+    low = text.lower()
+    if kind == "torch" and "xpu" in low:
+        kind = "xpu"
+    elif kind == "torch" and "hip out of memory" in low:
+        kind = "hip"
+    return OomEvent(
+        kind=kind,
+        evidence=ev,
+        tried_gib=tried,
+        gpu_index=gpu_index,
+        total_gib=total,
+        free_gib=free,
+        this_process_gib=this,
+        processes_gib=tuple(processes),
+        allocated_gib=allocated,
+        reserved_gib=reserved,
+        reserved_unallocated_gib=unallocated,
+        private_pools_gib=gib(cat.OOM_POOLS.search(text), "pools"),
+    )
+
+
+def parse_stream(lines: Iterable[str]) -> ParsedLog:
+    """Parse log lines (any iterable of strings, each may hold several lines) into a ParsedLog.
+
+    Memory stays bounded whatever the input size: records are processed one at a time and
+    only a fixed set of values and a few pieces of evidence are kept. Never raises on
+    malformed text (binary garbage, truncated lines, interleaved processes).
+    """
+    builder = _Builder()
+    last = 0
+    for record in iter_records(lines):
+        builder.feed(record)
+        last = record.number + record.lines - 1
+    return builder.finish(last)
+
+
+def parse_file(path: str | Path) -> ParsedLog:
+    """Parse a log file (or ``-`` for standard input), streaming it in bounded memory.
+
+    Raises :class:`BadInput` when the file is missing, a directory, or unreadable.
+    """
+    if str(path) == "-":
+        return parse_stream(read_binary_lines(sys.stdin.buffer))
+    p = Path(path)
+    if not p.exists():
+        raise BadInput(
+            f"log file not found: {p}", "give the path of a vLLM log, or - to read standard input"
+        )
+    if p.is_dir():
+        raise BadInput(f"{p} is a directory, not a log file", "give the path of a vLLM log file")
+    try:
+        with p.open("rb") as stream:
+            return parse_stream(read_binary_lines(stream))
+    except PermissionError as exc:
+        raise BadInput(
+            f"cannot read {p}: permission denied", "check the file's permissions"
+        ) from exc
+    except OSError as exc:
+        raise BadInput(
+            f"cannot read {p}: {exc.strerror or exc}", "check the path and the disk"
+        ) from exc
