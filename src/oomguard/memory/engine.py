@@ -756,13 +756,23 @@ def predict(
             problems.append(cpu_problem)
         if cpu_line:
             logs.append(cpu_line)
-    if wb.max_bytes > (requested if kv_override is None else total):
+    if wb.max_bytes > total:
+        # util does not limit loading: the weights go in while the device has room, so only a
+        # checkpoint larger than the device fails here (in load_model, before any KV sizing)
         problems.append(
             Problem(
                 "weights_exceed_gpu",
-                f"weights need {w_est.gib:.2f} GiB per rank but the budget is "
-                f"{requested / GIB:.2f} GiB (util {util} × {total / GIB:.2f} GiB): loading fails with "
-                "an out-of-memory error",
+                f"weights need {w_est.gib:.2f} GiB per rank but the device has "
+                f"{total / GIB:.2f} GiB: loading fails with an out-of-memory error",
+            )
+        )
+    elif kv_override is None and wb.max_bytes > requested:
+        problems.append(
+            Problem(
+                "weights_exceed_budget",
+                f"weights need {w_est.gib:.2f} GiB per rank, more than the {requested / GIB:.2f} GiB "
+                f"budget (util {util} × {total / GIB:.2f} GiB): they load, then nothing is left "
+                "for the KV cache",
             )
         )
 
@@ -961,6 +971,16 @@ def _finish(
                 "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived",
                 *CPU_STARTUP_ERRORS}  # fmt: skip
     fits = not any(p.code in blocking for p in problems)
+    if any(p.code == "weights_exceed_gpu" for p in problems):
+        # vLLM stops in load_model: nothing after the weights is ever computed or printed
+        problems = [p for p in problems if p.code not in {"no_kv_memory", "max_len_exceeds_kv"}]
+        after_load = ("Available KV cache memory", "No available memory", "To serve at least",
+                      "Auto-fit", "Add ", "Overriding num_gpu_blocks", "Cannot auto-fit")  # fmt: skip
+        logs = [
+            line
+            for line in logs
+            if not line.startswith(after_load) and "KV cache size" not in line
+        ]
     return MemoryPrediction(
         model=model.name,
         gpu=gpu,

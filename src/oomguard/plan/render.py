@@ -61,11 +61,20 @@ def memory_table(c: Candidate) -> Table:
     table.add_row("  non-torch", _gib(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
     graph_note = "--enforce-eager: none" if s.enforce_eager else _estimate_cell(p.cudagraph)
     table.add_row("  CUDA graphs", _gib(p.cudagraph.value_bytes), graph_note)
-    table.add_row(
-        "[bold]KV cache[/]",
-        f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-        f"{p.num_blocks:,} blocks × {p.bytes_per_block:,} B",
-    )
+    if any(x.code == "weights_exceed_gpu" for x in p.problems):
+        table.add_row("[bold]KV cache[/]", "[bold]—[/]", "never reached: loading the weights fails")
+    elif p.kv_cache_bytes <= 0:
+        table.add_row(
+            "[bold]KV cache[/]",
+            f"[bold red]{_gib(p.kv_cache_bytes)}[/]",
+            "nothing left for the KV cache",
+        )
+    else:
+        table.add_row(
+            "[bold]KV cache[/]",
+            f"[bold]{_gib(p.kv_cache_bytes)}[/]",
+            f"{p.num_blocks:,} blocks × {p.bytes_per_block:,} B",
+        )
     table.add_section()
     table.add_row(
         "KV cache tokens", f"{p.kv_cache_tokens:,}", f"{p.kv_bytes_per_token:,} B/token per GPU"

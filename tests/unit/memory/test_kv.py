@@ -243,8 +243,21 @@ def test_auto_fit_reduces_max_model_len() -> None:
 
 
 def test_no_kv_memory_when_weights_fill_the_budget() -> None:
+    # 131 GiB of bf16 weights on an 80 GB card: loading itself fails, nothing after it runs
     model = llama_3_70b()
     p = predict(model, H100, EngineSettings(vllm_version="0.19"))
     codes = {x.code for x in p.problems}
-    assert "weights_exceed_gpu" in codes and "no_kv_memory" in codes
+    assert "weights_exceed_gpu" in codes and "no_kv_memory" not in codes
+    assert not p.fits
+    assert not any("KV cache" in line for line in p.log_lines)
+
+
+def test_weights_above_budget_but_inside_device_leave_no_kv() -> None:
+    # weights load (util does not limit loading), then the budget has nothing left for KV
+    model = llama_3_70b()
+    tight = EngineSettings(vllm_version="0.19", tensor_parallel_size=2, gpu_memory_utilization=0.8)
+    p = predict(model, H100, tight)
+    codes = {x.code for x in p.problems}
+    assert "weights_exceed_budget" in codes and "no_kv_memory" in codes
+    assert "weights_exceed_gpu" not in codes
     assert not p.fits
