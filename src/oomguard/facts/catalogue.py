@@ -16,10 +16,60 @@ from typing import Any
 
 from oomguard.errors import MalformedConfig, UnknownModel
 from oomguard.facts.config_reader import spec_from_config
-from oomguard.memory.spec import ModelSpec
+from oomguard.memory.spec import ModelSpec, QuantSpec
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue" / "models"
 _REQUIRED_KEYS = ("id", "config")
+
+
+PARAM_TOLERANCE = 0.01  # computed vs published parameter count, relative
+
+
+@dataclass(frozen=True)
+class ParamCheck:
+    """A computed parameter count against a published one.
+
+    Accepted when ``|computed - published| <= allowance``, where the allowance is the larger of
+    1 % of the published count and, for a figure published rounded (``rounding`` = the unit of
+    its last digit, 1e8 for "1.7B"), half that unit: the exact count may lie anywhere the
+    rounding maps to the figure. A figure with a single significant digit ("7B") is too coarse
+    for its half-unit to check anything, so only the 1 % band applies to it.
+    """
+
+    entry_id: str
+    computed: int
+    published: int
+    rounding: int | None = None
+
+    @property
+    def allowance(self) -> float:
+        """Largest accepted absolute difference, in parameters."""
+        coarse = self.rounding is not None and self.rounding * 10 > self.published
+        half_unit = self.rounding / 2 if self.rounding and not coarse else 0.0
+        return max(PARAM_TOLERANCE * self.published, half_unit)
+
+    @property
+    def error(self) -> float:
+        """Relative difference ``computed / published - 1``."""
+        return self.computed / self.published - 1
+
+    @property
+    def ok(self) -> bool:
+        """True when the difference is within :attr:`allowance`."""
+        return abs(self.computed - self.published) <= self.allowance
+
+    @property
+    def needs_rounding_allowance(self) -> bool:
+        """True when only the rounding half-unit (not the 1 % band) accepts the count."""
+        return self.ok and abs(self.error) > PARAM_TOLERANCE
+
+    def describe(self) -> str:
+        """One line: computed vs published, the difference, and the allowance used."""
+        rounded = f", published rounded to {self.rounding:.0e}" if self.rounding else ""
+        return (
+            f"{self.entry_id}: computed {self.computed:,} vs published {self.published:,} "
+            f"({self.error:+.2%}; allowed ±{self.allowance:,.0f}{rounded})"
+        )
 
 
 @dataclass(frozen=True)
@@ -37,7 +87,11 @@ class CatalogueEntry:
     param_bytes_by_dtype: dict[str, int] = field(default_factory=dict, hash=False, compare=False)
     param_bytes_source: str = ""
     observed_loading_gib: float | None = None
+    observed_loading_source: str = ""
     notes: str = ""
+    published_params_rounding: int | None = None
+    published_params_includes_tied_lm_head: bool = False
+    base_model: str = ""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -51,6 +105,30 @@ class CatalogueEntry:
             source=f"catalogue {self.path.name} (config: {self.config_source or 'unrecorded'})",
             param_bytes_by_dtype=self.param_bytes_by_dtype or None,
         )
+
+    def check_params(self, spec: ModelSpec | None = None) -> ParamCheck:
+        """Compare the computed parameter count with the published one (see :class:`ParamCheck`).
+
+        The computed count is taken with and without MTP modules (published totals differ on
+        that: DeepSeek-V3 is 671B main model, 685B with its MTP module) and, when the entry
+        says the published figure counts the checkpoint's stored copy of a tied LM head, with
+        that copy added. Raises :class:`MalformedConfig` when no published count is recorded.
+        """
+        if not self.published_params:
+            raise MalformedConfig(f"catalogue entry {self.id} records no published_params",
+                                  f"add published_params to {self.path.name}")  # fmt: skip
+        spec = spec or self.spec()
+        total = spec.total_params
+        mtp = sum(g.count for g in spec.params if g.name == "mtp")
+        extra = 0
+        if self.published_params_includes_tied_lm_head and spec.tie_word_embeddings:
+            extra = spec.vocab_size * spec.hidden_size
+        candidates = {total + extra, total - mtp + extra}
+        computed = min(candidates, key=lambda n: abs(n - self.published_params))  # type: ignore[operator]
+        return ParamCheck(
+            entry_id=self.id, computed=computed, published=self.published_params,
+            rounding=self.published_params_rounding,
+        )  # fmt: skip
 
 
 def load_entry(path: Path) -> CatalogueEntry:
@@ -76,8 +154,16 @@ def load_entry(path: Path) -> CatalogueEntry:
             f"catalogue file {path} lacks {', '.join(missing) or 'a config object'}",
             "fix or remove the file",
         )
-    published = data.get("published_params")
+    published, rounding = _published_params(data, path)
     observed = data.get("observed_loading_gib")
+    observed_source = ""
+    if isinstance(observed, dict):
+        observed_source = str(observed.get("source") or "")
+        observed = observed.get("value")
+    base_model = data.get("base_model") or ""
+    if not isinstance(base_model, str):
+        raise MalformedConfig(f"catalogue file {path}: base_model is not a string",
+                              "set base_model to the base repo id, e.g. meta-llama/Llama-3.1-8B")  # fmt: skip
     return CatalogueEntry(
         id=str(data["id"]),
         config=data["config"],
@@ -85,15 +171,45 @@ def load_entry(path: Path) -> CatalogueEntry:
         aliases=tuple(str(a) for a in data.get("aliases") or ()),
         config_source=str(data.get("config_source") or ""),
         second_source=str(data.get("second_source") or ""),
-        published_params=int(published) if isinstance(published, (int, float)) else None,
+        published_params=published,
         published_params_source=str(data.get("published_params_source") or ""),
         param_bytes_by_dtype={
             str(k): int(v) for k, v in (data.get("param_bytes_by_dtype") or {}).items()
         },
         param_bytes_source=str(data.get("param_bytes_source") or ""),
         observed_loading_gib=float(observed) if isinstance(observed, (int, float)) else None,
+        observed_loading_source=observed_source,
         notes=str(data.get("notes") or ""),
+        published_params_rounding=rounding,
+        published_params_includes_tied_lm_head=bool(
+            data.get("published_params_includes_tied_lm_head", False)
+        ),
+        base_model=base_model,
     )
+
+
+def _published_params(data: dict[str, Any], path: Path) -> tuple[int | None, int | None]:
+    """``published_params`` and ``published_params_rounding``, validated together."""
+    fix = f"fix published_params / published_params_rounding in {path.name}"
+    published = data.get("published_params")
+    if published is not None and (
+        not isinstance(published, (int, float)) or isinstance(published, bool) or published <= 0
+    ):
+        raise MalformedConfig(f"catalogue file {path}: published_params is {published!r}, "
+                              "not a positive number", fix)  # fmt: skip
+    rounding = data.get("published_params_rounding")
+    if rounding is None:
+        return (int(published) if published is not None else None), None
+    if not isinstance(rounding, (int, float)) or isinstance(rounding, bool) or rounding <= 0:
+        raise MalformedConfig(f"catalogue file {path}: published_params_rounding is {rounding!r}, "
+                              "not a positive number", fix)  # fmt: skip
+    if published is None:
+        raise MalformedConfig(f"catalogue file {path}: published_params_rounding without "
+                              "published_params", fix)  # fmt: skip
+    if int(published) % int(rounding):
+        raise MalformedConfig(f"catalogue file {path}: published_params {int(published):,} is not "
+                              f"a multiple of its rounding {int(rounding):,}", fix)  # fmt: skip
+    return int(published), int(rounding)
 
 
 @lru_cache(maxsize=4)
@@ -154,6 +270,31 @@ def closest_names(name: str, directory: Path | None = None, n: int = 5) -> list[
         if ident not in out:
             out.append(ident)
     return out[:n]
+
+
+def known_quantized_variants(
+    base_id: str, directory: Path | None = None
+) -> list[tuple[str, QuantSpec]]:
+    """Catalogued quantized checkpoints of ``base_id``: ``(repo id, weight format)``, fewest bits first.
+
+    Built from entries that declare ``base_model`` and whose config (or name) says the format.
+    ``base_id`` may be any name or alias of a catalogued base, case-insensitive; a base that is
+    not catalogued itself (a fine-tune) matches on its exact id. Empty when none is known.
+    """
+    base = lookup_entry(base_id, directory)
+    wanted = {_norm(n) for n in base.names} if base is not None else {_norm(base_id)}
+    out: list[tuple[str, QuantSpec]] = []
+    for entry in list_entries(directory):
+        if not entry.base_model:
+            continue
+        named = lookup_entry(entry.base_model, directory)
+        names = {_norm(n) for n in named.names} if named is not None else {_norm(entry.base_model)}
+        if not names & wanted:
+            continue
+        quant = entry.spec().quant
+        if quant.method is not None:
+            out.append((entry.id, quant))
+    return sorted(out, key=lambda item: (item[1].weight_bits, item[0].lower()))
 
 
 def find_entry(name: str, directory: Path | None = None) -> CatalogueEntry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
         from oomguard.facts.catalogue import list_entries
 
         needle = contains.lower()
-        rows = []
+        rows: list[dict[str, Any]] = []
         for entry in list_entries():
             if needle and not any(needle in n.lower() for n in entry.names):
                 continue
@@ -37,6 +38,7 @@ def register(app: typer.Typer) -> None:
                     "max_model_len": spec.derived_max_model_len,
                     "quantization": spec.quant.method,
                     "config_source": entry.config_source,
+                    "base_model": entry.base_model or None,
                 }
             )
         if as_json:
@@ -47,11 +49,11 @@ def register(app: typer.Typer) -> None:
             table.add_column(col)
         for r in rows:
             table.add_row(
-                r["id"],
-                r["architecture"],
+                str(r["id"]),
+                str(r["architecture"]),
                 f"{r['params_b']:.2f}",
                 f"{r['max_model_len']:,}",
-                r["quantization"] or "-",
+                str(r["quantization"] or "-"),
             )
         Console().print(table)
 

@@ -55,16 +55,81 @@ _TIE_DEFAULT_BY_MODEL_TYPE: dict[str, bool] = {
     "granitemoehybrid": True,
 }
 
-# transformers' class defaults for fields that real config.json files omit, by model_type
-# (source: transformers 5.x configuration_<model>.py). Only fields that size memory.
-_MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma3_text": {
-        "vocab_size": 262_208, "head_dim": 256, "max_position_embeddings": 131_072,
-        "sliding_window": 4096, "sliding_window_pattern": 6,
-    },
-    "gemma2": {"sliding_window": 4096, "head_dim": 256},
-    "mistral": {"sliding_window": 4096},
+
+@dataclass(frozen=True)
+class ConfigDefaults:
+    """transformers' class defaults for one ``model_type``: what a sparse config.json omits.
+
+    Hub files are written by ``PretrainedConfig.to_diff_dict()`` and list only the keys that
+    differ from the class defaults (Gemma 3 is the common case), so the reader must apply
+    them exactly as ``<Model>Config(**config)`` would. ``sub_configs`` names the default
+    ``model_type`` of nested configs a wrapper builds (``text_config`` → ``gemma3_text``).
+    """
+
+    values: Mapping[str, Any]
+    source: str
+    sub_configs: Mapping[str, str] = field(default_factory=dict)
+
+
+_TRANSFORMERS_AT = "https://github.com/huggingface/transformers/blob/008f5c8c29be84d4721dc6d1e0fcd72300580be4/src/transformers/models"
+
+# Only fields that size memory or its derived length are listed. An explicit ``null`` in
+# config.json stays null (as in transformers, where the argument is passed through).
+CONFIG_DEFAULTS: dict[str, ConfigDefaults] = {
+    "gemma3_text": ConfigDefaults(
+        {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+         "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "head_dim": 256, "max_position_embeddings": 131_072, "tie_word_embeddings": True,
+         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "attention_bias": False,
+         "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
+        f"{_TRANSFORMERS_AT}/gemma3/configuration_gemma3.py Gemma3TextConfig.__init__",
+    ),
+    "gemma3": ConfigDefaults(
+        {"mm_tokens_per_image": 256, "boi_token_index": 255_999, "eoi_token_index": 256_000,
+         "image_token_index": 262_144},
+        f"{_TRANSFORMERS_AT}/gemma3/configuration_gemma3.py Gemma3Config.__init__ "
+        "(text_config is built as Gemma3TextConfig, vision_config as SiglipVisionConfig)",
+        {"text_config": "gemma3_text", "vision_config": "siglip_vision_model"},
+    ),
+    "siglip_vision_model": ConfigDefaults(
+        {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+         "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16},
+        f"{_TRANSFORMERS_AT}/siglip/configuration_siglip.py SiglipVisionConfig",
+    ),
+    "gemma2": ConfigDefaults(
+        {"vocab_size": 256_000, "head_dim": 256, "max_position_embeddings": 8192,
+         "sliding_window": 4096, "query_pre_attn_scalar": 256, "tie_word_embeddings": True},
+        f"{_TRANSFORMERS_AT}/gemma2/configuration_gemma2.py Gemma2Config.__init__",
+    ),
+    "mistral": ConfigDefaults(
+        {"sliding_window": 4096},
+        f"{_TRANSFORMERS_AT}/mistral/configuration_mistral.py MistralConfig.__init__",
+    ),
 }  # fmt: skip
+
+
+def apply_config_defaults(
+    config: Mapping[str, Any], model_type: str | None = None
+) -> dict[str, Any]:
+    """``config`` with transformers' class defaults filled in, nested configs included.
+
+    ``model_type`` overrides the config's own (a wrapper's ``text_config`` often has none).
+    Keys present in ``config`` win, explicit ``null`` included; types without an entry in
+    :data:`CONFIG_DEFAULTS` come back unchanged (as a shallow copy).
+    """
+    mtype = str(model_type or config.get("model_type") or "")
+    entry = CONFIG_DEFAULTS.get(mtype)
+    out: dict[str, Any] = dict(entry.values) if entry else {}
+    out.update(config)
+    for key in ("text_config", "vision_config", "llm_config", "language_config"):
+        sub = out.get(key)
+        if isinstance(sub, Mapping):
+            sub_type = str(
+                sub.get("model_type") or (entry.sub_configs.get(key, "") if entry else "")
+            )
+            out[key] = apply_config_defaults(sub, sub_type)
+    return out
+
 
 # (group name) -> (sharding, quantizable, per_layer, stage)
 _GROUP_LAYOUT: dict[str, tuple[ParamSharding, bool, bool, str]] = {
@@ -1310,6 +1375,7 @@ def spec_from_config(
     if not top_type:
         raise UnsupportedArchitecture(f"{arch}: config.json has no model_type",
                                       "use the model's original config.json (it names model_type)")  # fmt: skip
+    config = apply_config_defaults(config)
     text, nested = _text_config(config)
     text_type = str(text.get("model_type") or top_type) if nested else top_type
     if top_type == "mllama":
@@ -1329,9 +1395,6 @@ def spec_from_config(
             f"architecture {arch}: vision tower of model_type {top_type!r} is not accounted for",
             f"supported multimodal model types: {', '.join(sorted(_VISION_BY_MODEL_TYPE))}",
         )
-    defaults = _MODEL_TYPE_DEFAULTS.get(str(text.get("model_type") or text_type), {})
-    if defaults:
-        text = {**defaults, **text}  # an explicit null in config.json stays null
     c = _Cfg(text, arch, config if nested else None)
     acc = _Acc()
     try:

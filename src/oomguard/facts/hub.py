@@ -76,22 +76,11 @@ def spec_from_hub(
             f"model {repo_id!r} is not in the catalogue and HF_HUB_OFFLINE is set",
             _alternatives(repo_id),
         )
-    from huggingface_hub import get_safetensors_metadata, hf_hub_download
-
-    def fetch_config() -> str:
-        return str(
-            hf_hub_download(
-                repo_id,
-                "config.json",
-                revision=revision,
-                etag_timeout=timeout_s,
-                endpoint=endpoint,
-                token=token,
-            )  # fmt: skip
-        )
-
     try:
-        config_path = _with_deadline(fetch_config, timeout_s, "config.json")
+        config_path = _with_deadline(
+            lambda: _fetch_config(repo_id, revision, timeout_s, endpoint, token),
+            timeout_s, "config.json",
+        )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - every hub failure means "no facts from the hub"
         reason = _describe(exc)
         raise UnknownModel(f"model {repo_id!r} could not be fetched from the hub ({reason})",
@@ -102,19 +91,71 @@ def spec_from_hub(
     if not isinstance(config, dict):
         raise MalformedConfig(f"config.json of {repo_id} is not a JSON object", "check the repo")
 
+    from huggingface_hub import HfApi
+
     bytes_by_dtype: dict[str, int] = {}
-    if endpoint is None:  # the metadata helper always talks to the default endpoint
-        try:
-            meta = _with_deadline(
-                lambda: get_safetensors_metadata(repo_id, revision=revision, token=token, timeout=timeout_s),
-                timeout_s, "safetensors metadata",
-            )  # fmt: skip
-            for dtype, count in dict(meta.parameter_count).items():
-                bytes_by_dtype[dtype] = int(count * SAFETENSORS_DTYPE_BYTES.get(dtype, 2))
-        except Exception:  # noqa: BLE001 - bytes are an optional refinement
-            bytes_by_dtype = {}
+    try:
+        meta = _with_deadline(
+            lambda: HfApi(endpoint=endpoint).get_safetensors_metadata(
+                repo_id, revision=revision, token=token, timeout=timeout_s),
+            timeout_s, "safetensors metadata",
+        )  # fmt: skip
+        for dtype, count in dict(meta.parameter_count).items():
+            bytes_by_dtype[dtype] = int(count * SAFETENSORS_DTYPE_BYTES.get(dtype, 2))
+    except Exception:  # noqa: BLE001 - bytes are an optional refinement
+        bytes_by_dtype = {}
     return spec_from_config(config, name=repo_id, source=f"hub {repo_id}" + (f"@{revision}" if revision else ""),
                             param_bytes_by_dtype=bytes_by_dtype)  # fmt: skip
+
+
+def _no_retry_kwargs(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``retry_on_errors=False`` where huggingface_hub has it (newer releases retry by default
+    in some paths; older ones take no such argument and make a single request)."""
+    import inspect
+
+    return (
+        {"retry_on_errors": False} if "retry_on_errors" in inspect.signature(fn).parameters else {}
+    )
+
+
+class HubUnreachable(OSError):
+    """The hub did not answer the first request (no retries are made) and nothing is cached."""
+
+
+def _fetch_config(
+    repo_id: str,
+    revision: str | None,
+    timeout_s: float,
+    endpoint: str | None,
+    token: str | bool | None,
+) -> str:
+    """Local path of the repo's ``config.json``: one HEAD request without retries, then download.
+
+    ``hf_hub_download`` alone retries a failed first request with back-off (five tries, seconds
+    apart) before it looks at its cache; a planner that is offline should answer at once. So the
+    HEAD goes first with retries off; if the hub cannot be reached a cached copy is used, else
+    :class:`HubUnreachable`. HTTP answers (404, gated, 5xx) propagate as huggingface_hub errors.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+
+    url = hf_hub_url(repo_id, "config.json", revision=revision, endpoint=endpoint)
+    try:
+        get_hf_file_metadata(
+            url, token=token, timeout=timeout_s, **_no_retry_kwargs(get_hf_file_metadata)
+        )
+    except HfHubHTTPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - connection refused, DNS failure, read timeout
+        try:
+            return str(hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint,
+                                       token=token, local_files_only=True))  # fmt: skip
+        except Exception:  # noqa: BLE001 - not cached either
+            raise HubUnreachable(
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            ) from None
+    return str(hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint,
+                               token=token, etag_timeout=timeout_s))  # fmt: skip
 
 
 def _describe(exc: BaseException) -> str:
@@ -125,6 +166,8 @@ def _describe(exc: BaseException) -> str:
         return "the repo is gated: accept its licence and set HF_TOKEN"
     if name in ("LocalEntryNotFoundError", "OfflineModeIsEnabled"):
         return "network unreachable and nothing cached"
+    if isinstance(exc, HubUnreachable):
+        return f"hub unreachable and config.json not cached: {exc}"
     if isinstance(exc, TimeoutError):
         return str(exc)
     text = str(exc).splitlines()[0] if str(exc) else name

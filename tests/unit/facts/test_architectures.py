@@ -259,3 +259,39 @@ def test_wrong_type_is_malformed() -> None:
     config = dict(QWEN3_NEXT, hidden_size="big")
     with pytest.raises(MalformedConfig, match="wrong type.*'big'"):
         spec_from_config(config, name="x", source="t")
+
+
+def test_sparse_gemma3_config_gets_transformers_defaults() -> None:
+    """Hub Gemma 3 files list only non-default keys (gemma-3-4b-it names no head counts)."""
+    from oomguard.facts.config_reader import CONFIG_DEFAULTS, apply_config_defaults
+
+    sparse: dict[str, Any] = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_hidden_layers": 27, "patch_size": 14},
+    }  # fmt: skip
+    spec = spec_from_config(sparse, name="g3-4b", source="t")
+    assert (spec.num_attention_heads, spec.num_kv_heads, spec.head_size) == (8, 4, 256)
+    assert spec.vocab_size == 262208 and spec.derived_max_model_len == 131072
+    assert [ly.kind for ly in spec.layers].count(AttentionKind.FULL) == 34 // 6
+    assert spec.vision is not None and spec.vision.max_tokens_per_item == 256
+    assert "configuration_gemma3.py" in CONFIG_DEFAULTS["gemma3_text"].source
+
+    # the text_config of a gemma3 wrapper is a Gemma3TextConfig even without its model_type
+    no_type = {
+        **sparse,
+        "text_config": {k: v for k, v in sparse["text_config"].items() if k != "model_type"},
+    }
+    assert apply_config_defaults(no_type)["text_config"]["num_attention_heads"] == 8
+    # explicit values and explicit nulls win over the defaults
+    explicit = {"model_type": "gemma3_text", "num_attention_heads": 4, "sliding_window": None}
+    filled = apply_config_defaults(explicit)
+    assert filled["num_attention_heads"] == 4 and filled["sliding_window"] is None
+    assert filled["head_dim"] == 256
+    # a SigLIP vision config missing its sizes gets SiglipVisionConfig's (224 px, patch 16)
+    bare = apply_config_defaults({**sparse, "vision_config": {"model_type": "siglip_vision_model"}})
+    assert (bare["vision_config"]["image_size"], bare["vision_config"]["patch_size"]) == (224, 16)
+    # model types without a defaults entry pass through untouched
+    assert apply_config_defaults({"model_type": "llama", "a": 1}) == {"model_type": "llama", "a": 1}

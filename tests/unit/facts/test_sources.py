@@ -163,3 +163,79 @@ def test_catalogue_lookup_is_forgiving() -> None:
     assert find_entry("someorg/Llama-3.1-8B-Instruct") is entry  # another org's copy
     with pytest.raises(UnknownModel, match="closest catalogue names: .*Llama-3.1-8B"):
         find_entry("meta-llama/Llama-3.1-8B-Instrukt-v9")
+
+
+def test_hub_on_a_closed_port_fails_at_once_without_retries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: connection refused
+    start = time.monotonic()
+    with caplog.at_level("WARNING"), pytest.raises(UnknownModel) as info:
+        spec_from_hub("someone/some-model", timeout_s=5, endpoint=f"http://127.0.0.1:{port}")
+    assert time.monotonic() - start < 1.5
+    assert "hub unreachable and config.json not cached" in info.value.one_line()
+    assert "--model /path/to/dir" in info.value.one_line()
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_hub_unreachable_uses_a_cached_config(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An earlier download in the HF cache still serves when the hub cannot be reached."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    snapshot = tmp_path / "hf" / "hub" / "models--someone--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(TINY_LLAMA))
+    refs = tmp_path / "hf" / "hub" / "models--someone--tiny" / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("abc123")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    spec = spec_from_hub("someone/tiny", timeout_s=5, endpoint=f"http://127.0.0.1:{port}")
+    assert spec.hidden_size == 64 and spec.num_layers == 2
+
+
+def test_known_quantized_variants_of_a_catalogued_base() -> None:
+    from oomguard.facts import known_quantized_variants
+
+    variants = known_quantized_variants("meta-llama/Llama-3.1-70B-Instruct")
+    assert [repo for repo, _ in variants] == [
+        "hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4",  # 4-bit before 8-bit
+        "nvidia/Llama-3.1-70B-Instruct-FP8",
+    ]
+    awq = variants[0][1]
+    assert (awq.method, awq.weight_bits, awq.group_size, awq.zero_point) == ("awq", 4, 128, True)
+    assert variants[1][1].method == "fp8"
+    # any name of the base works; every variant is itself a catalogue entry with that base
+    assert known_quantized_variants("llama-3.1-70b-instruct") == variants
+    for repo, quant in known_quantized_variants("meta-llama/Llama-3.1-8B-Instruct"):
+        entry = find_entry(repo)
+        assert entry.base_model == "meta-llama/Llama-3.1-8B-Instruct" and quant.weight_bits == 4
+    assert known_quantized_variants("google/gemma-2-9b") == []
+    assert known_quantized_variants("nobody/nothing") == []
+
+
+def test_every_declared_base_model_is_consistent() -> None:
+    """A base_model names a quantized entry's source repo: catalogued ones must match in shape."""
+    for entry in list_entries():
+        if not entry.base_model:
+            continue
+        spec = entry.spec()
+        assert spec.quant.method is not None, f"{entry.id}: base_model set on an unquantized entry"
+        try:
+            base = find_entry(entry.base_model)
+        except UnknownModel:
+            continue  # a fine-tune that is not catalogued itself (e.g. zephyr-7b-beta)
+        assert base.spec().total_params == spec.total_params, entry.id
