@@ -1,10 +1,58 @@
-"""CLI registration for the guard face (placeholder until the face lands)."""
+"""CLI registration for the guard face: ``oomguard guard``."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    """Add this face's commands to the main app."""
-    return None
+    """Add ``oomguard guard`` to the main app."""
+
+    @app.command("guard")
+    def guard(
+        backend: Annotated[
+            list[str] | None,
+            typer.Option("--backend", help="vLLM server base URL (repeatable)."),
+        ] = None,
+        port: Annotated[int | None, typer.Option(help="Port to listen on (default 8100).")] = None,
+        host: Annotated[
+            str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")
+        ] = None,
+        config: Annotated[
+            Path | None, typer.Option("--config", help="YAML file with guard settings.")
+        ] = None,
+        high_watermark: Annotated[
+            float | None, typer.Option(help="Stop admitting at this KV fraction (0.90).")
+        ] = None,
+        low_watermark: Annotated[
+            float | None, typer.Option(help="Resume admitting below this KV fraction (0.80).")
+        ] = None,
+        max_queue: Annotated[
+            int | None, typer.Option(help="Most requests waiting in the queue (256).")
+        ] = None,
+        queue_timeout: Annotated[
+            float | None, typer.Option(help="Seconds a request may wait in the queue (60).")
+        ] = None,
+        tokenizer: Annotated[
+            str | None,
+            typer.Option(help="'backend' (exact, via /tokenize) or 'estimate' (no round trip)."),
+        ] = None,
+    ) -> None:
+        """Memory-aware admission gateway in front of vLLM servers (OpenAI-compatible)."""
+        from oomguard.guard.app import run_guard
+        from oomguard.guard.config import load_config
+
+        overrides: dict[str, Any] = {
+            "backends": backend,
+            "port": port,
+            "host": host,
+            "high_watermark": high_watermark,
+            "low_watermark": low_watermark,
+            "max_queue_requests": max_queue,
+            "queue_timeout_s": queue_timeout,
+            "tokenizer": tokenizer,
+        }
+        run_guard(load_config(config, overrides))

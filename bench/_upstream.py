@@ -1,0 +1,166 @@
+"""A minimal, fast OpenAI-style upstream for the overhead benchmark (asyncio protocol, no framework).
+
+HTTP/1.1 with keep-alive on 127.0.0.1. Answers at once (no model): ``POST /v1/completions`` and
+``/v1/chat/completions`` with a fixed completion (SSE when ``"stream": true``), ``POST /tokenize``
+with a whitespace word count, ``GET /v1/models``, ``/health`` and a ``/metrics`` page in vLLM's
+names with a large KV pool, so the gateway never queues. The point is that the upstream costs as
+little as possible, so what the benchmark measures is the proxy in front of it.
+
+Run: ``python bench/_upstream.py --port 18000``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+MODEL = "bench-model"
+
+_COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " ok ok ok ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12},
+    }
+).encode()
+_CHAT = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok ok ok ok"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 4, "total_tokens": 12},
+    }
+).encode()
+_MODELS = json.dumps(
+    {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 8192}]}
+).encode()
+_METRICS = (
+    "# TYPE vllm:num_requests_running gauge\n"
+    f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    "# TYPE vllm:num_preemptions_total counter\n"
+    f'vllm:num_preemptions_total{{engine="0",model_name="{MODEL}"}} 0.0\n'
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000001"} 1.0\n'
+).encode()
+_SSE = (
+    b'data: {"id":"cmpl-bench","object":"text_completion","model":"bench-model",'
+    b'"choices":[{"index":0,"text":" ok","finish_reason":null}]}\n\n'
+) * 4 + b"data: [DONE]\n\n"
+
+
+def _response(status: bytes, body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\nContent-Type: "
+        + ctype
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: keep-alive\r\n\r\n"
+        + body
+    )
+
+
+_R_COMPLETION = _response(b"200 OK", _COMPLETION)
+_R_CHAT = _response(b"200 OK", _CHAT)
+_R_MODELS = _response(b"200 OK", _MODELS)
+_R_METRICS = _response(b"200 OK", _METRICS, b"text/plain; version=0.0.4")
+_R_HEALTH = _response(b"200 OK", b"")
+_R_STREAM = _response(b"200 OK", _SSE, b"text/event-stream")
+_R_404 = _response(b"404 Not Found", b'{"error":{"message":"not found","code":404}}')
+
+
+class _Http(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            head_end = self.buf.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buf[:head_end]
+            length = 0
+            lower = head.lower()
+            i = lower.find(b"content-length:")
+            if i >= 0:
+                j = lower.find(b"\r\n", i)
+                length = int(lower[i + 15 : j if j > 0 else None].strip())
+            total = head_end + 4 + length
+            if len(self.buf) < total:
+                return
+            body = self.buf[head_end + 4 : total]
+            self.buf = self.buf[total:]
+            line = head[: head.find(b"\r\n")] if b"\r\n" in head else head
+            parts = line.split(b" ")
+            method, path = parts[0], parts[1] if len(parts) > 1 else b"/"
+            assert self.transport is not None
+            self.transport.write(self._answer(method, path, body))
+
+    def _answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
+        if path == b"/v1/completions":
+            return (
+                _R_STREAM
+                if b'"stream": true' in body or b'"stream":true' in body
+                else _R_COMPLETION
+            )
+        if path == b"/v1/chat/completions":
+            return _R_CHAT
+        if path == b"/tokenize":
+            try:
+                req = json.loads(body)
+                count = len(str(req.get("prompt", "")).split()) + 1
+            except ValueError:
+                count = 1
+            return _response(b"200 OK", b'{"count":%d,"tokens":[],"max_model_len":8192}' % count)
+        if path == b"/v1/models":
+            return _R_MODELS
+        if path == b"/metrics":
+            return _R_METRICS
+        if path == b"/health":
+            return _R_HEALTH
+        return _R_404
+
+
+async def serve(port: int) -> None:
+    """Serve until cancelled."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Http, "127.0.0.1", port, reuse_address=True, backlog=1024)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, default=18000)
+    args = ap.parse_args()
+    try:
+        asyncio.run(serve(args.port))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

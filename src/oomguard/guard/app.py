@@ -1,0 +1,687 @@
+"""The gateway's HTTP application (aiohttp server + pooled aiohttp client).
+
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (admission-controlled, streamed or
+not), ``/v1/models`` (from the pollers' cache), any other ``/v1/*`` passed through, and the
+gateway's own ``/health``, ``/ready``, ``/metrics`` and ``/status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from oomguard.guard.admission import AdmissionSettings, RequestCost
+from oomguard.guard.backends import Backend, BackendPool
+from oomguard.guard.config import GuardConfig
+from oomguard.guard.gate import Gate, NeverFits, QueueFull, QueueTimeout, Ticket
+from oomguard.guard.openai_body import (
+    ApiError,
+    GenerationRequest,
+    bad_request,
+    estimate_prompt_tokens,
+    parse_generation,
+    parse_json_body,
+    parse_priority_header,
+)
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+from oomguard.guard.telemetry import Telemetry
+
+log = logging.getLogger("oomguard.guard")
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id")
+# Upstream failures that mean "try again elsewhere or later": nothing reached the client yet.
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+# When a model's context limit and every capacity are still unknown, a request without
+# max_tokens reserves this much output; it is re-checked when capacities become known.
+_UNKNOWN_CONTEXT_OUTPUT_TOKENS = 4096
+
+
+@dataclass
+class _Retry:
+    reason: str
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.Response(
+        status=err.status,
+        body=err.body_bytes(),
+        content_type="application/json",
+        headers=err.headers,
+    )
+
+
+def _sse_error(message: str, code: int = 502) -> bytes:
+    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        message = (
+            exc.reason if exc.status != 404 else f"no route for {request.method} {request.path}"
+        )
+        return _error_response(ApiError(exc.status, message, headers=headers))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return _error_response(
+            ApiError(500, "internal error in the gateway (logged)", type_="internal_error")
+        )
+
+
+class GuardApp:
+    """State and handlers of one gateway process."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self.settings = AdmissionSettings(
+            high_watermark=config.high_watermark,
+            low_watermark=config.low_watermark,
+            tighten_factor=config.tighten_factor,
+            min_capacity_fraction=config.min_capacity_fraction,
+            relax_step=config.relax_step,
+            calm_period_s=config.calm_period_s,
+        )
+        self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
+        self.drain = DrainRateMeter()
+        self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
+        self.telemetry = Telemetry(self.pool, self.queue, self.drain)
+        self.gate = Gate(
+            self.pool,
+            self.queue,
+            self.drain,
+            retry_fallback_s=min(config.queue_timeout_s, 30.0),
+            max_retry_after_s=config.max_retry_after_s,
+            on_queue_wait=self.telemetry.queue_wait.observe,
+        )
+        self.session: aiohttp.ClientSession | None = None
+        self._timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=30, sock_read=config.upstream_timeout_s
+        )
+        self._tokenize_timeout = aiohttp.ClientTimeout(total=config.tokenize_timeout_s)
+
+    def _on_pool_change(self) -> None:
+        self.gate.pump()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def startup(self, _app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        await self.pool.start()
+
+    async def cleanup(self, _app: web.Application) -> None:
+        await self.pool.stop()
+        if self.session is not None:
+            await self.session.close()
+
+    # -- own routes ----------------------------------------------------------------------
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _request: web.Request) -> web.Response:
+        ready = [b.url for b in self.pool.backends if b.healthy and b.admission.known]
+        status = 200 if ready else 503
+        return web.json_response({"ready": bool(ready), "backends_ready": ready}, status=status)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.telemetry.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(self, _request: web.Request) -> web.Response:
+        c = self.config
+        return web.json_response(
+            {
+                "backends": [b.snapshot() for b in self.pool.backends],
+                "capacity_tokens": sum(b.capacity_tokens or 0 for b in self.pool.backends),
+                "reserved_tokens": sum(b.admission.reserved_tokens for b in self.pool.backends),
+                "queue": {
+                    "depth": self.queue.depth,
+                    "tokens": self.queue.tokens,
+                    "max_requests": c.max_queue_requests,
+                    "max_tokens": c.max_queue_tokens,
+                    "timeout_s": c.queue_timeout_s,
+                    "drain_rate_per_s": round(self.drain.rate_per_s(time.monotonic()), 3),
+                },
+                "watermarks": {"high": c.high_watermark, "low": c.low_watermark},
+                "tokenizer": c.tokenizer,
+            }
+        )
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        models: dict[str, dict[str, Any]] = {}
+        for b in self.pool.backends:
+            if b.healthy:
+                for k, v in b.models.items():
+                    models.setdefault(k, v)
+        if not models:
+            return await self.passthrough(request)
+        return web.json_response({"object": "list", "data": list(models.values())})
+
+    # -- passthrough ---------------------------------------------------------------------
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Forward any other ``/v1/*`` request to a healthy backend, without admission."""
+        assert self.session is not None
+        if request.path in ("/v1/completions", "/v1/chat/completions"):
+            raise ApiError(
+                405,
+                f"{request.method} is not allowed on {request.path}; use POST",
+                headers={"Allow": "POST"},
+            )
+        body = await self._read_body(request)
+        backends = sorted(
+            (b for b in self.pool.backends if b.healthy),
+            key=lambda b: b.admission.free_blocks,
+            reverse=True,
+        )
+        if not backends:
+            raise self._no_backend_error()
+        last_error = ""
+        for backend in backends[:2]:
+            try:
+                async with self.session.request(
+                    request.method,
+                    backend.url + request.path_qs,
+                    data=body or None,
+                    headers=self._upstream_headers(request),
+                    timeout=self._timeout,
+                ) as resp:
+                    data = await resp.read()
+                    headers = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
+                    status = resp.status if resp.status < 500 else 502
+                    return web.Response(status=status, body=data, headers=headers)
+            except _UPSTREAM_ERRORS as exc:
+                last_error = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    self.pool.eject(backend, last_error)
+        raise ApiError(502, f"backend unreachable: {last_error}", type_="upstream_error")
+
+    def _no_backend_error(self) -> ApiError:
+        return ApiError(
+            503,
+            "no healthy backend; retry later",
+            type_="service_unavailable",
+            headers={"Retry-After": str(self.gate.retry_after_s())},
+        )
+
+    # -- generation ----------------------------------------------------------------------
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise ApiError(
+                413, f"request body of {length} bytes exceeds the limit of {limit} bytes"
+            )
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes") from None
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _queue_timeout_s(self, request: web.Request) -> float:
+        raw = request.headers.get("x-queue-timeout")
+        limit = self.config.queue_timeout_s
+        if raw is None:
+            return limit
+        try:
+            v = float(raw)
+        except ValueError:
+            raise bad_request(
+                f"header x-queue-timeout must be seconds, got {raw[:40]!r}", "x-queue-timeout"
+            ) from None
+        if not v > 0:
+            raise bad_request("header x-queue-timeout must be positive", "x-queue-timeout")
+        return min(v, limit)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        tel = self.telemetry
+        try:
+            raw = await self._read_body(request)
+            body = parse_json_body(raw)
+            req = parse_generation(body, chat=chat, max_tokens_limit=self.config.max_tokens_limit)
+            header_priority = parse_priority_header(request.headers.get("x-priority"))
+            priority = header_priority if header_priority is not None else (req.priority or 0)
+            timeout_s = self._queue_timeout_s(request)
+            self._check_model(req.model)
+            if "priority" in body and not self.config.forward_priority:
+                del body["priority"]
+                raw = json.dumps(body).encode()
+            cost = await self._cost(req)
+            reason = self.gate.never_fit_reason(cost, req.model)
+            if reason is not None:
+                tel.outcome["never_fits"].inc()
+                raise ApiError(400, reason, param="max_tokens", code="context_length_exceeded")
+        except ApiError as err:
+            if err.code != "context_length_exceeded":
+                tel.outcome["client_error"].inc()
+            raise
+        try:
+            return await self._admit_and_forward(request, raw, req, cost, priority, timeout_s, t0)
+        except asyncio.CancelledError:
+            tel.outcome["client_disconnected"].inc()
+            raise
+
+    async def _admit_and_forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        req: GenerationRequest,
+        cost: RequestCost,
+        priority: int,
+        timeout_s: float,
+        t0: float,
+    ) -> web.StreamResponse:
+        tel = self.telemetry
+        attempts = 0
+        queued_s = 0.0
+        upstream_s = 0.0
+        while True:
+            tq = time.perf_counter()
+            try:
+                ticket = await self.gate.acquire(
+                    cost, req.model, priority, timeout_s, front=attempts > 0
+                )
+            except QueueFull as exc:
+                tel.shed_full.inc()
+                tel.outcome["shed_queue_full"].inc()
+                raise ApiError(
+                    429,
+                    f"the gateway queue is full ({self.queue.depth} requests waiting); "
+                    f"retry after {exc.retry_after_s} s",
+                    type_="rate_limit_exceeded",
+                    code="queue_full",
+                    headers={"Retry-After": str(exc.retry_after_s)},
+                ) from None
+            except QueueTimeout as exc:
+                tel.shed_timeout.inc()
+                tel.outcome["shed_queue_timeout" if attempts == 0 else "upstream_failed"].inc()
+                what = (
+                    "waiting for KV capacity"
+                    if attempts == 0
+                    else "waiting for a healthy backend after a backend failure"
+                )
+                raise ApiError(
+                    503,
+                    f"timed out after {exc.waited_s:.1f} s {what}; retry after "
+                    f"{exc.retry_after_s} s",
+                    type_="service_unavailable",
+                    code="queue_timeout",
+                    headers={"Retry-After": str(exc.retry_after_s)},
+                ) from None
+            except NeverFits as exc:
+                tel.outcome["never_fits"].inc()
+                raise ApiError(
+                    400, str(exc), param="max_tokens", code="context_length_exceeded"
+                ) from None
+            queued_s += time.perf_counter() - tq
+            tu = time.perf_counter()
+            try:
+                result = await self._forward(request, ticket, raw, req, cost)
+            finally:
+                self.gate.release(ticket)
+            upstream_s += time.perf_counter() - tu
+            if not isinstance(result, _Retry):
+                if not req.stream:
+                    tel.added_latency.observe(
+                        max(time.perf_counter() - t0 - queued_s - upstream_s, 0.0)
+                    )
+                return result
+            attempts += 1
+            if attempts > self.config.max_retries:
+                tel.outcome["upstream_failed"].inc()
+                raise ApiError(
+                    502,
+                    f"the backends failed this request {attempts} times (last: {result.reason})",
+                    type_="upstream_error",
+                    code="upstream_failed",
+                )
+            tel.retries.inc()
+            timeout_s = self.config.retry_wait_s
+
+    def _check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        known = self.pool.all_models()
+        if known and model not in known:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; served: {', '.join(sorted(known))}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _cost(self, req: GenerationRequest) -> RequestCost:
+        counts, exact = await self._prompt_tokens(req)
+        prompt = max(counts)
+        mml = self.pool.max_model_len(req.model)
+        if req.max_tokens is not None:
+            new_tokens = req.max_tokens
+        elif mml is not None:
+            new_tokens = max(mml - prompt, 0)
+        else:
+            cap = self.pool.largest_capacity_tokens()
+            new_tokens = max(cap - prompt, 1) if cap else _UNKNOWN_CONTEXT_OUTPUT_TOKENS
+        return RequestCost(
+            prompt_tokens=prompt,
+            max_new_tokens=new_tokens,
+            num_sequences=req.num_sequences * len(counts),
+            prompt_exact=exact,
+        )
+
+    def _tokenizer_backend(self, model: str | None) -> Backend | None:
+        now = time.monotonic()
+        for b in self.pool.candidates(model):
+            if b.tokenize_supported or now >= b.tokenize_retry_at_s:
+                return b
+        return None
+
+    async def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], bool]:
+        """Prompt length of each prompt: exact from the backend's /tokenize, else estimated."""
+        if not req.chat and all(isinstance(p, list) for p in req.prompts):
+            return [len(p) for p in req.prompts], True
+        if self.config.tokenizer == "backend":
+            backend = self._tokenizer_backend(req.model)
+            if backend is not None:
+                counts = await self._tokenize(backend, req)
+                if counts is not None:
+                    return counts, True
+        self.telemetry.estimated_prompts.inc()
+        return estimate_prompt_tokens(req, self.config.estimate_chars_per_token), False
+
+    async def _tokenize(self, backend: Backend, req: GenerationRequest) -> list[int] | None:
+        if req.chat:
+            payload: dict[str, Any] = {"messages": req.messages}
+            for key in (
+                "add_generation_prompt",
+                "continue_final_message",
+                "chat_template",
+                "chat_template_kwargs",
+                "tools",
+                "documents",
+                "mm_processor_kwargs",
+            ):
+                if key in req.body:
+                    payload[key] = req.body[key]
+            if req.model:
+                payload["model"] = req.model
+            count = await self._tokenize_one(backend, req.model, payload)
+            return None if count is None else [count]
+        payloads: list[dict[str, Any] | int] = []
+        for p in req.prompts:
+            if isinstance(p, list):
+                payloads.append(len(p))
+                continue
+            pl: dict[str, Any] = {"prompt": p}
+            if req.model:
+                pl["model"] = req.model
+            payloads.append(pl)
+        results: list[int] = []
+        pending = [item for item in payloads if isinstance(item, dict)]
+        counts = await asyncio.gather(
+            *(self._tokenize_one(backend, req.model, item) for item in pending)
+        )
+        it = iter(counts)
+        for item in payloads:
+            if isinstance(item, int):
+                results.append(item)
+            else:
+                c = next(it)
+                if c is None:
+                    return None
+                results.append(c)
+        return results
+
+    async def _tokenize_one(
+        self, backend: Backend, model: str | None, payload: dict[str, Any]
+    ) -> int | None:
+        assert self.session is not None
+        try:
+            async with self.session.post(
+                backend.url + "/tokenize", json=payload, timeout=self._tokenize_timeout
+            ) as resp:
+                status = resp.status
+                data = await resp.read()
+        except _UPSTREAM_ERRORS:
+            return None
+        if status == 200:
+            try:
+                answer = json.loads(data)
+                count = int(answer["count"])
+            except (ValueError, KeyError, TypeError):
+                return None
+            backend.tokenize_supported = True
+            backend.note_max_model_len(model, answer.get("max_model_len"))
+            return count
+        message = ""
+        try:
+            err = json.loads(data)
+            message = str(err.get("error", {}).get("message") or err.get("message") or "")
+        except (ValueError, AttributeError):
+            pass
+        if status in (404, 405, 501) and "model" not in message.lower():
+            backend.tokenize_supported = False
+            backend.tokenize_retry_at_s = time.monotonic() + 60.0
+            return None
+        if status == 404:
+            raise ApiError(404, message or "model not found", param="model", code="model_not_found")
+        if 400 <= status < 500:
+            raise ApiError(status, message or f"the backend rejected the prompt ({status})")
+        return None
+
+    async def _forward(
+        self,
+        request: web.Request,
+        ticket: Ticket,
+        body: bytes,
+        req: GenerationRequest,
+        cost: RequestCost,
+    ) -> web.StreamResponse | _Retry:
+        """One upstream attempt. Returns the finished response, or _Retry if nothing was sent."""
+        assert self.session is not None
+        backend = ticket.backend
+        tel = self.telemetry
+        try:
+            async with self.session.post(
+                backend.url + request.path_qs,
+                data=body,
+                headers=self._upstream_headers(request),
+                timeout=self._stream_timeout if req.stream else self._timeout,
+            ) as resp:
+                if resp.status >= 500:
+                    await resp.read()
+                    return _Retry(f"{backend.url} answered {resp.status}")
+                if not req.stream or resp.status != 200:
+                    data = await resp.read()
+                    headers = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
+                    headers["x-oomguard-prompt-tokens"] = (
+                        "exact" if cost.prompt_exact else "estimated"
+                    )
+                    if resp.status < 400:
+                        tel.outcome["ok"].inc()
+                    else:
+                        tel.outcome["upstream_client_error"].inc()
+                    return web.Response(status=resp.status, body=data, headers=headers)
+                first = await resp.content.readany()
+                if not first:
+                    return _Retry(f"{backend.url} closed the stream before any data")
+                return await self._relay_stream(request, resp, first, backend, cost)
+        except aiohttp.ClientConnectorError as exc:
+            self.pool.eject(backend, f"connect failed: {exc}")
+            return _Retry(f"connect to {backend.url} failed")
+        except asyncio.TimeoutError:
+            tel.outcome["upstream_failed"].inc()
+            raise ApiError(
+                504,
+                f"the backend did not answer within {self.config.upstream_timeout_s:.0f} s",
+                type_="upstream_error",
+                code="upstream_timeout",
+            ) from None
+        except _UPSTREAM_ERRORS as exc:
+            return _Retry(f"{backend.url}: {type(exc).__name__}")
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        backend: Backend,
+        cost: RequestCost,
+    ) -> web.StreamResponse:
+        tel = self.telemetry
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "x-oomguard-prompt-tokens": "exact" if cost.prompt_exact else "estimated",
+            },
+        )
+        await out.prepare(request)
+        chunk = first
+        tail = b""
+        upstream_error: str | None = None
+        while True:
+            try:
+                await out.write(chunk)
+            except ConnectionError:
+                tel.outcome["client_disconnected"].inc()
+                return out
+            tail = (tail + chunk)[-64:]
+            try:
+                chunk = await resp.content.readany()
+            except _UPSTREAM_ERRORS as exc:
+                upstream_error = (
+                    f"the backend {backend.url} failed mid-stream ({type(exc).__name__})"
+                )
+                break
+            if not chunk:
+                break
+        if upstream_error is None and b"[DONE]" not in tail:
+            upstream_error = f"the backend {backend.url} ended the stream before [DONE]"
+        try:
+            if upstream_error is not None:
+                tel.outcome["stream_error"].inc()
+                await out.write(_sse_error(upstream_error + "; the response is incomplete"))
+            else:
+                tel.outcome["ok"].inc()
+            await out.write_eof()
+        except ConnectionError:
+            tel.outcome["client_disconnected"].inc()
+        return out
+
+
+_APP_KEY = web.AppKey("oomguard_guard", GuardApp)
+
+
+def create_app(config: GuardConfig) -> web.Application:
+    """Build the gateway's aiohttp application (pollers start with the app).
+
+    Serve it with ``handler_cancellation=True`` (as :func:`run_guard` and :func:`start_guard`
+    do) so a client that disconnects leaves the queue and frees its reservation at once.
+    """
+    guard = GuardApp(config)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=config.max_body_bytes)
+    app[_APP_KEY] = guard
+    app.on_startup.append(guard.startup)
+    app.on_cleanup.append(guard.cleanup)
+    r = app.router
+    r.add_post("/v1/completions", guard.completions)
+    r.add_post("/v1/chat/completions", guard.chat_completions)
+    r.add_get("/v1/models", guard.models)
+    r.add_get("/health", guard.health)
+    r.add_get("/ready", guard.ready)
+    r.add_get("/metrics", guard.metrics)
+    r.add_get("/status", guard.status)
+    r.add_route("*", "/v1/{tail:.*}", guard.passthrough)
+    return app
+
+
+def guard_state(app: web.Application) -> GuardApp:
+    """The :class:`GuardApp` behind an application made by :func:`create_app`."""
+    return app[_APP_KEY]
+
+
+@dataclass
+class GuardServer:
+    """A running gateway (see :func:`start_guard`)."""
+
+    runner: web.AppRunner
+    url: str
+    app: web.Application
+
+    @property
+    def state(self) -> GuardApp:
+        return guard_state(self.app)
+
+    async def stop(self) -> None:
+        """Stop serving and close the pollers and upstream connections."""
+        await self.runner.cleanup()
+
+
+async def start_guard(config: GuardConfig) -> GuardServer:
+    """Start the gateway on the running event loop; ``config.port`` 0 picks a free port."""
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return GuardServer(runner=runner, url=f"http://{host}:{port}", app=app)
+
+
+def run_guard(config: GuardConfig) -> None:
+    """Serve the gateway until interrupted (blocking; one process, one event loop)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        access_log=None,
+        handler_cancellation=True,
+        print=lambda msg: log.info("%s", msg),
+    )

@@ -1,0 +1,255 @@
+"""Backend pool: one :class:`Backend` per vLLM server, polled at a sub-second interval.
+
+Each poll reads ``/metrics`` (KV usage, preemptions, queue gauges, ``cache_config_info``) and,
+every ``models_refresh_s`` or after a recovery, ``/v1/models`` (served models and their
+``max_model_len``). ``eject_after_failures`` failed polls in a row take a backend out of
+routing; the first good poll after that brings it back. The proxy may also eject a backend at
+once when a connection to it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from oomguard.guard.admission import AdmissionSettings, BackendAdmission
+from oomguard.guard.config import BackendConfig, GuardConfig
+from oomguard.guard.metrics_parse import VllmMetrics, parse_vllm_metrics
+
+log = logging.getLogger("oomguard.guard")
+
+
+class Backend:
+    """One upstream server: health, served models, last metrics, admission state."""
+
+    def __init__(self, cfg: BackendConfig, settings: AdmissionSettings) -> None:
+        self.url = cfg.url
+        self.config = cfg
+        self.admission = BackendAdmission(settings)
+        if cfg.num_gpu_blocks is not None and cfg.block_size is not None:
+            self.admission.set_capacity(cfg.num_gpu_blocks, cfg.block_size)
+        self.healthy = False
+        self.consecutive_failures = 0
+        self.ejections = 0
+        self.last_error: str | None = None
+        self.models: dict[str, dict[str, Any]] = {}
+        self.metrics: VllmMetrics = VllmMetrics()
+        self.in_flight = 0
+        self.tokenize_supported = True
+        self.tokenize_retry_at_s = 0.0
+        self.next_models_refresh_s = 0.0
+
+    def serves(self, model: str | None) -> bool:
+        """Whether this backend can take a request for ``model`` (None: the default model)."""
+        return model is None or not self.models or model in self.models
+
+    def max_model_len(self, model: str | None) -> int | None:
+        """Context limit for ``model`` here: the config's override, else ``/v1/models``."""
+        if self.config.max_model_len is not None:
+            return self.config.max_model_len
+        entry = self.models.get(model) if model else None
+        if entry is None and len(self.models) == 1:
+            entry = next(iter(self.models.values()))
+        if entry is None:
+            return None
+        v = entry.get("max_model_len")
+        return int(v) if isinstance(v, (int, float)) and v > 0 else None
+
+    def note_max_model_len(self, model: str | None, value: Any) -> None:
+        """Record a ``max_model_len`` learned elsewhere (a ``/tokenize`` answer)."""
+        if not isinstance(value, int) or value <= 0:
+            return
+        if model and model in self.models:
+            self.models[model].setdefault("max_model_len", value)
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        a = self.admission
+        if a.capacity_blocks is None or a.block_size is None:
+            return None
+        return a.capacity_blocks * a.block_size
+
+    def snapshot(self) -> dict[str, Any]:
+        """State for ``/status``."""
+        a = self.admission
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "models": sorted(self.models),
+            "capacity_blocks": a.capacity_blocks,
+            "block_size": a.block_size,
+            "capacity_tokens": self.capacity_tokens,
+            "capacity_source": "config" if self.config.num_gpu_blocks else "metrics",
+            "effective_capacity_fraction": round(a.effective_fraction, 4),
+            "effective_capacity_blocks": a.effective_capacity_blocks,
+            "reserved_blocks": a.reserved_blocks,
+            "reserved_tokens": a.reserved_tokens,
+            "utilization": round(a.utilization(), 4),
+            "admission_paused": a.paused,
+            "in_flight": self.in_flight,
+            "kv_cache_usage": self.metrics.kv_cache_usage,
+            "preemptions_total": self.metrics.preemptions_total,
+            "preemptions_seen": a.preemptions_seen,
+            "requests_waiting": self.metrics.requests_waiting,
+            "requests_running": self.metrics.requests_running,
+            "ejections": self.ejections,
+        }
+
+
+class _PollError(Exception):
+    pass
+
+
+class BackendPool:
+    """All backends, their pollers, and the routing questions the gateway asks."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        settings: AdmissionSettings,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.backends = [Backend(b, settings) for b in config.backends]
+        self.on_change = on_change
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Open the polling session, poll every backend once, then keep polling."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
+        )
+        await asyncio.gather(*(self.poll_once(b) for b in self.backends))
+        self._tasks = [asyncio.create_task(self._poll_loop(b)) for b in self.backends]
+
+    async def stop(self) -> None:
+        """Stop polling and close the session."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _poll_loop(self, backend: Backend) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            try:
+                await self.poll_once(backend)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a poller must outlive any surprise in one answer
+                log.exception("poll of %s failed unexpectedly", backend.url)
+
+    async def poll_once(self, backend: Backend) -> bool:
+        """Poll one backend now; True when it answered well. Updates health and admission."""
+        assert self._session is not None
+        now = time.monotonic()
+        try:
+            metrics = await self._fetch_metrics(backend)
+            if not backend.healthy or now >= backend.next_models_refresh_s:
+                await self._fetch_models(backend)
+                backend.next_models_refresh_s = now + self.config.models_refresh_s
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, _PollError) as exc:
+            self._poll_failed(backend, f"{type(exc).__name__}: {exc}".strip(": "))
+            return False
+        backend.metrics = metrics
+        a = backend.admission
+        if (
+            backend.config.num_gpu_blocks is None
+            and metrics.num_gpu_blocks is not None
+            and metrics.block_size is not None
+        ):
+            a.set_capacity(metrics.num_gpu_blocks, metrics.block_size)
+        a.observe(metrics.kv_cache_usage, metrics.preemptions_total, now)
+        backend.consecutive_failures = 0
+        backend.last_error = None
+        if not backend.healthy:
+            backend.healthy = True
+            log.info("backend %s is healthy", backend.url)
+        self.on_change()
+        return True
+
+    async def _fetch_metrics(self, backend: Backend) -> VllmMetrics:
+        assert self._session is not None
+        async with self._session.get(backend.url + "/metrics") as resp:
+            if resp.status == 404:
+                # Not a vLLM server with metrics: fall back to a liveness probe; capacity then
+                # has to come from the config.
+                async with self._session.get(backend.url + "/health") as h:
+                    if h.status != 200:
+                        raise _PollError(f"/health answered {h.status}")
+                return VllmMetrics()
+            if resp.status != 200:
+                raise _PollError(f"/metrics answered {resp.status}")
+            text = await resp.text()
+        return parse_vllm_metrics(text)
+
+    async def _fetch_models(self, backend: Backend) -> None:
+        assert self._session is not None
+        async with self._session.get(backend.url + "/v1/models") as resp:
+            if resp.status != 200:
+                raise _PollError(f"/v1/models answered {resp.status}")
+            payload = await resp.json(content_type=None)
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            raise _PollError("/v1/models answered without a 'data' list")
+        backend.models = {
+            str(m["id"]): m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+        }
+
+    def _poll_failed(self, backend: Backend, reason: str) -> None:
+        backend.consecutive_failures += 1
+        backend.last_error = reason
+        if backend.healthy and backend.consecutive_failures >= self.config.eject_after_failures:
+            self.eject(backend, reason)
+
+    def eject(self, backend: Backend, reason: str) -> None:
+        """Take a backend out of routing until a poll succeeds again."""
+        if not backend.healthy:
+            return
+        backend.healthy = False
+        backend.ejections += 1
+        backend.last_error = reason
+        backend.admission.forget_observations()
+        log.warning("backend %s ejected: %s", backend.url, reason)
+        self.on_change()
+
+    # -- questions ----------------------------------------------------------------------
+    def candidates(self, model: str | None) -> list[Backend]:
+        """Healthy backends that serve ``model``."""
+        return [b for b in self.backends if b.healthy and b.serves(model)]
+
+    def all_models(self) -> dict[str, dict[str, Any]]:
+        """Every model any backend has listed (healthy or not), by id."""
+        out: dict[str, dict[str, Any]] = {}
+        for b in self.backends:
+            for k, v in b.models.items():
+                out.setdefault(k, v)
+        return out
+
+    def max_model_len(self, model: str | None) -> int | None:
+        """The largest context limit any backend serving ``model`` has for it."""
+        values = [
+            v
+            for b in self.backends
+            if b.serves(model) and (v := b.max_model_len(model)) is not None
+        ]
+        return max(values) if values else None
+
+    def largest_capacity_tokens(self) -> int | None:
+        """KV capacity of the largest backend whose capacity is known."""
+        values = [c for b in self.backends if (c := b.capacity_tokens) is not None]
+        return max(values) if values else None

@@ -1,0 +1,142 @@
+"""Gateway configuration: pydantic models, YAML loading, CLI overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from oomguard.errors import BadInput, MalformedConfig
+
+
+class BackendConfig(BaseModel):
+    """One vLLM server. Capacity fields override what its ``/metrics`` reports (from a plan)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    num_gpu_blocks: int | None = Field(default=None, ge=2)
+    block_size: int | None = Field(default=None, ge=1)
+    max_model_len: int | None = Field(default=None, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL {v!r} must look like http://HOST:PORT")
+        return v.rstrip("/")
+
+
+class GuardConfig(BaseModel):
+    """Everything ``oomguard guard`` runs with; defaults are the documented behaviour."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backends: list[BackendConfig] = Field(min_length=1)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    # admission
+    high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
+    low_watermark: float = Field(default=0.80, gt=0.0, le=1.0)
+    tighten_factor: float = Field(default=0.90, gt=0.0, le=1.0)
+    min_capacity_fraction: float = Field(default=0.50, gt=0.0, le=1.0)
+    relax_step: float = Field(default=0.02, ge=0.0, le=1.0)
+    calm_period_s: float = Field(default=5.0, ge=0.0)
+    # queue and shedding
+    max_queue_requests: int = Field(default=256, ge=0)
+    max_queue_tokens: int = Field(default=4_000_000, ge=0)
+    queue_timeout_s: float = Field(default=60.0, gt=0.0)
+    max_retry_after_s: int = Field(default=300, ge=1)
+    # input limits
+    max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
+    max_tokens_limit: int = Field(default=1_000_000, ge=1)
+    # cost
+    tokenizer: Literal["backend", "estimate"] = "backend"
+    estimate_chars_per_token: float = Field(default=3.0, gt=0.0)
+    forward_priority: bool = False
+    # backends and failures
+    poll_interval_s: float = Field(default=0.25, gt=0.0)
+    models_refresh_s: float = Field(default=5.0, gt=0.0)
+    health_timeout_s: float = Field(default=1.0, gt=0.0)
+    eject_after_failures: int = Field(default=2, ge=1)
+    upstream_timeout_s: float = Field(default=600.0, gt=0.0)
+    tokenize_timeout_s: float = Field(default=5.0, gt=0.0)
+    max_retries: int = Field(default=3, ge=0)
+    retry_wait_s: float = Field(default=120.0, gt=0.0)
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _backends_from_strings(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"url": b} if isinstance(b, str) else b for b in v]
+        return v
+
+    @model_validator(mode="after")
+    def _check_watermarks(self) -> GuardConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                f"({self.high_watermark})"
+            )
+        return self
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def build_config(values: dict[str, Any]) -> GuardConfig:
+    """Validate a dict of settings into a :class:`GuardConfig`; raises BadInput on error."""
+    try:
+        return GuardConfig.model_validate(values)
+    except ValidationError as exc:
+        raise BadInput(
+            f"invalid guard settings: {_one_line(exc)}",
+            "fix the value (see `oomguard guard --help`)",
+        ) from None
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> GuardConfig:
+    """Read a YAML config file (optional) and apply ``overrides`` (CLI flags) on top.
+
+    ``overrides`` entries whose value is None are ignored; a ``backends`` override replaces
+    the file's list. Raises MalformedConfig for an unreadable file, BadInput for bad values.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise MalformedConfig(
+                f"cannot read guard config {path}: {exc.strerror}", "check the path"
+            ) from None
+        except yaml.YAMLError as exc:
+            raise MalformedConfig(
+                f"guard config {path} is not valid YAML: {str(exc).splitlines()[0]}",
+                "fix the YAML syntax",
+            ) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise MalformedConfig(
+                f"guard config {path} must be a mapping of settings, not {type(loaded).__name__}",
+                "write `key: value` lines, e.g. `backends: [http://127.0.0.1:8000]`",
+            )
+        values.update(loaded)
+    for key, value in overrides.items():
+        if value is None or (key == "backends" and not value):
+            continue
+        values[key] = value
+    if not values.get("backends"):
+        raise BadInput(
+            "no backend given", "pass --backend http://HOST:PORT (repeatable) or list `backends:`"
+        )
+    return build_config(values)

@@ -1,0 +1,189 @@
+"""The admission gate: queue + backend pool + reservations, on the event loop.
+
+``acquire`` returns a :class:`Ticket` (a reservation on one backend) at once when the queue is
+empty and a backend admits the request; otherwise the request waits in the bounded queue until
+``pump`` (run whenever a reservation is released or a poll changes the picture) places it, it
+times out, or its client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
+from oomguard.guard.backends import Backend, BackendPool
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A reservation of ``blocks`` KV blocks (``tokens`` tokens) on ``backend``."""
+
+    backend: Backend
+    blocks: int
+    tokens: int
+    released: bool = False
+
+
+class QueueFull(Exception):
+    """The queue holds its maximum of requests or tokens."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__("queue full")
+        self.retry_after_s = retry_after_s
+
+
+class QueueTimeout(Exception):
+    """The request waited its whole queue timeout without being admitted."""
+
+    def __init__(self, waited_s: float, retry_after_s: int) -> None:
+        super().__init__("queue timeout")
+        self.waited_s = waited_s
+        self.retry_after_s = retry_after_s
+
+
+class NeverFits(Exception):
+    """No backend could ever hold the request (found once capacities became known)."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    cost: RequestCost
+    model: str | None
+    future: asyncio.Future[Ticket]
+
+
+class Gate:
+    """Admission for the whole gateway. Single event loop; no locks needed."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        queue: AdmissionQueue,
+        drain: DrainRateMeter,
+        *,
+        retry_fallback_s: float,
+        max_retry_after_s: int,
+        on_queue_wait: Callable[[float], None] = lambda _s: None,
+    ) -> None:
+        self.pool = pool
+        self.queue = queue
+        self.drain = drain
+        self.retry_fallback_s = retry_fallback_s
+        self.max_retry_after_s = max_retry_after_s
+        self.on_queue_wait = on_queue_wait
+        self._pumping = False
+
+    def retry_after_s(self, requests_ahead: int | None = None) -> int:
+        """Retry-After for a request behind ``requests_ahead`` others (default: the queue)."""
+        ahead = self.queue.depth if requests_ahead is None else requests_ahead
+        return self.drain.retry_after_s(
+            ahead, time.monotonic(), self.retry_fallback_s, self.max_retry_after_s
+        )
+
+    def never_fit_reason(self, cost: RequestCost, model: str | None) -> str | None:
+        """Why ``cost`` can never run on the backends serving ``model``, or None."""
+        serving = [b.admission for b in self.pool.backends if b.serves(model)]
+        return never_fit_reason(serving, cost, self.pool.max_model_len(model))
+
+    def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
+        cands = self.pool.candidates(model)
+        if not cands:
+            return None
+        i = pick_backend([b.admission for b in cands], cost)
+        if i is None:
+            return None
+        backend = cands[i]
+        blocks = backend.admission.reserve(cost)
+        backend.in_flight += 1
+        self.drain.record(time.monotonic())
+        return Ticket(backend, blocks, cost.total_tokens)
+
+    async def acquire(
+        self,
+        cost: RequestCost,
+        model: str | None,
+        priority: int,
+        timeout_s: float,
+        *,
+        front: bool = False,
+    ) -> Ticket:
+        """Reserve KV for a request, waiting in the queue if needed.
+
+        Raises QueueFull (not queued), QueueTimeout (removed from the queue) or NeverFits.
+        ``front`` puts an already-accepted request (a retry) at the head of its class,
+        exempt from the queue bounds. Cancellation removes the request or frees its ticket.
+        """
+        if self.queue.depth == 0:
+            ticket = self._place(cost, model)
+            if ticket is not None:
+                return ticket
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Ticket] = loop.create_future()
+        start = time.monotonic()
+        waiter = Waiter(priority, cost.total_tokens, start, _Pending(cost, model, fut))
+        if front:
+            self.queue.push_front(waiter)
+        elif not self.queue.push(waiter):
+            raise QueueFull(self.retry_after_s())
+        self.pump()
+        try:
+            if not fut.done():
+                await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return fut.result()
+            self.queue.remove(waiter)
+            fut.cancel()
+            waited = time.monotonic() - start
+            raise QueueTimeout(waited, self.retry_after_s()) from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())
+            else:
+                self.queue.remove(waiter)
+                fut.cancel()
+            self.pump()
+            raise
+        return fut.result()
+
+    def release(self, ticket: Ticket) -> None:
+        """Give a ticket's reservation back (idempotent) and admit whoever now fits."""
+        if ticket.released:
+            return
+        ticket.released = True
+        b = ticket.backend
+        b.admission.release(ticket.blocks, ticket.tokens)
+        b.in_flight -= 1
+        self.pump()
+
+    def pump(self) -> None:
+        """Admit queued requests, in order, while the head fits somewhere."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while True:
+                waiter = self.queue.peek()
+                if waiter is None:
+                    return
+                pending: _Pending = waiter.data
+                if pending.future.done():
+                    self.queue.remove(waiter)
+                    continue
+                ticket = self._place(pending.cost, pending.model)
+                if ticket is None:
+                    reason = self.never_fit_reason(pending.cost, pending.model)
+                    if reason is None:
+                        return
+                    self.queue.remove(waiter)
+                    pending.future.set_exception(NeverFits(reason))
+                    continue
+                self.queue.remove(waiter)
+                self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
+                pending.future.set_result(ticket)
+        finally:
+            self._pumping = False
