@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
 from oomguard.memory.spec import GPUSpec, ModelSpec
 from oomguard.plan.cmdline import ParsedCommand, parse_command, parse_human_int
@@ -21,12 +21,16 @@ from oomguard.plan.recommend import (
     alternatives,
     recommend,
     sizing_table,
+    valid_tp_sizes,
     weights_options,
 )
 from oomguard.plan.result import Calibration, Candidate, PlanResult, Workload
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.10
+# the format words oomguard.calibration.model_family keeps in a family name
+_CHECKPOINT_FORMATS = ("awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb-4bit", "gguf",
+                       "nvfp4", "mxfp4")  # fmt: skip
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineSettings))
 
 __all__ = ["plan", "PlanResult", "Workload"]
@@ -102,25 +106,73 @@ def _resolve_gpu(
     return spec, source, None, None
 
 
-def _calibration_lookup(
-    gpu: GPUSpec, vllm_version: str, model: ModelSpec
-) -> Callable[[int], MeasuredTerms | None] | None:
-    """Observations from the calibration store keyed by (GPU, version, model, TP), if any."""
-    try:
-        from oomguard.calibration import lookup
-    except ImportError:
-        return None
-    memo: dict[int, MeasuredTerms | None] = {}
+@dataclasses.dataclass
+class _CalibrationLookup:
+    """Measured terms from the calibration store for one (GPU, vLLM version, model), by TP.
 
-    def by_tp(tp: int) -> MeasuredTerms | None:
-        if tp not in memo:
+    First :func:`oomguard.calibration.lookup` with the catalogue GPU name; a log that named its
+    GPU another way (NVML's ``NVIDIA H100 80GB HBM3``, ``--gpu h100``) is matched by resolving
+    the stored name through the GPU catalogue. ``keys`` records which entry served each TP.
+    """
+
+    gpu: GPUSpec
+    vllm_version: str
+    model_name: str
+    memo: dict[int, MeasuredTerms | None] = dataclasses.field(default_factory=dict)
+    keys: dict[int, str] = dataclasses.field(default_factory=dict)
+    error: str = ""
+
+    def __call__(self, tp: int) -> MeasuredTerms | None:
+        if tp not in self.memo:
             try:
-                memo[tp] = lookup(gpu.name, vllm_version, model.name, tp)
-            except (OSError, ValueError):
-                memo[tp] = None  # an unreadable store must not stop a plan
-        return memo[tp]
+                self.memo[tp] = self._find(tp)
+            except OomguardError as exc:
+                self.memo[tp] = None  # an unreadable store must not stop a plan
+                self.error = f"calibration store not used: {exc}"
+        return self.memo[tp]
 
-    return by_tp
+    def _find(self, tp: int) -> MeasuredTerms | None:
+        from oomguard.calibration import Observation, Store, lookup, model_family
+        from oomguard.calibration.store import make_key
+        from oomguard.facts.gpus import find_gpu
+
+        store = Store()
+        family = model_family(self.model_name)
+        wanted = make_key(self.gpu.name, self.vllm_version, family, tp)
+        terms = lookup(self.gpu.name, self.vllm_version, self.model_name, tp, store=store)
+        if terms is not None:
+            self.keys[tp] = wanted
+            return terms
+        fields = set(Observation.__dataclass_fields__)
+        for key, rows in store.load().items():
+            if not rows or not isinstance(rows[0], dict) or not key.endswith(f"|{family}|tp{tp}"):
+                continue
+            try:
+                obs = Observation(**{k: v for k, v in rows[0].items() if k in fields})
+                stored_gpu = find_gpu(obs.gpu)
+            except (OomguardError, TypeError):
+                continue
+            same_gpu = (
+                stored_gpu.name == self.gpu.name and stored_gpu.total_bytes == self.gpu.total_bytes
+            )
+            if same_gpu and make_key(self.gpu.name, obs.vllm_version, family, tp) == wanted:
+                self.keys[tp] = key
+                return obs.measured_terms()
+        return None
+
+
+def _online_quantization(model_name: str, quantization: str | None) -> bool:
+    """True when ``--quantization`` quantizes an unquantized checkpoint while loading.
+
+    Stored observations are keyed by model family, whose name carries the checkpoint's own
+    format (``…-awq``); a plain family was measured with the checkpoint's own weights.
+    """
+    if not quantization:
+        return False
+    from oomguard.calibration import model_family
+
+    family = model_family(model_name)
+    return not any(family.endswith("-" + word) for word in _CHECKPOINT_FORMATS)
 
 
 def plan(
@@ -241,14 +293,33 @@ def plan(
             model, spec, base, fixed, workload, catalogue, notes, other_flags, started
         )
 
-    measured = _calibration_lookup(gpu_spec, version, spec) if use_calibration else None
+    measured = (
+        _CalibrationLookup(gpu_spec, version, spec.name)
+        if use_calibration
+        and base.pipeline_parallel_size == 1
+        and not _online_quantization(spec.name, base.quantization)
+        else None
+    )
     space = SearchSpace(
         model_ref=model, model=spec, gpu=gpu_spec, gpu_count=count, base=base, fixed=fixed,
         workload=workload, free_bytes=free_bytes, measured=measured,
     )  # fmt: skip
     native = weights_options(model, spec, gpu_spec, base, fixed)[0]
     # Strict first: an impossible TP is bad input (exit 2), not a "does not fit".
-    predict(spec, gpu_spec, base)
+    try:
+        predict(spec, gpu_spec, base)
+    except BadInput as exc:
+        tp = base.tensor_parallel_size
+        valid = valid_tp_sizes(spec, max(8, tp))
+        if tp in valid:
+            raise
+        heads = f"{spec.num_attention_heads} attention heads"
+        if spec.num_kv_heads and spec.num_kv_heads != spec.num_attention_heads:
+            heads += f" and {spec.num_kv_heads} KV heads"
+        raise BadInput(
+            f"--tensor-parallel-size {tp} does not split {spec.name}'s {heads} evenly",
+            f"use one of {', '.join(map(str, valid))}",
+        ) from exc
     given = space.candidate(native, base)
     if not workload.stated:
         given = dataclasses.replace(given, serve=None)
@@ -262,15 +333,22 @@ def plan(
         if recommendation is None:
             alts = tuple(alternatives(space, outcome, given.prediction, catalogue))
     calibration = Calibration(used=False)
-    terms = result_plan.prediction.measured_terms
-    if terms:
+    terms = [
+        t
+        for t in ("weights", "activation", "non_torch", "cudagraph")
+        if getattr(result_plan.prediction, t).basis.startswith("measured")
+    ]
+    if terms and measured is not None:
+        tp = result_plan.settings.tensor_parallel_size
+        found = measured(tp)
         calibration = Calibration(
             used=True,
-            source=next(
-                (getattr(result_plan.prediction, t).basis for t in terms), "calibration store"
-            ),
+            source=found.source if found is not None else "calibration store",
             terms=tuple(terms),
+            key=measured.keys.get(tp, ""),
         )
+    if measured is not None and measured.error:
+        notes.append(measured.error)
     if gpu_source == "nvml" and free_bytes is not None:
         notes.append(
             f"NVML: {free_bytes / GIB:.2f} GiB free of {gpu_spec.total_gib:.2f} GiB on the fullest GPU"

@@ -17,12 +17,14 @@ already accounts for per-request blocks, sliding windows and Mamba state) must r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.facts.quant import quant_from_name
+from oomguard.errors import OomguardError
+from oomguard.facts import known_quantized_variants, resolve_model
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
 from oomguard.plan.cmdline import render_serve
@@ -54,13 +56,18 @@ HOST_RAM_GBPS = 60.0  # dual-channel DDR5, what CPU-side layers stream per token
 
 @dataclass(frozen=True)
 class WeightsOption:
-    """How the weights are stored for one candidate."""
+    """How the weights are stored for one candidate.
+
+    ``known`` is False for an int4 checkpoint that the catalogue does not list: it is priced
+    (to say what quantizing would buy) but never recommended as a runnable command.
+    """
 
     key: str  # "native" | "fp8" | "int4"
     label: str
     model_ref: str
     model: ModelSpec
     quantization: str | None  # the --quantization value to pass (None: autodetect / unquantized)
+    known: bool = True
 
 
 @dataclass
@@ -115,13 +122,33 @@ class SearchSpace:
             return hit
         measured = None
         if use_measured and self.measured is not None:
-            measured = self.measured(settings.tensor_parallel_size)
+            measured = self.applicable(self.measured(settings.tensor_parallel_size), settings)
         pred = predict(
             weights.model, gpu, settings, free_bytes=free, measured=measured, strict=False
         )
         self.predictions += 1
         self.cache[key] = pred
         return pred
+
+    def applicable(
+        self, measured: MeasuredTerms | None, settings: EngineSettings
+    ) -> MeasuredTerms | None:
+        """The measured terms that still describe ``settings``.
+
+        Logs are keyed by GPU, version, model and TP only, and record the checkpoint's own
+        precision: online quantization or another dtype changes every term, so none apply; a
+        batch-token cap the search lowered changes the activation peak, so that term goes back
+        to the estimate.
+        """
+        online_quant = bool(settings.quantization) and not self.model.quant.method
+        if measured is None or online_quant or settings.dtype not in (None, "auto"):
+            return None
+        if (
+            settings.max_num_batched_tokens is not None
+            and "max_num_batched_tokens" not in self.fixed
+        ):
+            measured = dataclasses.replace(measured, activation_bytes=None)
+        return measured
 
     def share_factor(self, settings: EngineSettings) -> float:
         """Fraction of per-request KV left after a shared prefix is stored once.
@@ -222,10 +249,69 @@ def _dtype_label(model: ModelSpec) -> str:
     )
 
 
+# Preference among catalogued 4-bit formats: vLLM's Marlin kernels serve AWQ, GPTQ and
+# compressed-tensors w4a16 at full speed with TP; bitsandbytes is slower and last.
+_INT4_METHOD_ORDER = ("awq", "gptq", "compressed-tensors", "bitsandbytes")
+_METHOD_LABEL = {
+    "awq": "AWQ",
+    "gptq": "GPTQ",
+    "compressed-tensors": "w4a16",
+    "bitsandbytes": "bnb 4-bit",
+}
+NO_INT4_REPO = (
+    "no AWQ/GPTQ repo of this model is in the catalogue; quantize it yourself or search the hub "
+    "for one"
+)
+
+
+@functools.lru_cache(maxsize=64)
+def catalogued_variants(model_ref: str) -> tuple[tuple[str, QuantSpec], ...]:
+    """Quantized checkpoints of ``model_ref`` the catalogue lists (empty when none or unknown)."""
+    try:
+        return tuple(known_quantized_variants(model_ref))
+    except OomguardError:
+        return ()
+
+
+@functools.lru_cache(maxsize=64)
+def int4_variant(model_ref: str) -> tuple[str, ModelSpec] | None:
+    """The preferred catalogued ≤4-bit checkpoint of ``model_ref`` and its own ModelSpec."""
+    four_bit = [(repo, q) for repo, q in catalogued_variants(model_ref) if q.weight_bits <= 4]
+
+    def rank(item: tuple[str, QuantSpec]) -> tuple[int, str]:
+        method = (item[1].method or "").lower()
+        order = _INT4_METHOD_ORDER.index(method) if method in _INT4_METHOD_ORDER else 99
+        return order, item[0].lower()
+
+    for repo, _quant in sorted(four_bit, key=rank):
+        try:
+            return repo, resolve_model(repo, allow_hub=False)
+        except OomguardError:
+            continue
+    return None
+
+
+def fp8_checkpoint(model_ref: str) -> str | None:
+    """A catalogued FP8 checkpoint of ``model_ref`` (named as the online fp8 option's twin)."""
+    for repo, quant in catalogued_variants(model_ref):
+        if (quant.method or "").lower() == "fp8":
+            return repo
+    return None
+
+
+def _int4_label(model: ModelSpec) -> str:
+    method = (model.quant.method or "").lower()
+    return f"int4 {_METHOD_LABEL.get(method, method)} checkpoint"
+
+
 def weights_options(
     model_ref: str, model: ModelSpec, gpu: GPUSpec, base: EngineSettings, fixed: frozenset[str]
 ) -> list[WeightsOption]:
-    """Native weights first, then (unquantized checkpoints only) online fp8, then int4 AWQ."""
+    """Native weights first, then (unquantized checkpoints only) online fp8, then int4.
+
+    The int4 option is the catalogue's own quantized repo of the model, priced with that repo's
+    ModelSpec; when the catalogue lists none, it is a hypothetical AWQ int4 (``known=False``).
+    """
     native = WeightsOption("native", _dtype_label(model) if not base.quantization else
                            f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
     options = [native]
@@ -234,16 +320,23 @@ def weights_options(
     cc = gpu.compute_capability
     fp8_ok = gpu.vendor == "amd" or not cc or float(cc) >= 8.0
     if fp8_ok:
+        options.append(WeightsOption("fp8", "online fp8", model_ref, model, "fp8"))
+    variant = int4_variant(model_ref)
+    if variant is not None:
+        repo, spec = variant
+        options.append(WeightsOption("int4", _int4_label(spec), repo, spec, None))
+    else:
+        awq = dataclasses.replace(model, quant=HYPOTHETICAL_AWQ)
         options.append(
-            WeightsOption("fp8", "fp8 (online, --quantization fp8)", model_ref, model, "fp8")
+            WeightsOption("int4", "int4 AWQ (not catalogued)", model_ref, awq, None, known=False)
         )
-    awq_ref = quantized_ref(model_ref, "AWQ")
-    awq_quant = quant_from_name(awq_ref) or QuantSpec(
-        method="awq", weight_bits=4, group_size=128, zero_point=True, scale_granularity="group"
-    )
-    awq = dataclasses.replace(model, quant=awq_quant)
-    options.append(WeightsOption("int4", "int4 AWQ checkpoint", awq_ref, awq, None))
     return options
+
+
+# AWQ int4 as published by AutoAWQ (group 128, zero points): what quantizing yourself gives.
+HYPOTHETICAL_AWQ = QuantSpec(
+    method="awq", weight_bits=4, group_size=128, zero_point=True, scale_granularity="group"
+)
 
 
 def weights_of(c: Candidate) -> WeightsOption:
@@ -251,11 +344,6 @@ def weights_of(c: Candidate) -> WeightsOption:
     return WeightsOption(
         c.weights_key, c.weights_label, c.model_ref, c.model, c.settings.quantization
     )
-
-
-def quantized_ref(model_ref: str, suffix: str) -> str:
-    """The conventional name of a quantized re-upload (``<repo>-AWQ``); the user must check it."""
-    return f"{model_ref}-{suffix}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,23 +379,28 @@ def base_settings(
         if util != default_util:
             changes["gpu_memory_utilization"] = max(util, 0.01)
         steps.append("gpu_memory_utilization")
-    if "max_model_len" not in space.fixed or s.max_model_len == -1:
+    if ("max_model_len" not in space.fixed and space.workload.stated) or s.max_model_len == -1:
         changes["max_model_len"] = space.workload.p99_tokens
         steps.append("max_model_len")
-    if "max_num_seqs" not in space.fixed:
+    if "max_num_seqs" not in space.fixed and space.workload.stated:
         changes["max_num_seqs"] = space.workload.concurrency
         steps.append("max_num_seqs")
     return dataclasses.replace(s, **changes), steps
 
 
 def search(
-    space: SearchSpace, *, allow_quantization: bool = True, tp_sizes: Iterable[int] | None = None
+    space: SearchSpace,
+    *,
+    allow_quantization: bool = True,
+    tp_sizes: Iterable[int] | None = None,
+    options: list[WeightsOption] | None = None,
 ) -> SearchOutcome:
     """Walk the checklist in cost order; return the first configuration that serves.
 
     Cost order, cheapest first: batch-token cap < tensor parallelism over the given GPUs <
     fp8 KV cache < fp8 weights < int4 checkpoint. For each (weights, KV dtype, TP) the smallest
     batch-token cap is priced first; only if it serves is the largest serving cap looked for.
+    Only catalogued checkpoints are searched unless ``options`` names the weights to price.
     """
     model = space.model
     default_util = space.default_util()
@@ -322,7 +415,9 @@ def search(
         )
     fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
     kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
-    options = weights_options(space.model_ref, model, space.gpu, space.base, space.fixed)
+    if options is None:
+        options = weights_options(space.model_ref, model, space.gpu, space.base, space.fixed)
+        options = [o for o in options if o.known]
     if not allow_quantization:
         options = options[:1]
 
@@ -447,16 +542,19 @@ def explain(
     steps = set(steps)
     if chosen.model_ref != space.model_ref:
         reasons.append(FlagReason("model", chosen.model_ref,
-                                  f"an int4 AWQ checkpoint of {space.model_ref} (weights {_gib(p.weights.value_bytes)} "
-                                  f"per GPU instead of {_gib(given.weights.value_bytes)}); check the exact repo name"))  # fmt: skip
+                                  f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
+                                  f"{_gib(p.weights.value_bytes)} per GPU instead of {_gib(given.weights.value_bytes)}; "
+                                  "small accuracy cost"))  # fmt: skip
     if (
         s.quantization
         and "quantization" not in space.fixed
         and s.quantization != space.base.quantization
     ):
+        twin = fp8_checkpoint(space.model_ref)
+        also = f" ({twin} is the same, pre-quantized)" if twin else ""
         reasons.append(FlagReason("quantization", s.quantization,
                                   f"online fp8 weights: {_gib(p.weights.value_bytes)} per GPU instead of "
-                                  f"{_gib(given.weights.value_bytes)}; needs no new checkpoint, small accuracy cost"))  # fmt: skip
+                                  f"{_gib(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost"))  # fmt: skip
     if s.tensor_parallel_size != 1 and "tensor_parallel_size" not in space.fixed:
         reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
                                   f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
@@ -587,7 +685,13 @@ def _larger_gpus(
         if c is not None:
             rows.append(c)
     rows.sort(key=lambda c: (c.gpu_count * c.gpu.total_bytes, c.gpu_count))
-    return rows[:3]
+    seen: set[tuple[int, int]] = set()
+    distinct = []
+    for c in rows:  # GPUs of the same memory give the same numbers: name the first only
+        if (c.gpu.total_bytes, c.gpu_count) not in seen:
+            seen.add((c.gpu.total_bytes, c.gpu_count))
+            distinct.append(c)
+    return distinct[:3]
 
 
 def _smallest_count(
@@ -610,7 +714,8 @@ def _smallest_count(
             max_model_len=space.workload.p99_tokens
             if "max_model_len" not in space.fixed else space.base.max_model_len,
             max_num_seqs=space.workload.concurrency
-            if "max_num_seqs" not in space.fixed else space.base.max_num_seqs,
+            if "max_num_seqs" not in space.fixed and space.workload.stated
+            else space.base.max_num_seqs,
             gpu_memory_utilization=space.base.gpu_memory_utilization,
         )  # fmt: skip
         c = space.candidate(native, settings, gpu=gpu, count=count)
@@ -775,8 +880,30 @@ def alternatives(
                 if best.prediction.problems
                 else "does not start"
             )
-            out.append(("quantization", f"even {best.weights_label} on {space.gpu_count}× {space.gpu.name} does not start",
+            out.append(("quantization", f"even {best.weights_label}" + (f" ({best.model_ref})" if best.model_ref != space.model_ref else "")
+                        + f" does not start on {space.gpu_count}× {space.gpu.name}",
                         False, {**numbers(best), "problem": reason}, render_serve(best.model_ref, best.settings), (), best))  # fmt: skip
+    hypothetical = [
+        o
+        for o in weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
+        if not o.known
+    ]
+    if hypothetical:
+        found = search(space, options=hypothetical)
+        own = found.best or found.most_capable
+        if own is not None and own.fits:
+            conc = own.serve.max_concurrency if own.serve else 0.0
+            need = own.serve.required_concurrency if own.serve else 0.0
+            where = f"{space.gpu_count}× {space.gpu.name}"
+            what = (
+                f"would serve this on {where}"
+                if own.serves
+                else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
+            )
+            placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
+            out.append(("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
+                        own.serves, numbers(own), render_serve(placeholder, own.settings),
+                        ("int4 costs some accuracy; check it on your own prompts",), own))  # fmt: skip
     offload = _cpu_offload(space, native)
     if offload is not None and not offload[0].serves:
         c, weights_gib = offload
@@ -828,6 +955,7 @@ def alternatives(
         "more_gpus": 0,
         "larger_gpu": 0,
         "quantization": 1,
+        "quantize_yourself": 1,
         "shorter_context": 1,
         "cpu_offload": 2,
         "llama_cpp": 3,

@@ -1,6 +1,12 @@
-"""Human output for a :class:`PlanResult`: one rich renderable per concept, composed in order."""
+"""Human output for a :class:`PlanResult`: one rich renderable per concept, composed in order.
+
+Everything fits 80 columns: tables wrap their last column, commands break at flag boundaries
+with shell continuations so that what is printed can be pasted as is.
+"""
 
 from __future__ import annotations
+
+import shlex
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
@@ -9,7 +15,10 @@ from rich.table import Table
 from rich.text import Text
 
 from oomguard.memory.activation import Estimate
-from oomguard.plan.result import GIB, Candidate, PlanResult
+from oomguard.memory.engine import MemoryPrediction, Problem
+from oomguard.plan.result import GIB, Candidate, PlanResult, SizingRow, weights_known
+
+COMMAND_WIDTH = 76
 
 
 def _gib(value_bytes: float) -> str:
@@ -23,58 +32,140 @@ def _estimate_cell(est: Estimate) -> str:
     return f"estimate ({low:.2f}–{high:.2f})"
 
 
-def header(result: PlanResult) -> Text:
-    """One line: model, GPUs, vLLM version, and where the GPU facts came from."""
+def _gpu_source(c: Candidate) -> str:
+    source = (c.gpu.source or "").lower()
+    if source.startswith("nvml"):
+        return "NVML"
+    if source.startswith("user"):
+        return "--gpu-memory-gib"
+    if source.startswith("observed"):
+        return "catalogue, as real logs report it"
+    if source.startswith("derived"):
+        return "catalogue, nvidia-smi total less driver reserve"
+    return "catalogue"
+
+
+def wrap_command(command: str, width: int = COMMAND_WIDTH, indent: str = "    ") -> str:
+    """Break a one-line shell command at flag boundaries (`` \\`` continuations) to ``width``.
+
+    A flag stays with its value; the result pastes into a shell as the same command.
+    """
+    tokens = shlex.split(command)
+    groups: list[str] = []
+    for token in tokens:
+        if groups and not token.startswith("-") and groups[-1].startswith("-"):
+            if " " not in groups[-1]:
+                groups[-1] += " " + shlex.quote(token)
+                continue
+        groups.append(shlex.quote(token))
+    lines: list[str] = []
+    line = ""
+    for group in groups:
+        candidate = f"{line} {group}" if line else group
+        room = width - (len(indent) if lines else 0) - 2
+        if line and len(candidate) > room:
+            lines.append(line)
+            line = group
+        else:
+            line = candidate
+    lines.append(line)
+    return " \\\n".join((indent + part if i else part) for i, part in enumerate(lines))
+
+
+def problem_line(problem: Problem, p: MemoryPrediction) -> str:
+    """One short line for a startup failure (the full vLLM text is in the log box)."""
+    s = p.settings
+    if problem.code == "max_len_exceeds_kv" and s.max_model_len:
+        est = (
+            f"; it suggests --max-model-len {p.estimated_max_model_len:,}"
+            if p.estimated_max_model_len
+            else ""
+        )
+        return (
+            f"one request of max_model_len {s.max_model_len:,} needs more than the "
+            f"{p.kv_cache_bytes / GIB:.2f} GiB KV cache: vLLM refuses to start{est}"
+        )
+    if problem.code == "no_kv_memory":
+        return (
+            "nothing is left for the KV cache after weights and activations: vLLM refuses to start"
+        )
+    if problem.code == "free_memory_below_requested":
+        return (
+            "free GPU memory is below gpu_memory_utilization × total: vLLM refuses to start "
+            "(lower the utilization or free the GPU)"
+        )
+    first = problem.message.split(". ")[0].rstrip(".")
+    return first if len(first) <= 160 else first[:157] + "…"
+
+
+def header(result: PlanResult) -> RenderableType:
+    """Model, GPUs, vLLM version; the workload when one was stated."""
     c = result.plan
     s = c.prediction.settings
     text = Text()
-    text.append("oomguard plan ", style="bold")
     text.append(result.model_ref, style="bold cyan")
-    text.append(f"  on {c.gpu_count}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
-    text.append(f"  vLLM {s.vllm_version}", style="dim")
+    text.append(f" on {c.gpu_count}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    text.append(f", vLLM {s.vllm_version}", style="dim")
+    w = result.workload
+    if w is not None and w.stated:
+        line = f"\nworkload: {w.concurrency} concurrent × {w.p99_tokens:,} tokens (P99)"
+        if w.shared_prefix_tokens:
+            line += f", {w.shared_prefix_tokens:,}-token shared prefix"
+        line += f", +{w.margin:.0%} margin"
+        if w.headroom_bytes:
+            line += f", {w.headroom_bytes / GIB:.1f} GiB kept free"
+        text.append(line, style="dim")
     if result.gpu_source == "sizing":
-        text.append("  (smallest catalogue GPU that serves; see the sizing table)", style="dim")
+        text.append(
+            "\nno --gpu: the smallest catalogue GPU that serves (sizing table below)", style="dim"
+        )
     return text
 
 
-def memory_table(c: Candidate) -> Table:
+def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
     """The startup memory breakdown vLLM will compute, per GPU (most loaded rank)."""
     p = c.prediction
     s = p.settings
-    table = Table(title="Memory per GPU (GiB)", title_justify="left", show_edge=False)
-    table.add_column("term")
-    table.add_column("GiB", justify="right")
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("term", no_wrap=True)
+    table.add_column("GiB", justify="right", no_wrap=True)
     table.add_column("how known", style="dim")
-    table.add_row("total (CUDA)", _gib(p.total_bytes), c.gpu.source or "catalogue")
+    table.add_row("total (CUDA)", _gib(p.total_bytes), _gpu_source(c))
     if s.kv_cache_memory_bytes:
         table.add_row(
             "requested", _gib(p.requested_bytes), "--kv-cache-memory-bytes fixes the KV size"
         )
     else:
         table.add_row("requested", _gib(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
-    table.add_row(
-        "  weights",
-        _gib(p.weights.value_bytes),
-        _estimate_cell(p.weights) if p.weights.estimated else c.weights_label or "exact",
-    )
+    estimated, how = weights_known(c)
+    weights_cell = _estimate_cell(p.weights) if estimated else how
+    if estimated and not how.startswith("estimate"):
+        weights_cell = how
+    elif estimated:
+        weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}"
+    table.add_row("  weights", _gib(p.weights.value_bytes), weights_cell)
     table.add_row("  activation peak", _gib(p.activation.value_bytes), _estimate_cell(p.activation))
     table.add_row("  non-torch", _gib(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
-    graph_note = "--enforce-eager: none" if s.enforce_eager else _estimate_cell(p.cudagraph)
+    if s.enforce_eager:
+        graph_note = "--enforce-eager: none"
+    elif p.cudagraph.value_bytes == 0 and not p.cudagraph.estimated:
+        graph_note = "not taken from the KV budget in this version"
+    else:
+        graph_note = _estimate_cell(p.cudagraph)
     table.add_row("  CUDA graphs", _gib(p.cudagraph.value_bytes), graph_note)
     if any(x.code == "weights_exceed_gpu" for x in p.problems):
         table.add_row("[bold]KV cache[/]", "[bold]—[/]", "never reached: loading the weights fails")
-    elif p.kv_cache_bytes <= 0:
+        return table
+    if p.kv_cache_bytes <= 0:
         table.add_row(
-            "[bold]KV cache[/]",
-            f"[bold red]{_gib(p.kv_cache_bytes)}[/]",
-            "nothing left for the KV cache",
+            "[bold]KV cache[/]", f"[bold red]{_gib(p.kv_cache_bytes)}[/]", "nothing left for it"
         )
-    else:
-        table.add_row(
-            "[bold]KV cache[/]",
-            f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-            f"{p.num_blocks:,} blocks × {p.bytes_per_block:,} B",
-        )
+        return table
+    table.add_row(
+        "[bold]KV cache[/]",
+        f"[bold]{_gib(p.kv_cache_bytes)}[/]",
+        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB",
+    )
     table.add_section()
     table.add_row(
         "KV cache tokens", f"{p.kv_cache_tokens:,}", f"{p.kv_bytes_per_token:,} B/token per GPU"
@@ -82,13 +173,11 @@ def memory_table(c: Candidate) -> Table:
     table.add_row(
         "max concurrency",
         f"{float(p.max_concurrency):.2f}×",
-        f"requests of max_model_len {s.max_model_len:,} tokens",
+        f"requests of {s.max_model_len:,} tokens (max_model_len)",
     )
     if p.estimated_max_model_len:
         table.add_row(
-            "estimated max model len",
-            f"{p.estimated_max_model_len:,}",
-            "what vLLM's error will suggest",
+            "max model len", f"{p.estimated_max_model_len:,}", "what vLLM's error will suggest"
         )
     return table
 
@@ -102,25 +191,43 @@ def verdict(result: PlanResult) -> Text:
         text.append("✓ fits", style="bold green")
         if w is not None and w.stated and c.serve is not None:
             text.append(
-                f": serves {w.concurrency} concurrent requests of {w.p99_tokens:,} tokens "
-                f"({c.serve.max_concurrency:.2f} fit, {c.serve.margin_achieved:+.0%} spare; asked {w.margin:.0%})"
+                f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
+                f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
             )
         return text
-    text.append("✗ does not fit", style="bold red")
     if not c.fits:
-        for problem in c.prediction.problems:
-            text.append(f"\n  [{problem.code}] ", style="red")
-            text.append(problem.message)
-    elif c.serve is not None and not c.serve.served:
-        text.append(f": {c.serve.reason}")
+        text.append("✗ does not start", style="bold red")
+        problems = c.prediction.problems
+        if len(problems) == 1:
+            text.append(": " + problem_line(problems[0], c.prediction))
+        for problem in problems if len(problems) > 1 else ():
+            text.append("\n  · " + problem_line(problem, c.prediction))
+    else:
+        text.append("✗ does not serve the workload", style="bold red")
+        if c.serve is not None and c.serve.reason:
+            text.append(f": {c.serve.reason}")
     return text
 
 
-def log_lines(c: Candidate) -> RenderableType:
-    """The startup lines vLLM will print for this configuration."""
-    lines = "\n".join(c.prediction.log_lines) or "(none)"
+def log_lines(c: Candidate) -> RenderableType | None:
+    """The startup lines (or the error) vLLM will print for this configuration."""
+    p = c.prediction
+    lines = list(p.log_lines)
+    if not lines:
+        if any(x.code == "weights_exceed_gpu" for x in p.problems):
+            lines = [
+                "vLLM stops while loading the weights: torch.OutOfMemoryError: CUDA out of "
+                "memory (no KV cache lines are printed)"
+            ]
+        else:
+            lines = [x.message for x in p.problems]
+    if not lines:
+        return None
     return Panel(
-        Text(lines, style="dim"), title="vLLM will log", title_align="left", border_style="dim"
+        Text("\n".join(lines), style="dim"),
+        title="vLLM will log",
+        title_align="left",
+        border_style="dim",
     )
 
 
@@ -134,63 +241,114 @@ def recommendation(result: PlanResult) -> RenderableType | None:
         if result.workload and result.workload.stated
         else "A configuration that fits"
     )
-    table = Table(title=heading, title_justify="left", show_edge=False, expand=False)
+    table = Table(show_edge=False, pad_edge=False)
     table.add_column("flag", style="cyan", no_wrap=True)
-    table.add_column("value", no_wrap=True)
+    table.add_column("value", no_wrap=True, max_width=24, overflow="fold")
     table.add_column("why")
+    head: list[RenderableType] = [Text(heading, style="italic")]
     for reason in rec.reasons:
+        if reason.flag == "(verdict)":
+            continue  # the verdict line says it
+        if reason.flag == "model":  # a repo id is too long for the value column
+            line = Text("model ", style="cyan")
+            line.append(str(reason.value), style="bold")
+            line.append(f": {reason.reason}", style="dim")
+            head.append(line)
+            continue
         value = "" if reason.value is None else str(reason.value)
         table.add_row(reason.flag, value, reason.reason)
-    extra = []
+    extra: list[RenderableType] = []
+    if rec.candidate is not result.plan:
+        extra.append(
+            Text("$ " + wrap_command(rec.candidate.commands()["vllm_serve"]), style="cyan")
+        )
+        est = result.given.prediction.estimated_max_model_len
+        if est:
+            extra.append(
+                Text(
+                    f"or keep the weights and KV cache as they are and cap the context at vLLM's own "
+                    f"estimate: --max-model-len {est}",
+                    style="dim",
+                )
+            )
     if rec.min_gpu_memory_utilization is not None:
         extra.append(
             Text(
-                f"Lowest --gpu-memory-utilization that still serves: ~{rec.min_gpu_memory_utilization} "
-                "(frees the rest for co-tenants).",
+                f"--gpu-memory-utilization down to ~{rec.min_gpu_memory_utilization} still serves "
+                "(frees the rest for other processes).",
                 style="dim",
             )
         )
-    return Group(table, *extra)
+    return Group(*head, table, *extra)
 
 
-def alternatives(result: PlanResult) -> RenderableType | None:
+def _alt_figures(alt_kind: str, serves: bool, n: dict[str, object]) -> list[str]:
+    if alt_kind == "llama_cpp":
+        return [
+            f"-ngl {n['ngl']} of {n['layers']} layers ({n['layer_gib']} GiB + "
+            f"{n['kv_per_layer_gib']} GiB KV each)",
+            f"GPU ~{n['gpu_gib']} GiB, host RAM ~{n['cpu_ram_gib']} GiB, GGUF ~{n['file_gib']} GiB",
+        ]
+    if n.get("problem"):
+        return [str(n["problem"])]
+    figures: list[str] = []
+    if n.get("weights_gib_per_gpu") is not None and alt_kind != "cpu_offload":
+        figures.append(f"weights {n['weights_gib_per_gpu']} GiB/GPU")
+    if n.get("kv_cache_tokens"):
+        figures.append(f"KV {n.get('kv_cache_gib')} GiB = {n['kv_cache_tokens']:,} tokens")
+    if n.get("max_concurrency") is not None:
+        figures.append(f"{n['max_concurrency']} concurrent at the P99")
+    if alt_kind == "cpu_offload" and serves:
+        figures.append(f"host RAM ~{n['host_ram_gib']} GiB")
+    return figures
+
+
+def alternatives(result: PlanResult, width: int = 80) -> RenderableType | None:
     """Ranked ways out when nothing on the given GPUs serves the workload."""
     if not result.alternatives:
         return None
-    parts: list[RenderableType] = [
-        Text("Nothing on the given GPUs serves this workload. Alternatives, ranked:", style="bold")
-    ]
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
+    command_width = max(40, width - 8)  # "1. ✓ " and "$ " before the first line
     for alt in result.alternatives:
         mark = "✓" if alt.serves_workload else "~"
         style = "green" if alt.serves_workload else "yellow"
-        line = Text(f"{alt.rank}. ")
-        line.append(f"{mark} {alt.title}", style=style)
-        parts.append(line)
-        n = alt.numbers
-        figures = []
-        if "kv_cache_tokens" in n and n.get("kv_cache_tokens") is not None:
-            figures.append(f"KV {n.get('kv_cache_gib')} GiB = {n['kv_cache_tokens']:,} tokens")
-        if n.get("max_concurrency") is not None:
-            figures.append(f"{n['max_concurrency']} concurrent at the P99")
-        if n.get("weights_gib_per_gpu") is not None:
-            figures.append(f"weights {n['weights_gib_per_gpu']} GiB/GPU")
-        if alt.kind == "llama_cpp":
-            figures = [
-                f"-ngl {n['ngl']} of {n['layers']} layers ({n['layer_gib']} GiB + {n['kv_per_layer_gib']} GiB KV each)",
-                f"GPU ~{n['gpu_gib']} GiB, host RAM ~{n['cpu_ram_gib']} GiB, GGUF ~{n['file_gib']} GiB",
-            ]
-        if alt.kind == "cpu_offload" and alt.serves_workload:
-            figures.append(f"host RAM ~{n['host_ram_gib']} GiB")
+        body: list[RenderableType] = [Text(alt.title, style=style)]
+        starts = not alt.numbers.get("problem")
+        figures = _alt_figures(alt.kind, alt.serves_workload, alt.numbers)
         if figures:
-            parts.append(Text("   " + "; ".join(figures), style="dim"))
-        parts.append(Text("   $ " + alt.command, style="cyan"))
+            body.append(Text("; ".join(figures), style="dim"))
+        useful = starts and (alt.serves_workload or alt.kind not in ("cpu_offload",))
+        if alt.command and useful:
+            body.append(Text("$ " + wrap_command(alt.command, command_width), style="cyan"))
         for caveat in alt.caveats:
-            parts.append(Text("   ! " + caveat, style="yellow"))
-    return Group(*parts)
+            body.append(Text("! " + caveat, style="yellow"))
+        grid.add_row(Text(f"{alt.rank}. {mark}", style=style), Group(*body))
+    heading = Text(
+        "Nothing on the given GPUs serves this workload. Alternatives, ranked:", style="bold"
+    )
+    return Group(heading, grid)
+
+
+SIZING_ROWS = 12
+
+
+def _join_names(names: list[str]) -> str:
+    """``["A100 40GB PCIe", "A100 40GB SXM"]`` → ``A100 40GB PCIe/SXM``."""
+    heads = {n.rsplit(" ", 1)[0] for n in names if " " in n}
+    if len(names) > 1 and len(heads) == 1 and all(" " in n for n in names):
+        head = heads.pop()
+        return head + " " + "/".join(n.rsplit(" ", 1)[1] for n in names)
+    return ", ".join(names)
 
 
 def sizing(result: PlanResult) -> RenderableType | None:
-    """Which catalogue GPUs (and how many) serve the workload."""
+    """Which catalogue GPUs (and how many) serve the workload, cheapest first.
+
+    GPUs with the same figures (PCIe and SXM of one chip) share a row; the table stops after
+    :data:`SIZING_ROWS` rows (``--json`` lists them all).
+    """
     if not result.sizing:
         return None
     w = result.workload
@@ -199,15 +357,38 @@ def sizing(result: PlanResult) -> RenderableType | None:
         title += f" {w.concurrency}× {w.p99_tokens:,} tokens"
         if w.margin:
             title += f" (+{w.margin:.0%})"
-    table = Table(title=title, title_justify="left", show_edge=False)
-    for col, justify in (("GPU", "left"), ("GiB", "right"), ("count", "right"), ("weights/GPU", "right"),
-                         ("KV tokens", "right"), ("concurrency", "right"), ("spare", "right")):  # fmt: skip
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    merged: list[tuple[list[str], SizingRow]] = []
     for row in result.sizing:
+        same = next(
+            (
+                m
+                for m in merged
+                if m[1].count == row.count
+                and m[1].kv_cache_tokens == row.kv_cache_tokens
+                and round(m[1].total_gib, 1) == round(row.total_gib, 1)
+            ),
+            None,
+        )
+        if same is not None:
+            same[0].append(row.gpu)
+        else:
+            merged.append(([row.gpu], row))
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("GPU", max_width=26)
+    for col in ("GiB", "n", "weights", "KV tokens", "concurrent", "spare"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for names, row in merged[:SIZING_ROWS]:
         spare = "" if row.margin_achieved is None else f"{row.margin_achieved:+.0%}"
-        table.add_row(row.gpu, f"{row.total_gib:.1f}", str(row.count), f"{row.weights_gib_per_gpu}",
-                      f"{row.kv_cache_tokens:,}", f"{row.max_concurrency:.2f}", spare)  # fmt: skip
-    return table
+        table.add_row(_join_names(names), f"{row.total_gib:.1f}", str(row.count),
+                      "" if row.weights_gib_per_gpu is None else f"{row.weights_gib_per_gpu:.1f}",
+                      f"{row.kv_cache_tokens:,}",
+                      f"{row.max_concurrency:.1f}", spare)  # fmt: skip
+    parts: list[RenderableType] = [table]
+    rest = merged[SIZING_ROWS:]
+    if rest:
+        others = ", ".join(_join_names(group) for group, _ in rest)
+        parts.append(Text(f"also serve (more memory): {others}", style="dim"))
+    return Group(*parts)
 
 
 def commands(result: PlanResult) -> RenderableType:
@@ -222,8 +403,9 @@ def commands(result: PlanResult) -> RenderableType:
             "python",
             theme="ansi_dark",
             background_color="default",
+            word_wrap=True,
         ),
-        Text("# vllm serve --config plan.yaml", style="dim"),
+        Text("# or: vllm serve --config plan.yaml", style="dim"),
         Syntax(cmds["yaml"].rstrip(), "yaml", theme="ansi_dark", background_color="default"),
     )
 
@@ -231,15 +413,20 @@ def commands(result: PlanResult) -> RenderableType:
 def footer(result: PlanResult) -> Text:
     """Calibration status, notes, and the time the plan took."""
     text = Text()
-    if result.calibration.used:
+    cal = result.calibration
+    if cal.used:
+        names = {"weights": "weights", "activation": "activation peak", "non_torch": "non-torch",
+                 "cudagraph": "CUDA graphs"}  # fmt: skip
+        terms = ", ".join(names.get(t, t) for t in cal.terms)
+        source = cal.source.removeprefix("calibration: ")
+        text.append(f"Calibrated: {terms} measured in {source}", style="green")
+        if cal.key:
+            text.append(f" (store entry {cal.key})", style="green")
+        text.append(".\n", style="green")
+    elif result.plan.prediction.activation.estimated:
         text.append(
-            f"Calibrated: {', '.join(result.calibration.terms)} measured ({result.calibration.source}).\n",
-            style="green",
-        )
-    else:
-        text.append(
-            "Activation, non-torch and CUDA-graph terms are estimates (ranges above); "
-            "`oomguard calibrate LOG` replaces them with your own measurements.\n",
+            "Activation, non-torch and CUDA-graph terms are estimates; "
+            "`oomguard calibrate LOG` replaces them with your own startup log's figures.\n",
             style="dim",
         )
     for note in result.notes:
@@ -251,22 +438,33 @@ def footer(result: PlanResult) -> Text:
 def render(result: PlanResult, console: Console) -> None:
     """Print the whole plan: header, breakdown, verdict, logs, recommendation, fallbacks, commands."""
     console.print(header(result))
-    if result.given is not result.plan and result.workload is not None and result.workload.stated:
+    stated = result.workload is not None and result.workload.stated
+    if result.given is not result.plan and stated:
         given = result.given
+        gp = given.prediction
+        if not given.fits:
+            why = "does not start: " + problem_line(gp.problems[0], gp) if gp.problems else ""
+        else:
+            why = given.serve.reason if given.serve else ""
+        console.print(Text(f"As given (vLLM defaults for unset flags): {why}", style="dim"))
+    title = "Memory per GPU (GiB)"
+    if result.given is result.plan and result.alternatives:
+        title += ", as given"
+    console.print(memory_table(result.plan, title))
+    console.print(verdict(result))
+    box = log_lines(result.plan)
+    if box is not None:
+        console.print(box)
+    for part in (recommendation(result), sizing(result), alternatives(result, console.width)):
+        if part is not None:
+            console.print(part)
+    if result.fits:
+        console.print(commands(result))
+    if not stated and result.gpu_source != "sizing":
         console.print(
             Text(
-                f"As given: KV cache {given.prediction.kv_cache_bytes / GIB:.2f} GiB, "
-                f"{given.prediction.kv_cache_tokens:,} tokens"
-                + (f" — {given.serve.reason}" if given.serve and given.serve.reason else ""),
+                "Pass --p99-tokens and --concurrency to size the settings for your traffic.",
                 style="dim",
             )
         )
-    console.print(memory_table(result.plan))
-    console.print(verdict(result))
-    console.print(log_lines(result.plan))
-    for part in (recommendation(result), sizing(result), alternatives(result)):
-        if part is not None:
-            console.print(part)
-    if not result.alternatives or result.plan.fits:
-        console.print(commands(result))
     console.print(footer(result))

@@ -165,7 +165,7 @@ class Alternative:
     """A ranked way out when the workload does not fit the given GPUs."""
 
     rank: int
-    kind: str  # more_gpus | larger_gpu | quantization | shorter_context | cpu_offload | llama_cpp
+    kind: str  # more_gpus | larger_gpu | quantization | quantize_yourself | shorter_context | cpu_offload | llama_cpp
     title: str
     serves_workload: bool
     numbers: dict[str, Any]
@@ -225,12 +225,48 @@ class Calibration:
     used: bool
     source: str = ""
     terms: tuple[str, ...] = ()
+    key: str = ""  # the store entry used: "gpu|vllm minor|model family|tpN"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"used": self.used, "source": self.source, "terms": list(self.terms)}
+        return {
+            "used": self.used,
+            "source": self.source,
+            "terms": list(self.terms),
+            "key": self.key,
+        }
 
 
 _ESTIMATE_TERMS = ("weights", "activation", "non_torch", "cudagraph")
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def weights_known(c: Candidate) -> tuple[bool, str]:
+    """(estimated, how known) for the weights term of ``c``, in a few words.
+
+    Unquantized weights are parameters × bytes per element, split by TP/PP: exact, and checked
+    against the checkpoint's own byte count where the facts have it. Quantized layouts (packed
+    int4 with group scales and zero points, Marlin repacking, fp8 scales) depend on the kernel
+    vLLM picks, so they keep the memory model's ±1.5 % range.
+    """
+    est = c.prediction.weights
+    if est.basis.startswith("measured"):
+        return False, "measured"
+    quant = c.model.quant.method or c.settings.quantization
+    if quant:
+        return True, f"estimate ±1.5 %: {quant} packing and scales"
+    params_b = c.model.total_params / 1e9
+    from oomguard.memory.weights import resolve_model_dtype
+
+    served = resolve_model_dtype(c.model, c.settings.dtype, c.gpu.compute_capability)
+    dtype = _DTYPE_NAMES.get(served, served)
+    split = []
+    if c.settings.tensor_parallel_size > 1:
+        split.append(f"TP {c.settings.tensor_parallel_size}")
+    if c.settings.pipeline_parallel_size > 1:
+        split.append(f"PP {c.settings.pipeline_parallel_size}")
+    where = f" ÷ {' × '.join(split)}" if split else ""
+    checked = " (checkpoint size)" if "checkpoint element count" in est.basis else ""
+    return False, f"exact: {params_b:.2f} B params × {dtype}{where}{checked}"
 
 
 @dataclass(frozen=True)
@@ -307,12 +343,17 @@ class PlanResult:
         estimates = {}
         for term in _ESTIMATE_TERMS:
             est = getattr(p, term)
+            estimated = bool(est.estimated)
+            basis = est.basis
+            if term == "weights":
+                estimated, how = weights_known(self.plan)
+                basis = f"{how} ({est.basis})" if how != "measured" else est.basis
             estimates[term] = {
-                "estimated": bool(est.estimated),
+                "estimated": estimated,
                 "value_gib": _gib(est.value_bytes),
-                "low_gib": _gib(est.low_bytes),
-                "high_gib": _gib(est.high_bytes),
-                "basis": est.basis,
+                "low_gib": _gib(est.low_bytes if estimated else est.value_bytes),
+                "high_gib": _gib(est.high_bytes if estimated else est.value_bytes),
+                "basis": basis,
             }
         out: dict[str, Any] = {
             "model": self.model_ref,

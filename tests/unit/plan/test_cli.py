@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ def test_fits_exits_0_and_prints_commands(capsys) -> None:
 def test_does_not_fit_exits_1(capsys) -> None:
     code, out, _ = _run(capsys, LLAMA_8B, "--gpu", "RTX 4090", "--max-model-len", "131072")
     assert code == 1
-    assert "does not fit" in out
+    assert "✗ does not start" in out and "--max-model-len 42720" in out
 
 
 def test_json_output_is_one_object(capsys) -> None:
@@ -108,7 +109,8 @@ def test_70b_on_4090_subprocess_is_useful_and_fast() -> None:
             "--gpu", "RTX 4090", "--p99-tokens", "8192", "--concurrency", "16", "--offline"]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=120,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "160"})  # fmt: skip
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "160",
+                               "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"]})  # fmt: skip
     wall_s = time.perf_counter() - started
     assert proc.returncode == 1, proc.stderr
     assert "Alternatives, ranked" in proc.stdout
@@ -123,7 +125,7 @@ def test_70b_on_4090_subprocess_is_useful_and_fast() -> None:
 def test_bad_input_subprocess_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "oomguard.cli", "plan", LLAMA_8B, "--gpu", "nosuchgpu"],
-        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "300"},
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "300", "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"]},
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stdout == "" and "Traceback" not in proc.stderr
