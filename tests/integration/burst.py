@@ -1,0 +1,291 @@
+"""Send a burst of OpenAI completion requests at once and measure what happened.
+
+Used by the guard integration tests and ``bench/guard_burst.py``. Streaming requests give the
+time to first token; non-streamed ones are what a client retries least gracefully, so the crash
+test uses those. Every request's outcome is kept: nothing is dropped from the statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from tinymodel import prompt_of_tokens
+from vllm_server import fetch_metrics, free_port, group_pids, http_ok, kill_group, metric_value
+
+
+@dataclass
+class RequestResult:
+    """One request's fate."""
+
+    index: int
+    ok: bool
+    status: int = 0
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class BurstResult:
+    """All requests of one burst, and the backend's preemption counter around it."""
+
+    label: str
+    results: list[RequestResult]
+    wall_s: float
+    preemptions_before: float = 0.0
+    preemptions_after: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def preemptions(self) -> float:
+        """How much ``vllm:num_preemptions_total`` rose during the burst."""
+        return self.preemptions_after - self.preemptions_before
+
+    @property
+    def succeeded(self) -> int:
+        """Requests that returned 200 with the full completion."""
+        return sum(1 for r in self.results if r.ok)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Completion tokens of the successful requests."""
+        return sum(r.completion_tokens for r in self.results if r.ok)
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        """Completion tokens per second of wall time (first send to last answer)."""
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def percentiles(self, what: str) -> dict[str, float]:
+        """p50/p90/p99 (seconds) of ``"ttft"`` or ``"e2e"`` over successful requests."""
+        picked = (r.ttft_s if what == "ttft" else r.e2e_s for r in self.results if r.ok)
+        values = sorted(v for v in picked if v is not None)
+        if not values:
+            return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+        return {f"p{q}": _percentile(values, q) for q in (50, 90, 99)}
+
+    def summary(self) -> dict[str, object]:
+        """Plain-data view for printing or JSON."""
+        return {
+            "label": self.label,
+            "requests": len(self.results),
+            "succeeded": self.succeeded,
+            "preemptions": self.preemptions,
+            "wall_s": round(self.wall_s, 2),
+            "completion_tokens": self.completion_tokens,
+            "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 1),
+            "ttft_s": {k: round(v, 3) for k, v in self.percentiles("ttft").items()},
+            "e2e_s": {k: round(v, 3) for k, v in self.percentiles("e2e").items()},
+            "errors": sorted({r.error for r in self.results if not r.ok}),
+        }
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values."""
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q) - 1]
+
+
+def make_prompts(model_dir: Path, n: int, prompt_tokens: int, seed_offset: int) -> list[str]:
+    """``n`` distinct prompts of exactly ``prompt_tokens`` tokens (distinct across offsets too,
+    so a second burst gets no prefix-cache hits from the first)."""
+    return [prompt_of_tokens(model_dir, prompt_tokens, seed=seed_offset + i) for i in range(n)]
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    index: int,
+    prompt: str,
+    max_tokens: int,
+    stream: bool,
+    timeout_s: float,
+) -> RequestResult:
+    body: dict[str, object] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    res = RequestResult(index=index, ok=False)
+    t0 = time.monotonic()
+    try:
+        async with session.post(
+            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            res.status = resp.status
+            if not stream:
+                text = await resp.text()
+                res.e2e_s = time.monotonic() - t0
+                if resp.status != 200:
+                    res.error = f"HTTP {resp.status}: {text[:200]}"
+                    return res
+                data = json.loads(text)
+                usage = data.get("usage") or {}
+                res.completion_tokens = int(usage.get("completion_tokens", 0))
+                res.prompt_tokens = int(usage.get("prompt_tokens", 0))
+            else:
+                if resp.status != 200:
+                    res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    res.e2e_s = time.monotonic() - t0
+                    return res
+                done = False
+                async for raw in resp.content:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(payload)
+                    if "error" in event:
+                        res.error = f"stream error: {str(event['error'])[:200]}"
+                        break
+                    choices = event.get("choices") or []
+                    if res.ttft_s is None and choices and choices[0].get("text"):
+                        res.ttft_s = time.monotonic() - t0
+                    usage = event.get("usage")
+                    if usage:
+                        res.completion_tokens = int(usage.get("completion_tokens", 0))
+                        res.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                res.e2e_s = time.monotonic() - t0
+                if not done and not res.error:
+                    res.error = "stream ended without [DONE]"
+            if not res.error:
+                if res.completion_tokens == max_tokens:
+                    res.ok = True
+                else:
+                    res.error = f"{res.completion_tokens} of {max_tokens} tokens"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        res.e2e_s = time.monotonic() - t0
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    return res
+
+
+async def send_burst(
+    url: str,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    *,
+    stream: bool = True,
+    timeout_s: float = 900.0,
+) -> tuple[list[RequestResult], float]:
+    """Send every prompt at the same moment; return the results (in order) and the wall time."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            *(
+                _one(session, url, model, i, p, max_tokens, stream, timeout_s)
+                for i, p in enumerate(prompts)
+            )
+        )
+        return list(results), time.monotonic() - t0
+
+
+def run_burst(
+    label: str,
+    send_url: str,
+    vllm_url: str | None,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    *,
+    stream: bool = True,
+) -> BurstResult:
+    """One measured burst against ``send_url``; preemptions read from vLLM at ``vllm_url``
+    (None: not read, e.g. when vLLM is restarted during the burst)."""
+    name = "vllm:num_preemptions_total"
+    before = metric_value(fetch_metrics(vllm_url), name) if vllm_url else 0.0
+    results, wall_s = asyncio.run(send_burst(send_url, model, prompts, max_tokens, stream=stream))
+    after = metric_value(fetch_metrics(vllm_url), name) if vllm_url else 0.0
+    return BurstResult(label, results, wall_s, before, after)
+
+
+class GuardProcess:
+    """``oomguard guard`` as a subprocess in its own process group, log to a file."""
+
+    def __init__(
+        self, backend_urls: Sequence[str], log_path: Path, extra_args: Sequence[str] = ()
+    ) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        exe = Path(sys.executable).parent / "oomguard"
+        base = (
+            [str(exe)]
+            if exe.exists()
+            else [sys.executable, "-c", "from oomguard.cli import main; main()"]
+        )
+        self.argv = [
+            *base,
+            "guard",
+            *(a for url in backend_urls for a in ("--backend", url)),
+            "--port",
+            str(self.port),
+            *extra_args,
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The guard's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> GuardProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"guard exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}"
+                )
+            if http_ok(self.url + "/ready", timeout_s=1.0):
+                return self
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"guard not ready after 60 s: {self.log_path.read_text()[-3000:]}")
+
+    def status(self) -> dict[str, object]:
+        """The guard's ``/status`` JSON."""
+        with urllib.request.urlopen(self.url + "/status", timeout=5) as resp:
+            return dict(json.loads(resp.read()))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            kill_group(self.proc, grace_s=5)
+
+    def alive(self) -> bool:
+        """Whether the guard process still runs."""
+        return (
+            self.proc is not None and self.proc.poll() is None and bool(group_pids(self.proc.pid))
+        )
