@@ -1,22 +1,37 @@
-"""Observed (GPU, vLLM version, model family, TP) numbers from real logs, stored locally, that
-replace the memory model's estimated terms next time."""
+"""Observed (GPU, vLLM version, model family, TP, PP) numbers from real logs, stored locally
+with the settings they were measured under, that replace the memory model's estimated terms
+where those settings match."""
 
 from oomguard.calibration.store import (
+    SETTINGS,
+    TERM_SETTINGS,
+    TERMS,
+    UNSET,
     Observation,
     Store,
+    catalogue_gpu_name,
     default_path,
     lookup,
+    make_key,
     model_family,
+    normalize_setting,
     observation_from_log,
     record_logs,
 )
 
 __all__ = [
+    "SETTINGS",
+    "TERMS",
+    "TERM_SETTINGS",
+    "UNSET",
     "Observation",
     "Store",
+    "catalogue_gpu_name",
     "default_path",
     "lookup",
+    "make_key",
     "model_family",
+    "normalize_setting",
     "observation_from_log",
     "record_logs",
 ]

@@ -108,6 +108,9 @@ def calibrate_command(
     ),
     model: str = typer.Option(None, "--model", help="Model, when the log does not name it."),
     tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
+    pipeline_parallel_size: int = typer.Option(
+        None, "--pipeline-parallel-size", "-pp", help="PP, when the log does not state it."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Store the memory figures of real start-up logs; the planner uses them next time."""
@@ -121,6 +124,7 @@ def calibrate_command(
         vllm_version=vllm_version,
         model=model,
         tp=tensor_parallel_size,
+        pp=pipeline_parallel_size,
     )
     if as_json:
         payload: dict[str, Any] = {
@@ -132,12 +136,18 @@ def calibrate_command(
                         k: getattr(o, k)
                         for k in (
                             "source",
+                            "gpu",
+                            "gpu_raw",
+                            "tp",
+                            "pp",
                             "weights_gib",
                             "activation_gib",
                             "non_torch_gib",
                             "cudagraph_gib",
                         )
                     },
+                    "settings": o.settings(),
+                    "user_set": list(o.user_set),
                 }
                 for o in stored
             ],
@@ -157,7 +167,14 @@ def calibrate_command(
                 )
                 if value is not None
             )
-            console.print(f"stored {obs.key}: {terms}  ({obs.source})", soft_wrap=True)
+            settings = ", ".join(
+                f"{name}={value}" for name, value in obs.settings().items() if value is not None
+            )
+            console.print(
+                f"stored {obs.key}: {terms}  ({obs.source})"
+                + (f"\n  measured with {settings}" if settings else ""),
+                soft_wrap=True,
+            )
         for line in skipped:
             console.print(f"skipped {line}", soft_wrap=True)
         console.print(f"store: {store.path}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from oomguard.doctor.findings import (
     STEP_ACTION,
@@ -31,6 +32,7 @@ from oomguard.doctor.findings import (
     Fix,
 )
 from oomguard.doctor.situation import (
+    GIB,
     Situation,
     ceil2,
     floor2,
@@ -130,45 +132,192 @@ def fewer_seqs(current: int | None, factor: int = 4, floor: int = 16) -> int:
     return max(power_of_two_at_most(max(base // factor, 1)), min(floor, base))
 
 
+# vLLM's Marlin kernels serve AWQ, GPTQ and compressed-tensors w4a16 at full speed with TP;
+# bitsandbytes is slower: the order in which a catalogued 4-bit checkpoint is preferred.
+_INT4_METHOD_ORDER = ("awq", "gptq", "compressed-tensors", "bitsandbytes")
+_INT4_LABEL = {
+    "awq": "AWQ",
+    "gptq": "GPTQ",
+    "compressed-tensors": "w4a16",
+    "bitsandbytes": "bnb 4-bit",
+}
+NO_INT4_REPO = (
+    "no AWQ/GPTQ repo of this model is in the catalogue; quantize it or pick one from the hub"
+)
+
+
+def _rank_weights_gib(
+    spec: Any, tp: int, quantization: str | None = None, dtype: str | None = None
+) -> float | None:
+    """Weights on one TP rank by the memory model (None when it cannot price this model)."""
+    if spec is None:
+        return None
+    try:
+        from oomguard.memory.weights import resolve_model_dtype, weight_bytes_per_stage
+
+        model_dtype = resolve_model_dtype(spec, str(dtype or "auto"))
+        return (
+            weight_bytes_per_stage(
+                spec, model_dtype=model_dtype, tp=tp, quantization=quantization
+            ).max_bytes
+            / GIB
+        )
+    except Exception:  # an exotic format the weight model does not price: no computed value
+        return None
+
+
+def _valid_tp(spec: Any, tp: int) -> bool:
+    """Whether vLLM accepts ``tp`` for the model (attention and KV heads divide evenly)."""
+    if spec is None:
+        return True
+    if spec.num_attention_heads % tp:
+        return False
+    kv = spec.num_kv_heads
+    return not kv or kv % tp == 0 or tp % kv == 0
+
+
+def catalogued_int4(s: Situation) -> tuple[str, Any] | None:
+    """The catalogue's preferred ≤4-bit checkpoint of the log's model and its ModelSpec.
+
+    Looked up through :func:`oomguard.facts.known_quantized_variants` by the model's name and
+    by the resolved spec's name; None when the catalogue lists none (never a made-up name).
+    """
+    try:
+        from oomguard.errors import OomguardError
+        from oomguard.facts import known_quantized_variants, resolve_model
+    except ImportError:
+        return None
+    names = [str(n) for n in (s.get("model"), getattr(s.model_spec, "name", None)) if n]
+    variants: list[tuple[str, Any]] = []
+    for name in dict.fromkeys(names):
+        try:
+            variants = known_quantized_variants(name)
+        except OomguardError:
+            continue
+        if variants:
+            break
+
+    def rank(item: tuple[str, Any]) -> tuple[int, str]:
+        method = (item[1].method or "").lower()
+        order = _INT4_METHOD_ORDER.index(method) if method in _INT4_METHOD_ORDER else 99
+        return order, item[0].lower()
+
+    for repo, _quant in sorted((v for v in variants if v[1].weight_bits <= 4), key=rank):
+        try:
+            return repo, resolve_model(repo, allow_hub=False)
+        except OomguardError:
+            continue
+    return None
+
+
+def int4_fix(
+    s: Situation, current_gib: float | None = None, limit_gib: float | None = None
+) -> Fix | None:
+    """Switch to a 4-bit checkpoint: the catalogue's repo with its per-GPU weights computed by
+    the memory model, or (none catalogued) say so with what a 4-bit AWQ copy would weigh.
+
+    With ``limit_gib`` the fix is returned only when the 4-bit weights fit under it.
+    """
+    tp = s.tp
+    instead = f" instead of {current_gib:.1f} GiB" if current_gib else ""
+    variant = catalogued_int4(s)
+    if variant is not None:
+        repo, vspec = variant
+        gib = _rank_weights_gib(vspec, tp)
+        if gib is not None and limit_gib is not None and gib > limit_gib:
+            return None
+        label = _INT4_LABEL.get((vspec.quant.method or "").lower(), vspec.quant.method or "4-bit")
+        size = (
+            f"takes {gib:.1f} GiB per GPU{instead} (the memory model on its config"
+            f"{f', TP {tp}' if tp > 1 else ''})"
+            if gib is not None
+            else "holds 4-bit weights"
+        )
+        return Fix(
+            "--model",
+            repo,
+            f"the catalogue's {label} checkpoint of this model {size}",
+            STEP_QUANTIZE,
+        )
+    gib, basis = None, ""
+    spec = s.model_spec
+    if spec is not None and not spec.quant.method:
+        from oomguard.memory.spec import QuantSpec
+
+        awq = QuantSpec(
+            method="awq", weight_bits=4, group_size=128, zero_point=True, scale_granularity="group"
+        )
+        gib = _rank_weights_gib(replace(spec, quant=awq), tp)
+        basis = "AWQ int4, group 128, by the memory model"
+    wt = s.get("weights_total_gib")
+    if gib is None and wt is not None:
+        gib = float(wt) * 0.28 / tp
+        basis = "about 0.28 × the 16-bit size: 4-bit linear layers plus group scales, 16-bit embeddings; model not in the catalogue, so an estimate"
+    if gib is not None and limit_gib is not None and gib > limit_gib:
+        return None
+    size = (
+        f"; a 4-bit checkpoint would take {gib:.1f} GiB per GPU{instead} ({basis})" if gib else ""
+    )
+    return Fix("--model", None, NO_INT4_REPO + size, STEP_QUANTIZE)
+
+
 def weights_fixes(s: Situation, weights_total_gib: float, budget_per_gpu_gib: float) -> list[Fix]:
     """A quantized checkpoint and/or tensor parallelism sized so the weights leave room for
-    KV cache (weights ≤ 80 % of each GPU's budget)."""
+    KV cache (weights ≤ 80 % of each GPU's budget).
+
+    Per-GPU weight sizes come from the memory model on the resolved ModelSpec (online fp8,
+    the catalogue's 4-bit repo, each TP size); only a model outside the catalogue falls back
+    to size factors, and the fix says so. A 4-bit repo is named only when the catalogue lists
+    one.
+    """
     fixes: list[Fix] = []
-    model = s.get("model")
     tp = s.tp
+    spec = s.model_spec
+    dtype = s.get("dtype")
     limit = 0.8 * budget_per_gpu_gib
-    int4 = weights_total_gib * 0.28 if not _already_4bit(s) else None
-    fp8 = weights_total_gib * 0.52 if not _already_quantized(s) else None
-    if fp8 is not None and fp8 / tp <= limit:
+    current = weights_total_gib / tp
+    rule = f"≤ 80 % of the {budget_per_gpu_gib:.1f} GiB budget leaves room for the KV cache"
+    cc = str(getattr(s.gpu_spec, "compute_capability", "") or "")
+    fp8_hw = not cc or _cc_at_least(cc, 8.0)
+    fp8: float | None = None
+    fp8_basis = ""
+    if not _already_quantized(s) and fp8_hw:
+        fp8 = _rank_weights_gib(spec, tp, "fp8", dtype)
+        fp8_basis = "the memory model: 8-bit linear layers with per-tensor scales, 16-bit embeddings and norms"
+        if fp8 is None:
+            fp8 = weights_total_gib * 0.52 / tp
+            fp8_basis = "about 0.52 × the 16-bit size; model not in the catalogue, so an estimate"
+    if fp8 is not None and fp8 <= limit:
         fixes.append(
             Fix(
                 "--quantization",
                 "fp8",
-                f"8-bit weights take ~{fp8 / tp:.1f} GiB per GPU instead of {weights_total_gib / tp:.1f} GiB "
-                "(online fp8 needs Ada/Hopper or newer; otherwise use an AWQ/GPTQ checkpoint)",
+                f"online fp8 weights take {fp8:.1f} GiB per GPU instead of {current:.1f} GiB "
+                f"({fp8_basis}); {rule} (fp8 needs compute capability ≥ 8.0; Ampere runs it "
+                "weight-only)",
                 STEP_QUANTIZE,
             )
         )
-    elif int4 is not None and int4 / tp <= limit:
-        name = f"{model}-AWQ" if model else "an AWQ/GPTQ 4-bit checkpoint of the model"
-        fixes.append(
-            Fix(
-                "--model",
-                name,
-                f"a 4-bit checkpoint takes ~{int4 / tp:.1f} GiB per GPU instead of {weights_total_gib / tp:.1f} GiB",
-                STEP_QUANTIZE,
-            )
-        )
+    elif not _already_4bit(s):
+        fix = int4_fix(s, current, limit)
+        if fix is not None:
+            fixes.append(fix)
+    quant = s.get("quantization")
     for new_tp in (2, 4, 8, 16):
-        if new_tp <= tp:
+        if new_tp <= tp or not _valid_tp(spec, new_tp):
             continue
-        if weights_total_gib / new_tp <= limit:
+        per_rank = _rank_weights_gib(spec, new_tp, quant, dtype)
+        how = "the memory model: embeddings and layers split, norms replicated"
+        if per_rank is None:
+            per_rank = weights_total_gib / new_tp
+            how = f"{weights_total_gib:.1f} GiB ÷ {new_tp}"
+        if per_rank <= limit:
             fixes.append(
                 Fix(
                     "--tensor-parallel-size",
                     str(new_tp),
                     f"weights {weights_total_gib:.1f} GiB split over {new_tp} GPUs = "
-                    f"{weights_total_gib / new_tp:.1f} GiB each, leaving room for the KV cache",
+                    f"{per_rank:.1f} GiB each ({how}); {rule}",
                     STEP_TP,
                 )
             )
@@ -176,7 +325,16 @@ def weights_fixes(s: Situation, weights_total_gib: float, budget_per_gpu_gib: fl
     return fixes
 
 
+def _cc_at_least(cc: str, minimum: float) -> bool:
+    try:
+        return float(cc) >= minimum
+    except ValueError:
+        return True
+
+
 def _already_quantized(s: Situation) -> bool:
+    if s.model_spec is not None and s.model_spec.quant.method:
+        return True
     name = f"{s.get('model') or ''} {s.get('quantization') or ''}".lower()
     return any(
         k in name
@@ -199,6 +357,8 @@ def _already_quantized(s: Situation) -> bool:
 
 
 def _already_4bit(s: Situation) -> bool:
+    if s.model_spec is not None and 0 < s.model_spec.quant.weight_bits <= 4:
+        return True
     name = f"{s.get('model') or ''} {s.get('quantization') or ''}".lower()
     return any(
         k in name for k in ("awq", "gptq", "int4", "4bit", "w4a16", "gguf", "nvfp4", "mxfp4", "q4")
@@ -210,6 +370,46 @@ def budget_gib(s: Situation) -> float | None:
     if total is None or util is None:
         return None
     return total * util
+
+
+def oom_fit_fraction(s: Situation) -> float | None:
+    """free ÷ tried of the first out-of-memory report: the share of the failed allocation
+    that would have fit (None when the log lacks either number or the allocation fit)."""
+    oom = s.parsed.first_oom
+    if oom is None or not oom.tried_gib or oom.free_gib is None:
+        return None
+    fraction = oom.free_gib / oom.tried_gib
+    return fraction if 0 < fraction < 1 else None
+
+
+def batched_tokens_fix(
+    s: Situation, keep_fraction: float | None, what: str, fallback: int, basis: str = ""
+) -> Fix:
+    """``--max-num-batched-tokens`` scaled to ``keep_fraction`` of the value in force, down to
+    a power of two (the peak it drives grows about linearly with the tokens per batch).
+
+    Without a value in the log or a fraction to scale by, ``fallback`` as a first step, said
+    as such.
+    """
+    current = s.get("max_num_batched_tokens")
+    if current and keep_fraction is not None:
+        target = max(power_of_two_at_most(int(int(current) * keep_fraction)), 256)
+        if target < int(current):
+            return Fix(
+                "--max-num-batched-tokens",
+                str(target),
+                f"{what}: {int(current)} × {keep_fraction:.2f}{f' ({basis})' if basis else ''} = "
+                f"{int(current) * keep_fraction:.0f}, rounded down to {target}; the peak grows about "
+                "linearly with the tokens per batch",
+                STEP_BATCHED_TOKENS,
+            )
+    value = min(fallback, int(current) // 2) if current else fallback
+    return Fix(
+        "--max-num-batched-tokens",
+        str(max(value, 256)),
+        f"{what} (a first step: the log does not give the numbers to size it)",
+        STEP_BATCHED_TOKENS,
+    )
 
 
 # --- rules -------------------------------------------------------------------------------------
@@ -516,13 +716,27 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
             )
         ]
         if heavy_act:
+            keep, basis = None, ""
+            if weights is not None and budget is not None and act:
+                kv_bytes = _kv_bytes_for_max_len(s)
+                kv_gib = kv_bytes / GIB if kv_bytes else 0.0
+                nt = float(s.get("non_torch_gib") or 0.0)
+                room = budget - weights - nt - kv_gib
+                if room > 0:
+                    keep = room / float(act)
+                    basis = (
+                        f"room for activations {budget:.1f} − {weights:.1f} weights − "
+                        f"{nt:.2f} non-torch − {kv_gib:.2f} KV for one request = {room:.2f} GiB "
+                        f"÷ the {float(act):.2f} GiB peak"
+                    )
             fixes.append(
-                Fix(
-                    "--max-num-batched-tokens",
-                    "2048",
-                    f"the profiled activation peak "
-                    f"({float(act):.1f} GiB) scales with the tokens per batch",
-                    STEP_BATCHED_TOKENS,
+                batched_tokens_fix(
+                    s,
+                    keep,
+                    f"the profiled activation peak ({float(act):.1f} GiB) is driven by the "
+                    "tokens per batch",
+                    2048,
+                    basis,
                 )
             )
         out.add(
@@ -712,14 +926,24 @@ def rule_multimodal(
         return
     seqs = s.get("max_num_seqs")
     items = s.get("encoder_profile_items")
+    profiled = int(items or seqs or 0)
+    fraction = oom_fit_fraction(s)
+    if profiled and fraction is not None:
+        target = max(power_of_two_at_most(int(profiled * fraction)), 1)
+        why = (
+            f"the encoder profile runs up to one maximal item per sequence; {profiled} "
+            f"{'items' if items else 'sequences'} × {fraction:.2f} (free ÷ tried of the failed "
+            f"allocation) = {profiled * fraction:.1f}, rounded down to {target}"
+        )
+    else:
+        target = max(int(seqs) // 8, 1) if seqs else 32
+        why = (
+            f"the encoder profile runs one maximal image per sequence ({seqs or 'default'} "
+            f"sequences{f', {items} items' if items else ''}); a first step, the log does not "
+            "give the sizes to compute it"
+        )
     fixes = [
-        Fix(
-            "--max-num-seqs",
-            str(max(int(seqs) // 8, 1) if seqs else 32),
-            f"the encoder profile runs one maximal image per sequence ({seqs or 'default'} sequences"
-            f"{f', {items} items' if items else ''})",
-            STEP_MAX_NUM_SEQS,
-        ),
+        Fix("--max-num-seqs", str(target), why, STEP_MAX_NUM_SEQS),
         Fix(
             "--limit-mm-per-prompt",
             '{"image": 1}',
@@ -1014,12 +1238,7 @@ def _weights_finding(
         weights_fixes(s, float(wt.value), budget)
         if wt is not None and budget
         else [
-            Fix(
-                "--quantization",
-                "awq",
-                "use a 4-bit (AWQ/GPTQ) checkpoint of the model",
-                STEP_QUANTIZE,
-            ),
+            *(f for f in ([] if _already_4bit(s) else [int4_fix(s)]) if f is not None),
             Fix(
                 "--tensor-parallel-size",
                 str(max(s.tp * 2, 2)),
@@ -1045,6 +1264,74 @@ def _weights_finding(
     )
 
 
+def estimated_graph_gib(s: Situation) -> tuple[float, str] | None:
+    """CUDA-graph memory by the memory model for the log's model and settings (the 0.20+
+    estimate's formula, which models what the captured graphs hold), or None."""
+    spec = s.model_spec
+    if spec is None:
+        return None
+    try:
+        from oomguard.memory.activation import cudagraph_estimate
+        from oomguard.memory.versions import resolve_era
+
+        era = resolve_era("0.20", "v1")  # the first release whose estimate is applied
+        seqs = int(s.get("max_num_seqs") or default_max_num_seqs(s))
+        tokens = int(s.get("max_num_batched_tokens") or 8192)
+        pp = int(s.get("pipeline_parallel_size") or 1)
+        est = cudagraph_estimate(
+            spec,
+            era,
+            stage_layers=-(-spec.num_layers // pp),
+            max_num_seqs=seqs,
+            max_num_batched_tokens=tokens,
+            enforce_eager=False,
+            compute_capability=str(getattr(s.gpu_spec, "compute_capability", "") or ""),
+        )
+    except Exception:  # a model the estimate cannot price: no computed value
+        return None
+    if not est.value_bytes:
+        return None
+    return est.value_bytes / GIB, f"estimated by the memory model for {seqs} sequences"
+
+
+def graph_util_fix(s: Situation, graphs_gib: float | None, short_gib: float) -> Fix | None:
+    """Lower utilization by the graphs' size ÷ total memory, rounded up to 0.01.
+
+    The graphs' size is the log's figure, else the memory model's estimate; the failed
+    allocation's shortfall is used when it is larger. Without either, 1 GiB (vLLM's own old
+    warning: "CUDA graphs can take additional 1~3 GiB memory per GPU"), said as such.
+    """
+    util, total = s.util, s.total_gib
+    if util is None or not total:
+        return None
+    if graphs_gib:
+        gib, basis = float(graphs_gib), "the log's CUDA-graph figure"
+    else:
+        estimated = estimated_graph_gib(s)
+        if estimated is not None:
+            gib, basis = estimated
+        else:
+            gib, basis = (
+                1.0,
+                "no graph figure in the log and the model is unknown: vLLM's 1–3 GiB rule, low end",
+            )
+    if short_gib > gib:
+        gib, basis = short_gib, "the failed allocation less the free memory"
+    step = max(ceil2(gib / total), 0.01)
+    new = round(util - step, 2)
+    if new <= 0.1:
+        return None
+    origin = "" if s.util_stated else f" (vLLM's default {util:g})"
+    return Fix(
+        "--gpu-memory-utilization",
+        f"{new:.2f}",
+        f"CUDA graphs are captured after the KV cache is allocated and live outside "
+        f"utilization × total: {util:g}{origin} − ⌈{gib:.2f} GiB ({basis}) ÷ {total:.2f} GiB⌉ "
+        f"= {util:g} − {step:.2f} = {new:.2f}",
+        STEP_UTIL,
+    )
+
+
 def rule_cudagraph(s: Situation, out: Findings) -> None:
     p = s.parsed
     fp = p.failure_phase
@@ -1062,14 +1349,7 @@ def rule_cudagraph(s: Situation, out: Findings) -> None:
     if oom is not None and oom.tried_gib is not None and oom.free_gib is not None:
         short = max(oom.tried_gib - oom.free_gib, 0.0)
     fixes: list[Fix] = []
-    # the failed allocation is one graph; the rest of the capture needs about the graphs' size
-    # (vLLM ≤0.3 itself warned "CUDA graphs can take additional 1~3 GiB memory per GPU")
-    util_fix = lower_util(
-        s,
-        max(short, float(graphs) if graphs else 1.0),
-        "CUDA graphs are captured after "
-        "the KV cache is allocated and live in the memory outside utilization × total",
-    )
+    util_fix = graph_util_fix(s, graphs, short)
     util_first = util_fix is not None and s.util_stated and (s.util or 0) >= 0.95
     if util_fix is not None:
         fixes.append(util_fix if util_first else replace(util_fix, step=STEP_CUDAGRAPH + 0.2))
@@ -1248,11 +1528,12 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
                 "the profiling forward pass ran out of memory",
                 [ev],
                 [
-                    Fix(
-                        "--max-num-batched-tokens",
-                        "2048",
+                    batched_tokens_fix(
+                        s,
+                        oom_fit_fraction(s),
                         "the profiling pass runs one batch of max_num_batched_tokens tokens",
-                        STEP_BATCHED_TOKENS,
+                        2048,
+                        "free ÷ tried of the failed allocation",
                     ),
                     Fix(
                         "--max-num-seqs",
@@ -1415,11 +1696,12 @@ def _runtime_batch_fixes(s: Situation) -> list[Fix]:
             "fewer sequences in flight per step",
             STEP_MAX_NUM_SEQS,
         ),
-        Fix(
-            "--max-num-batched-tokens",
-            "4096",
+        batched_tokens_fix(
+            s,
+            oom_fit_fraction(s),
             "smaller prefill chunks cap the activation peak",
-            STEP_BATCHED_TOKENS,
+            4096,
+            "free ÷ tried of the failed allocation",
         ),
     ]
     return fixes

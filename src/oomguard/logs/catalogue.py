@@ -102,7 +102,12 @@ PATTERNS: tuple[Pattern, ...] = (
         handler="args_dict",
     ),
     _p("engine_config", "with config:", r"with config: (?P<payload>.*)", handler="args_pairs"),
-    _p("namespace_args", "namespace(", r"args: Namespace\((?P<payload>.*)\)", handler="args_pairs"),
+    _p(
+        "namespace_args",
+        "namespace(",
+        r"args: Namespace\((?P<payload>.*)\)",
+        handler="args_namespace",
+    ),
     _p(
         "command_line",
         ("vllm serve", "vllm.entrypoints"),

@@ -193,6 +193,12 @@ class ParsedLog:
     fields: dict[str, Observed[Any]] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict)  # non-default args / engine config
     args_evidence: Evidence | None = None
+    # the settings (ParsedLog field names, converted) the user's own arguments state: the
+    # non-default args line, a command line, ``LLM(...)`` or the api_server Namespace; an
+    # engine config line (the values in force) does not count. ``user_args_evidence`` is the
+    # first such line: when it is set, a setting absent here was left at vLLM's default.
+    user_settings: dict[str, Any] = field(default_factory=dict)
+    user_args_evidence: Evidence | None = None
     signatures: dict[str, Evidence] = field(default_factory=dict)
     signature_counts: dict[str, int] = field(default_factory=dict)
     phases: dict[Phase, Evidence] = field(default_factory=dict)
@@ -265,6 +271,7 @@ class ParsedLog:
             "lines": self.lines,
             "values": values,
             "args": _jsonable(self.args),
+            "user_settings": _jsonable(self.user_settings),
             "signatures": {
                 name: {
                     "line": ev.line,

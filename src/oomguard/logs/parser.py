@@ -271,12 +271,19 @@ class _Builder:
             args = parsed if isinstance(parsed, dict) else {}
         except (ValueError, SyntaxError, MemoryError, RecursionError):
             args = {k: _literal(v) for k, v in _DICT_ITEM.findall(payload)}
-        self._take_args(args, ev)
+        self._take_args(args, ev, user=True)
 
     def _h_args_pairs(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        # the engine config line: the values in force, the user's and vLLM's own alike
         payload = m.group("payload")
         args = {k: _literal(v) for k, v in _PAIR.findall(payload + ")")}
         self._take_args(args, ev)
+
+    def _h_args_namespace(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        # the api_server's argparse Namespace: every argument as the user gave it (None: unset)
+        payload = m.group("payload")
+        args = {k: _literal(v) for k, v in _PAIR.findall(payload + ")")}
+        self._take_args(args, ev, user=True)
 
     def _h_args_kwargs(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         payload = m.group("payload")
@@ -284,19 +291,23 @@ class _Builder:
         first = payload.split(",", 1)[0].strip()
         if "=" not in first and first[:1] in ("'", '"'):
             args.setdefault("model", first.strip("'\""))
-        self._take_args(args, ev)
+        self._take_args(args, ev, user=True)
 
     def _h_args_cmdline(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         args = command_args(m.group("payload"))
         if args:
-            self._take_args(args, ev)
+            self._take_args(args, ev, user=True)
 
-    def _take_args(self, args: dict[str, Any], ev: Evidence) -> None:
+    def _take_args(self, args: dict[str, Any], ev: Evidence, *, user: bool = False) -> None:
+        """Record an arguments line. ``user``: the user's own arguments (non-default args,
+        command line, ``LLM(...)``, Namespace) rather than the engine's resolved config."""
         if not args:
             return
         log = self.log
         if log.args_evidence is None:
             log.args_evidence = ev
+        if user and log.user_args_evidence is None:
+            log.user_args_evidence = ev
         for key, value in args.items():
             key = str(key).replace("-", "_")
             if len(log.args) < 96 and key not in log.args:
@@ -313,6 +324,8 @@ class _Builder:
             converted = _arg_value(field, value)
             if converted is not None:
                 self.set_field(field, converted, ev)
+                if user and field not in log.user_settings:
+                    log.user_settings[field] = converted
 
     # --- narratives of memory growth ----------------------------------------------------------
     def _growth(self, record: Record, text: str) -> None:

@@ -619,9 +619,11 @@ def predict(
         requested = math.ceil(total * util)
     else:
         requested = total * util  # a float before 0.14
+    # the terms whose measured value replaced the estimate (and so enters the KV budget)
     measured_names: list[str] = []
     nt = non_torch(era, tp=tp, pp=pp, platform=platform, coef=coef)
-    if measured and measured.non_torch_bytes is not None:
+    if measured and measured.non_torch_bytes is not None and platform != "cpu":
+        # the CPU backend profiles no device memory: there is no non-torch term to replace
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
         measured_names.append("non_torch")
     kv_override = settings.kv_cache_memory_bytes
@@ -641,6 +643,7 @@ def predict(
         )
         if measured and measured.weights_bytes is not None:
             w_est = Estimate.measured(measured.weights_bytes, measured.source)
+            _note(measured_names, "weights")
         a_est = activation_peak(
             model,
             era=era,
@@ -654,6 +657,7 @@ def predict(
         )
         if measured and measured.activation_bytes is not None:
             a_est = Estimate.measured(measured.activation_bytes, measured.source)
+            _note(measured_names, "activation")
         g_est = cudagraph_estimate(
             model,
             era,
@@ -666,7 +670,9 @@ def predict(
             coef=coef,
         )
         if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
+            # only where this version subtracts a graph estimate at all (else the term stays 0)
             g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
+            _note(measured_names, "cudagraph")
         stage_layout = (
             kvm.project_layout(layout, stage_entries[idx])
             if era.fit_check_groups == "worker"
@@ -718,12 +724,6 @@ def predict(
             )
         )
         stage_estimates.append((w_est, a_est, g_est))
-    if measured and measured.weights_bytes is not None:
-        measured_names.append("weights")
-    if measured and measured.activation_bytes is not None:
-        measured_names.append("activation")
-    if measured and measured.cudagraph_bytes is not None:
-        measured_names.append("cudagraph")
 
     # the stage with the fewest blocks decides (ties: the most loaded)
     worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
@@ -923,6 +923,12 @@ def predict(
         layout.num_groups,
         measured_names,
     )
+
+
+def _note(names: list[str], term: str) -> None:
+    """Record once that ``term`` came from the measured values."""
+    if term not in names:
+        names.append(term)
 
 
 def _finish(

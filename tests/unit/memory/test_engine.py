@@ -240,3 +240,45 @@ def test_predict_is_fast_and_renders_json() -> None:
         "kv_cache_gib",
     }
     assert format_gib(7.5 * GIB) == "7.5" and format_gib(0) == "0.0"
+
+
+def test_measured_terms_list_only_the_terms_used() -> None:
+    m = MeasuredTerms(
+        weights_bytes=15 * GIB,
+        activation_bytes=2 * GIB,
+        non_torch_bytes=GIB // 4,
+        cudagraph_bytes=GIB,
+        source="log",
+    )
+    # 0.19 does not subtract a CUDA-graph estimate: the measured graphs are not used
+    old = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.19"), measured=m)
+    assert "cudagraph" not in old.measured_terms and old.cudagraph.value_bytes == 0
+    assert set(old.measured_terms) == {"weights", "activation", "non_torch"}
+    # 0.20+ subtracts it: the measured GiB replaces the estimate and the KV budget shrinks by it
+    new = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.20"), measured=m)
+    assert "cudagraph" in new.measured_terms and new.cudagraph.value_bytes == GIB
+    expected = new.requested_bytes - 15 * GIB - 2 * GIB - GIB // 4 - GIB
+    assert abs(new.kv_cache_bytes - expected) <= 1
+    # eager mode captures nothing
+    eager = predict(
+        llama_3_1_8b(), H100, EngineSettings(vllm_version="0.20", enforce_eager=True), measured=m
+    )
+    assert "cudagraph" not in eager.measured_terms and eager.cudagraph.value_bytes == 0
+    # with pipeline parallelism each stage uses the term, and it is listed once
+    pp = predict(
+        llama_3_1_8b(),
+        H100,
+        EngineSettings(vllm_version="0.20", pipeline_parallel_size=2),
+        measured=m,
+    )
+    assert pp.measured_terms.count("weights") == 1
+    # the CPU backend has no non-torch or graph term to replace
+    cpu = predict(
+        llama_3_1_8b(),
+        NODE,
+        EngineSettings(vllm_version="0.20", platform="cpu", max_model_len=4096),
+        measured=m,
+    )
+    assert "non_torch" not in cpu.measured_terms and "cudagraph" not in cpu.measured_terms
+    assert cpu.non_torch.value_bytes == 0
+    assert cpu.to_dict()["measured_terms"] == list(cpu.measured_terms)
