@@ -108,71 +108,48 @@ def _resolve_gpu(
 
 @dataclasses.dataclass
 class _CalibrationLookup:
-    """Measured terms from the calibration store for one (GPU, vLLM version, model), by TP.
+    """Measured terms from the calibration store for one (GPU, vLLM version, model).
 
-    First :func:`oomguard.calibration.lookup` with the catalogue GPU name; a log that named its
-    GPU another way (NVML's ``NVIDIA H100 80GB HBM3``, ``--gpu h100``) is matched by resolving
-    the stored name through the GPU catalogue. ``keys`` records which entry served each TP.
+    Each configuration the search prices asks with its own settings, so a term measured under
+    other settings (another batch-token cap, dtype, quantization, eager mode) is left to the
+    estimate. ``keys`` records which store entry served each TP.
     """
 
     gpu: GPUSpec
     vllm_version: str
     model_name: str
-    memo: dict[int, MeasuredTerms | None] = dataclasses.field(default_factory=dict)
+    memo: dict[tuple[Any, ...], MeasuredTerms | None] = dataclasses.field(default_factory=dict)
     keys: dict[int, str] = dataclasses.field(default_factory=dict)
     error: str = ""
 
-    def __call__(self, tp: int) -> MeasuredTerms | None:
-        if tp not in self.memo:
+    def __call__(self, settings: EngineSettings) -> MeasuredTerms | None:
+        filters = {
+            "pp": settings.pipeline_parallel_size,
+            "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "max_num_seqs": settings.max_num_seqs,
+            "enforce_eager": settings.enforce_eager,
+            "quantization": settings.quantization,
+            "dtype": None if settings.dtype in (None, "auto") else settings.dtype,
+        }
+        tp = settings.tensor_parallel_size
+        memo_key = (tp, *filters.values())
+        if memo_key not in self.memo:
             try:
-                self.memo[tp] = self._find(tp)
+                self.memo[memo_key] = self._find(tp, filters)
             except OomguardError as exc:
-                self.memo[tp] = None  # an unreadable store must not stop a plan
+                self.memo[memo_key] = None  # an unreadable store must not stop a plan
                 self.error = f"calibration store not used: {exc}"
-        return self.memo[tp]
+        return self.memo[memo_key]
 
-    def _find(self, tp: int) -> MeasuredTerms | None:
-        from oomguard.calibration import Observation, Store, lookup, model_family
+    def _find(self, tp: int, filters: dict[str, Any]) -> MeasuredTerms | None:
+        from oomguard.calibration import lookup, model_family
         from oomguard.calibration.store import make_key
-        from oomguard.facts.gpus import find_gpu
 
-        store = Store()
-        family = model_family(self.model_name)
-        wanted = make_key(self.gpu.name, self.vllm_version, family, tp)
-        terms = lookup(self.gpu.name, self.vllm_version, self.model_name, tp, store=store)
+        terms = lookup(self.gpu.name, self.vllm_version, self.model_name, tp, **filters)
         if terms is not None:
-            self.keys[tp] = wanted
-            return terms
-        fields = set(Observation.__dataclass_fields__)
-        for key, rows in store.load().items():
-            if not rows or not isinstance(rows[0], dict) or not key.endswith(f"|{family}|tp{tp}"):
-                continue
-            try:
-                obs = Observation(**{k: v for k, v in rows[0].items() if k in fields})
-                stored_gpu = find_gpu(obs.gpu)
-            except (OomguardError, TypeError):
-                continue
-            same_gpu = (
-                stored_gpu.name == self.gpu.name and stored_gpu.total_bytes == self.gpu.total_bytes
-            )
-            if same_gpu and make_key(self.gpu.name, obs.vllm_version, family, tp) == wanted:
-                self.keys[tp] = key
-                return obs.measured_terms()
-        return None
-
-
-def _online_quantization(model_name: str, quantization: str | None) -> bool:
-    """True when ``--quantization`` quantizes an unquantized checkpoint while loading.
-
-    Stored observations are keyed by model family, whose name carries the checkpoint's own
-    format (``…-awq``); a plain family was measured with the checkpoint's own weights.
-    """
-    if not quantization:
-        return False
-    from oomguard.calibration import model_family
-
-    family = model_family(model_name)
-    return not any(family.endswith("-" + word) for word in _CHECKPOINT_FORMATS)
+            family = model_family(self.model_name)
+            self.keys[tp] = make_key(self.gpu.name, self.vllm_version, family, tp, pp=filters["pp"])
+        return terms
 
 
 def plan(
@@ -293,13 +270,7 @@ def plan(
             model, spec, base, fixed, workload, catalogue, notes, other_flags, started
         )
 
-    measured = (
-        _CalibrationLookup(gpu_spec, version, spec.name)
-        if use_calibration
-        and base.pipeline_parallel_size == 1
-        and not _online_quantization(spec.name, base.quantization)
-        else None
-    )
+    measured = _CalibrationLookup(gpu_spec, version, spec.name) if use_calibration else None
     space = SearchSpace(
         model_ref=model, model=spec, gpu=gpu_spec, gpu_count=count, base=base, fixed=fixed,
         workload=workload, free_bytes=free_bytes, measured=measured,
@@ -340,7 +311,7 @@ def plan(
     ]
     if terms and measured is not None:
         tp = result_plan.settings.tensor_parallel_size
-        found = measured(tp)
+        found = measured(result_plan.settings)
         calibration = Calibration(
             used=True,
             source=found.source if found is not None else "calibration store",

@@ -82,7 +82,8 @@ class SearchSpace:
     fixed: frozenset[str]
     workload: Workload
     free_bytes: int | None = None  # NVML free memory of the emptiest-enough GPU (None: empty)
-    measured: Callable[[int], MeasuredTerms | None] | None = None  # by TP, native weights only
+    # the calibration store, asked with each configuration's settings (native weights only)
+    measured: Callable[[EngineSettings], MeasuredTerms | None] | None = None
     cache: dict[Any, MemoryPrediction] = field(default_factory=dict)
     predictions: int = 0
     _default_util: float | None = None
@@ -122,33 +123,13 @@ class SearchSpace:
             return hit
         measured = None
         if use_measured and self.measured is not None:
-            measured = self.applicable(self.measured(settings.tensor_parallel_size), settings)
+            measured = self.measured(settings)
         pred = predict(
             weights.model, gpu, settings, free_bytes=free, measured=measured, strict=False
         )
         self.predictions += 1
         self.cache[key] = pred
         return pred
-
-    def applicable(
-        self, measured: MeasuredTerms | None, settings: EngineSettings
-    ) -> MeasuredTerms | None:
-        """The measured terms that still describe ``settings``.
-
-        Logs are keyed by GPU, version, model and TP only, and record the checkpoint's own
-        precision: online quantization or another dtype changes every term, so none apply; a
-        batch-token cap the search lowered changes the activation peak, so that term goes back
-        to the estimate.
-        """
-        online_quant = bool(settings.quantization) and not self.model.quant.method
-        if measured is None or online_quant or settings.dtype not in (None, "auto"):
-            return None
-        if (
-            settings.max_num_batched_tokens is not None
-            and "max_num_batched_tokens" not in self.fixed
-        ):
-            measured = dataclasses.replace(measured, activation_bytes=None)
-        return measured
 
     def share_factor(self, settings: EngineSettings) -> float:
         """Fraction of per-request KV left after a shared prefix is stored once.
