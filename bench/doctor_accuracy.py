@@ -30,27 +30,38 @@ DEFAULT_CASES = Path(__file__).resolve().parents[2] / "shared" / "data" / "oom-c
 # lever families: (regex over the fix that worked, family, direction)
 _WORKED = (
     (
-        r"(?:increase|raise|higher)\w*\s+(?:the\s+)?(?:vllm_)?gpu[_-]memory[_-]utili[sz]ation",
+        r"(?:increase|raise|higher)\w*\s+(?:the\s+)?-*(?:vllm_)?gpu[_-]memory[_-]utili[sz]ation",
         "util",
         "up",
     ),
     (
-        r"(?:reduce|lower|decrease)\w*\s+(?:the\s+)?(?:vllm_)?gpu[_-]memory[_-]utili[sz]ation",
+        r"(?:reduce|lower|decrease)\w*\s+(?:the\s+)?-*(?:vllm_)?gpu[_-]memory[_-]utili[sz]ation"
+        r"|-*gpu[_-]memory[_-]utili[sz]ation\s+(?:lowered|reduced|decreased)",
         "util",
         "down",
     ),
     (r"gpu[_-]memory[_-]utili[sz]ation\s+0\.\d+.*?(?:default|crashes|failed)", "util", "down"),
-    (r"max[_-]model[_-]len\s+\d+", "max_model_len", "down"),
+    (
+        r"max[_-]model[_-]len\s+\d+|max[_-](?:model|seq)[_-]len\s*=\s*\d+"
+        r"|(?:smaller|shorter|lower|reduc|decreas|cap)\w*\s+(?:the\s+)?-*max[_-](?:model|seq)[_-]len",
+        "max_model_len",
+        "down",
+    ),
     (r"enforce[_-]eager|capture", "cuda_graph", "down"),
     (
-        r"(?:reduce|lower|set(?:ting)?)\w*\s+(?:vllm\s+)?-*max[_-]num[_-]seqs|max[_-]num[_-]seqs\s*=?\s*\d+",
+        r"(?:reduce|lower|set(?:ting)?|smaller)\w*\s+(?:vllm\s+)?-*max[_-]num[_-]seqs|max[_-]num[_-]seqs\s*=?\s*\d+"
+        r"|-*max[_-]num[_-]seqs\s+(?:lowered|reduced|decreased)",
         "max_num_seqs",
         "down",
     ),
     (r"\bawq\b|\bgptq\b|quantiz", "quantize", "down"),
     (r"tensor[_-]parallel", "tp", "up"),
     (r"expandable_segments|PYTORCH_CUDA_ALLOC_CONF|TORCH_NCCL|torch==", "allocator_env", "change"),
-    (r"isolate|kill|clean up|downgrade|stay on", "action", "change"),
+    (
+        r"isolate|kill|clean up|downgrade|stay on|install\w*\s+flash[ _-]?att|more\s+(?:host\s+|system\s+|cpu\s+)?ram\b",
+        "action",
+        "change",
+    ),
     (r"swap", "swap", "change"),
 )
 

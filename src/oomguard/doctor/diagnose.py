@@ -31,7 +31,8 @@ def diagnose(parsed: ParsedLog, context: Context | None = None) -> Diagnosis:
     context = context or Context()
     situation = build_situation(parsed, context)
     failed = parsed.shows_failure or (
-        parsed.has("truncated_traceback") and parsed.failure_phase is not None
+        parsed.has("truncated_traceback")
+        and (parsed.failure_phase is not None or parsed.has("failing_in_mm_encoder"))
     )
     findings = apply_rules(situation) if failed else []
     derived = _derived(situation)

@@ -39,7 +39,7 @@ from oomguard.doctor.situation import (
     nice_max_model_len,
     power_of_two_at_most,
 )
-from oomguard.logs.parsed import Evidence, Phase
+from oomguard.logs.parsed import Evidence, GpuProcess, Phase
 
 # Memory the CUDA context, NCCL and allocator slack need outside vLLM's budget (GiB).
 CONTEXT_SLACK_GIB = 0.25
@@ -62,7 +62,10 @@ class Findings:
         fixes: list[Fix] | None = None,
         explanation: str = "",
     ) -> None:
-        evs = [e for e in evidence if e is not None]
+        evs: list[Evidence] = []
+        for e in evidence:
+            if e is not None and all(e.line != x.line for x in evs):
+                evs.append(e)
         current = self.by_cause.get(cause)
         if current is None:
             self.by_cause[cause] = Finding(
@@ -78,7 +81,8 @@ class Findings:
         else:
             known = {f.flag for f in current.fixes}
             current.fixes.extend(f for f in fixes or [] if f.flag not in known)
-        current.evidence.extend(evs)
+        seen = {e.line for e in current.evidence}
+        current.evidence.extend(e for e in evs if e.line not in seen)
 
     def ranked(self) -> list[Finding]:
         return sorted(self.by_cause.values(), key=lambda f: -f.confidence)
@@ -317,12 +321,49 @@ def weights_fixes(s: Situation, weights_total_gib: float, budget_per_gpu_gib: fl
                     "--tensor-parallel-size",
                     str(new_tp),
                     f"weights {weights_total_gib:.1f} GiB split over {new_tp} GPUs = "
-                    f"{per_rank:.1f} GiB each ({how}); {rule}",
-                    STEP_TP,
+                    f"{per_rank:.1f} GiB each ({how}); {rule}" + _tp_available_note(s, new_tp),
+                    tp_step(s, new_tp),
                 )
             )
             break
     return fixes
+
+
+def gpus_available(s: Situation) -> tuple[int | None, bool]:
+    """How many GPUs the machine has, and whether that number is exact.
+
+    Exact when the user's GPU text states it ("4x A100", "8 x H100", "80GB*2"); otherwise a
+    lower bound from the log: the parallel sizes in force and the highest GPU index an
+    out-of-memory report or a process listing names. (None, False) when nothing says.
+    """
+    stated = s.known("gpu_count")
+    if stated is not None:
+        return int(stated.value), True
+    seen = [s.tp * int(s.get("pipeline_parallel_size") or 1)]
+    seen += [o.gpu_index + 1 for o in s.parsed.ooms if o.gpu_index is not None]
+    seen += [g.gpu_index + 1 for g in s.parsed.gpu_processes if g.gpu_index is not None]
+    best = max(seen)
+    return (best, False) if best > 1 else (None, False)
+
+
+def tp_step(s: Situation, new_tp: int) -> float:
+    """Where ``--tensor-parallel-size new_tp`` goes in the checklist: before a quantized
+    checkpoint when the machine has several GPUs (the seeds' order assumes one), else after."""
+    count, exact = gpus_available(s)
+    if count is not None and count > 1 and (not exact or new_tp <= count):
+        return STEP_QUANTIZE - 0.5
+    return STEP_TP
+
+
+def _tp_available_note(s: Situation, new_tp: int) -> str:
+    count, exact = gpus_available(s)
+    if count is None or count <= 1:
+        return ""
+    if exact:
+        if new_tp <= count:
+            return f"; the machine has {count} GPUs, so this keeps full precision"
+        return f"; needs {new_tp} GPUs, the machine has {count}"
+    return f"; the log shows at least {count} GPUs"
 
 
 def _cc_at_least(cc: str, minimum: float) -> bool:
@@ -918,11 +959,46 @@ def rule_sampler(s: Situation, out: Findings) -> None:
 
 
 def rule_multimodal(
-    s: Situation, out: Findings, base: float = 0.8, evidence: list[Evidence | None] | None = None
+    s: Situation,
+    out: Findings,
+    base: float = 0.8,
+    evidence: list[Evidence | None] | None = None,
+    runtime: bool = False,
 ) -> None:
+    """The vision/audio encoder ran out of memory: its profiling run on maximal dummy items
+    (start-up) or, with ``runtime``, a real request's oversized image while serving."""
     p = s.parsed
-    ev = p.evidence("mm_encoder_profile") or p.evidence("mm_encoder_frames")
+    ev = (
+        p.evidence("mm_encoder_profile")
+        or p.evidence("failing_in_mm_encoder")
+        or p.evidence("mm_encoder_frames")
+    )
     if ev is None:
+        return
+    if runtime:
+        out.add(
+            "multimodal_encoder",
+            base,
+            "the vision/audio encoder ran out of memory on a request's input while serving",
+            [ev, *(evidence or [])],
+            [
+                Fix(
+                    "--mm-processor-kwargs",
+                    '{"max_pixels": 1003520}',
+                    "bounds the image size the encoder processes (Qwen-VL style processors; "
+                    "other models: resize images before sending them)",
+                    STEP_MULTIMODAL,
+                ),
+                Fix(
+                    "--limit-mm-per-prompt",
+                    '{"image": 1}',
+                    "fewer images per prompt in one encoder batch",
+                    STEP_MULTIMODAL + 0.1,
+                ),
+            ],
+            "The encoder's memory grows with the pixels (patches) of the images in one batch; "
+            "images larger than the profiled maximum allocate beyond the budget.",
+        )
         return
     seqs = s.get("max_num_seqs")
     items = s.get("encoder_profile_items")
@@ -938,9 +1014,10 @@ def rule_multimodal(
     else:
         target = max(int(seqs) // 8, 1) if seqs else 32
         why = (
-            f"the encoder profile runs one maximal image per sequence ({seqs or 'default'} "
-            f"sequences{f', {items} items' if items else ''}); a first step, the log does not "
-            "give the sizes to compute it"
+            "the encoder profile runs one maximal image per sequence ("
+            + (f"max_num_seqs {seqs}" if seqs else "max_num_seqs at vLLM's default")
+            + (f", {items} items" if items else "")
+            + "); a first step, the log does not give the sizes to compute it"
         )
     fixes = [
         Fix("--max-num-seqs", str(target), why, STEP_MAX_NUM_SEQS),
@@ -957,10 +1034,16 @@ def rule_multimodal(
             STEP_MULTIMODAL + 0.1,
         ),
     ]
+    profiling = p.has("mm_encoder_profile") or (
+        p.failure_phase is not None and p.failure_phase.value == Phase.PROFILING
+    )
     out.add(
         "multimodal_encoder",
         base,
-        "the vision encoder's profiling run (dummy images of maximal size) ran out of memory",
+        "the vision encoder's profiling run (dummy images of maximal size) ran out of memory"
+        if profiling
+        else "the vision/audio encoder ran out of memory (the failing traceback runs through it; "
+        "at start-up that is its profiling run on maximal dummy images)",
         [ev, p.evidence("mm_encoder_frames"), *(evidence or [])],
         fixes,
         "Before sizing the KV cache vLLM runs the vision/audio encoder on the worst case: maximal "
@@ -1139,6 +1222,113 @@ def rule_leak(s: Situation, out: Findings) -> None:
     )
 
 
+_STARTUP_PHASES = (
+    Phase.STARTUP,
+    Phase.WEIGHT_LOADING,
+    Phase.PROFILING,
+    Phase.KV_ALLOCATION,
+    Phase.SAMPLER_WARMUP,
+    Phase.CUDA_GRAPH_CAPTURE,
+)
+
+
+def rule_listed_processes(s: Situation, out: Findings) -> None:
+    """A process listing (nvidia-smi) that shows another Python / vLLM process holding GPU
+    memory while vLLM failed to start is evidence of a leftover or co-located process.
+
+    At the start-up check vLLM itself holds only its CUDA context, so any sizeable Python
+    process listed is another one; after that the failing engine may be in the listing
+    itself, so it takes two sizeable Python processes on one GPU.
+    """
+    p = s.parsed
+    fp = p.failure_phase
+    startup_check = p.has("startup_check_failed")
+    if not (startup_check or (fp is not None and fp.value in _STARTUP_PHASES)):
+        return
+    total = s.total_gib
+    floor_gib = max(1.0, 0.1 * total) if total else 1.0
+    holders = [g for g in p.gpu_processes if g.is_python and g.gib >= floor_gib]
+    if not startup_check:
+        per_gpu: dict[int | None, list[GpuProcess]] = {}
+        for g in holders:
+            per_gpu.setdefault(g.gpu_index, []).append(g)
+        holders = [g for group in per_gpu.values() if len(group) >= 2 for g in group]
+    if not holders:
+        _ps_engines(s, out, startup_check)
+        return
+    engine = any(g.is_inference_engine for g in holders)
+    held = sum(g.gib for g in holders)
+    listed = ", ".join(f"PID {g.pid} {g.name} {g.gib:.1f} GiB" for g in holders[:4])
+    confidence = 0.88 if engine else 0.65
+    if s.context.expect_cotenant:
+        confidence = 0.35
+    fixes = [
+        Fix(
+            "action",
+            f"stop the listed process{'es' if len(holders) > 1 else ''} ({listed}) if "
+            f"{'they are' if len(holders) > 1 else 'it is'} left over from an earlier run, "
+            "then start vLLM unchanged",
+            "a leftover engine or notebook kernel is not a co-tenant to budget for",
+            STEP_ACTION,
+        )
+    ]
+    if total:
+        fixes.append(
+            util_to_fit_free(
+                s,
+                max(float(total) - held - CONTEXT_SLACK_GIB, 0.05 * float(total)),
+                float(total),
+                f"only if the process must stay: {held:.1f} GiB held by it must stay outside "
+                "vLLM's utilization × total",
+            )
+        )
+    failure = p.evidence("startup_check_failed") or (fp.evidence if fp else None)
+    out.add(
+        "leak_or_other_process",
+        confidence,
+        f"the process listing shows {'a vLLM engine' if engine else 'a Python process'} "
+        f"holding {held:.1f} GiB of the GPU while vLLM failed to start",
+        [*(g.evidence for g in holders), failure],
+        fixes,
+        "Memory held by another engine (an orphaned EngineCore or worker from an earlier run, "
+        "a notebook kernel) is unavailable to the new one; vLLM's start-up check and profiling "
+        "count it as used.",
+    )
+
+
+def _ps_engines(s: Situation, out: Findings, startup_check: bool) -> None:
+    """`ps` rows of running vLLM servers while a new one failed to start: their GPU memory is
+    not shown, so this is weaker evidence than a GPU process listing."""
+    p = s.parsed
+    if not p.engine_processes:
+        return
+    fp = p.failure_phase
+    failure = p.evidence("startup_check_failed") or (fp.evidence if fp else None)
+    # at the start-up check the new engine holds nothing yet: a running server is the
+    # likeliest holder of the memory in use
+    confidence = 0.87 if startup_check else 0.55
+    if s.context.expect_cotenant:
+        confidence = 0.3
+    out.add(
+        "leak_or_other_process",
+        confidence,
+        f"a process listing shows {len(p.engine_processes)} vLLM process"
+        f"{'es' if len(p.engine_processes) > 1 else ''} running while vLLM failed to start",
+        [*p.engine_processes[:4], failure],
+        [
+            Fix(
+                "action",
+                "stop the vLLM processes left over from earlier runs (check nvidia-smi "
+                "--query-compute-apps=pid,used_memory --format=csv), then start vLLM unchanged",
+                "an orphaned engine keeps its weights and KV cache on the GPU",
+                STEP_ACTION,
+            )
+        ],
+        "A vLLM engine that did not exit (an orphaned EngineCore or worker) keeps its whole "
+        "budget on the GPU; the new engine's start-up check and profiling count it as used.",
+    )
+
+
 def rule_profiling_free_increase(s: Situation, out: Findings) -> None:
     ev = s.parsed.evidence("profiling_free_increase")
     if ev is None:
@@ -1242,17 +1432,23 @@ def _weights_finding(
             Fix(
                 "--tensor-parallel-size",
                 str(max(s.tp * 2, 2)),
-                "split the weights over more GPUs",
-                STEP_TP,
+                "split the weights over more GPUs" + _tp_available_note(s, max(s.tp * 2, 2)),
+                tp_step(s, max(s.tp * 2, 2)),
             ),
         ]
     )
     summary = "the weights do not fit on the GPU"
     if per_gpu is not None and total:
-        summary = (
-            f"the weights (~{per_gpu:.1f} GiB per GPU{', ' + wt.origin if wt and wt.origin == 'name' else ''}) "
-            f"do not fit in {total:.1f} GiB"
-        )
+        origin = ", " + wt.origin if wt and wt.origin == "name" else ""
+        if per_gpu >= total:
+            summary = (
+                f"the weights (~{per_gpu:.1f} GiB per GPU{origin}) do not fit in {total:.1f} GiB"
+            )
+        else:
+            summary = (
+                f"the weights (~{per_gpu:.1f} GiB per GPU{origin}) leave too little of the "
+                f"{total:.1f} GiB GPU for what vLLM needs beside them"
+            )
     out.add(
         "weights_dont_fit",
         confidence,
@@ -1389,7 +1585,8 @@ def rule_cudagraph(s: Situation, out: Findings) -> None:
 
 
 def rule_torch_oom(s: Situation, out: Findings) -> None:
-    """A PyTorch allocator OOM: reason from the phase, the allocator numbers and co-tenants."""
+    """A PyTorch allocator OOM: reason from the phase, the allocator numbers, the failing
+    traceback's frames and co-tenants."""
     p = s.parsed
     oom = p.first_oom
     if oom is None or oom.kind == "driver":
@@ -1397,9 +1594,12 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
     total = oom.total_gib or s.total_gib
     ev = oom.evidence
     phase = p.failure_phase.value if p.failure_phase else None
+    unalloc, tried = oom.reserved_unallocated_gib, oom.tried_gib
+
+    if _unbounded_allocation(s, out, oom, total, phase):
+        return
 
     # fragmentation: only when the reserved-but-unallocated memory could have served the request
-    unalloc, tried = oom.reserved_unallocated_gib, oom.tried_gib
     if unalloc is not None and tried:
         big = max(0.5, 0.01 * total) if total else 0.5
         if unalloc >= tried and unalloc >= big:
@@ -1502,46 +1702,31 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
                 "co-tenant must be subtracted by lowering utilization.",
             )
 
-    this_share = None
-    if total:
-        held = (
-            oom.this_process_gib
-            or oom.reserved_gib
-            or (oom.processes_gib[0][1] if len(oom.processes_gib) == 1 else None)
-            or oom.allocated_gib
-        )
-        if held is not None:
-            this_share = held / total
-    util = s.util
-    high_util = s.util_stated and util is not None and util >= 0.95
-
     if phase == Phase.WEIGHT_LOADING:
         _weights_finding(s, out, [ev, p.failure_phase.evidence if p.failure_phase else None], 0.8)
     elif phase == Phase.PROFILING:
         if p.has("mm_encoder_profile") or p.has("mm_encoder_frames"):
             rule_multimodal(s, out, base=0.8, evidence=[ev])
         else:
-            seqs = s.get("max_num_seqs")
+            full_length = v0_profiles_full_length(s)
             out.add(
                 "concurrency_or_batch",
-                0.6,
-                "the profiling forward pass ran out of memory",
+                # in V0 the batch is a whole max_model_len prompt: the length, not the
+                # weights, is the lever unless the weights alone fill the budget
+                0.7 if full_length else 0.6,
+                "the profiling forward pass ran out of memory"
+                + (" (V0 profiles one max_model_len-token batch)" if full_length else ""),
                 [ev],
-                [
-                    batched_tokens_fix(
-                        s,
-                        oom_fit_fraction(s),
-                        "the profiling pass runs one batch of max_num_batched_tokens tokens",
-                        2048,
-                        "free ÷ tried of the failed allocation",
-                    ),
-                    Fix(
-                        "--max-num-seqs",
-                        str(fewer_seqs(int(seqs) if seqs else None)),
-                        "fewer sequences in the dummy batch and its sampler logits",
-                        STEP_MAX_NUM_SEQS,
-                    ),
-                ],
+                activation_fixes(
+                    s, "the profiling pass runs one batch of max_num_batched_tokens tokens"
+                ),
+                "Before sizing the KV cache vLLM runs one dummy batch of the largest size it "
+                "will schedule; its activation peak must fit next to the weights."
+                + (
+                    " In V0 without chunked prefill that batch is max_model_len tokens long."
+                    if full_length
+                    else ""
+                ),
             )
             _maybe_weights(s, out, [ev], 0.35)
     elif phase == Phase.KV_ALLOCATION:
@@ -1558,124 +1743,448 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
             [fix_opt] if fix_opt else [],
         )
     elif phase == Phase.SERVING:
-        if high_util and util is not None:
-            short = max((tried or 0) - (oom.free_gib or 0), 0.0)
-            fix_opt = lower_util(
-                s,
-                max(short, 0.5),
-                "leaves room for CUDA graphs, non-torch memory and "
-                "runtime spikes, which live outside the budget",
+        if p.has("failing_in_mm_encoder"):
+            rule_multimodal(
+                s, out, base=0.65, evidence=[ev, p.evidence("failing_in_mm_encoder")], runtime=True
             )
-            out.add(
-                "util_overshoot",
-                0.75,
-                f"gpu_memory_utilization {util:g} leaves "
-                f"{(1 - util) * (total or 0):.2f} GiB for everything outside vLLM's budget",
-                [ev],
-                [fix_opt] if fix_opt else [],
-                "At runtime vLLM's KV pool is already allocated; what still allocates (activations "
-                "of unusual batches, graphs, NCCL, non-torch) must fit in the (1 − utilization) share.",
-            )
-            out.add(
-                "concurrency_or_batch",
-                0.35,
-                "a burst of long requests needed more activation memory",
-                [ev],
-                _runtime_batch_fixes(s),
-            )
-        else:
-            out.add(
-                "concurrency_or_batch",
-                0.6,
-                "a batch at runtime needed more memory than profiled",
-                [ev],
-                _runtime_batch_fixes(s)
-                + (
-                    [
-                        f
-                        for f in [
-                            lower_util(s, max((tried or 0), 0.5), "headroom for runtime spikes")
-                        ]
-                        if f
-                    ]
-                    if util
-                    else []
-                ),
-                "Runtime allocations beyond the profiled peak (long prompts with logprobs, n>1, "
-                "multimodal inputs) come out of the memory outside the KV pool.",
-            )
+        _runtime_oom(s, out, oom, total)
     elif phase == Phase.CUDA_GRAPH_CAPTURE or phase == Phase.SAMPLER_WARMUP:
         pass  # handled by their own rules
     else:
-        # no phase in the excerpt: reason from how much of the GPU this process holds
-        wt = s.known("weights_total_gib")
-        per_gpu = float(wt.value) / s.tp if wt is not None else None
-        if this_share is not None and this_share >= 0.9:
-            if per_gpu is not None and total:
-                if per_gpu >= 0.85 * total:
-                    _weights_finding(s, out, [ev], 0.8)
-                elif per_gpu < 0.6 * total:
-                    budget = (util or 0.9) * total
-                    out.add(
-                        "other",
-                        0.55,
-                        f"PyTorch holds {this_share:.0%} of the GPU although the weights "
-                        f"need ~{per_gpu:.1f} GiB and vLLM's budget is {budget:.1f} GiB",
-                        [ev],
-                        [
-                            Fix(
-                                "action",
-                                "compare with the previous vLLM release (possible regression) "
-                                "and report it",
-                                "the configuration does not explain the allocation",
-                                STEP_ACTION,
-                            )
-                        ],
-                        "vLLM's own accounting caps what it allocates at utilization × total; "
-                        "allocations beyond it, with weights that fit, are not a configuration error.",
-                    )
-                    out.add(
-                        "weights_dont_fit", 0.25, "weights plus buffers may exceed the GPU", [ev]
-                    )
-                else:
-                    _weights_finding(s, out, [ev], 0.55)
-            else:
-                _weights_finding(s, out, [ev], 0.45)
-                fix_opt = lower_util(s, 1.0, "headroom outside the budget")
+        _phaseless_oom(s, out, oom, total)
+
+
+# A single allocation this large is a batch's intermediate tensor (activations, logits, an
+# image's patches), not a weight tensor or a KV block: the largest weight tensors of common
+# models (embeddings, stacked MoE experts per TP rank) stay below it.
+BATCH_SIZED_SHARE = 0.1
+BATCH_SIZED_MIN_GIB = 1.0
+
+
+def _held_gib(oom: Any) -> float | None:
+    """What the failing process holds on the GPU, as the OOM report states it."""
+    return (
+        oom.this_process_gib
+        or oom.reserved_gib
+        or (oom.processes_gib[0][1] if len(oom.processes_gib) == 1 else None)
+        or oom.allocated_gib
+    )
+
+
+def _unbounded_allocation(
+    s: Situation, out: Findings, oom: Any, total: float | None, phase: Phase | None
+) -> bool:
+    """One allocation larger than the whole device (or at least half of it outside weight
+    loading and KV allocation) is not a full GPU: an intermediate without a bound grew with
+    the input — attention materialising the full score matrix without a memory-efficient
+    backend, or an image far larger than the encoder was profiled for. No budget fixes it."""
+    tried = oom.tried_gib
+    if not tried or not total:
+        return False
+    huge = tried > total or (
+        tried >= 0.5 * total and phase not in (Phase.WEIGHT_LOADING, Phase.KV_ALLOCATION)
+    )
+    if not huge:
+        return False
+    p = s.parsed
+    free = oom.free_gib
+    room = f"{free:.2f} GiB were free" if free is not None else "the GPU's free memory"
+    what = (
+        f"a single {tried:.2f} GiB allocation on a {total:.2f} GiB GPU"
+        f"{' — larger than the whole device' if tried > total else ''} ({room})"
+    )
+    backend = Fix(
+        "action",
+        "check the attention backend in the start-up log: install flash-attn (or use a "
+        "backend with memory-efficient attention instead of an eager/SDPA-math fallback) "
+        "and bound the input size",
+        f"{what}: an attention score matrix or another intermediate that grows with the input "
+        "length squared, not a budget that is slightly too large",
+        STEP_ACTION,
+    )
+    mm = p.has("failing_in_mm_encoder") or (
+        phase == Phase.PROFILING and (p.has("mm_encoder_profile") or p.has("mm_encoder_frames"))
+    )
+    if mm:
+        out.add(
+            "multimodal_encoder",
+            0.85,
+            f"the vision/audio encoder asked for {tried:.2f} GiB at once: an unbounded "
+            "intermediate for an oversized input",
+            [oom.evidence, p.evidence("failing_in_mm_encoder") or p.evidence("mm_encoder_frames")],
+            [
+                backend,
+                Fix(
+                    "--mm-processor-kwargs",
+                    '{"max_pixels": 1003520}',
+                    "bounds the image size the encoder sees (Qwen-VL style processors; other "
+                    "models: resize images before sending them)",
+                    STEP_MULTIMODAL,
+                ),
+                Fix(
+                    "--limit-mm-per-prompt",
+                    '{"image": 1}',
+                    "one image per prompt in the encoder's batch",
+                    STEP_MULTIMODAL + 0.1,
+                ),
+            ],
+            "The encoder's attention over all patches of a very large image (or many images) "
+            "without a memory-efficient kernel needs memory quadratic in the patch count.",
+        )
+        return True
+    out.add(
+        "other",
+        0.85,
+        f"{what}: an unbounded intermediate, not a full GPU",
+        [oom.evidence],
+        [
+            backend,
+            Fix(
+                "--max-num-batched-tokens",
+                "2048",
+                "bounds the tokens one forward pass processes (with chunked prefill), so a "
+                "long prompt cannot create one giant intermediate",
+                STEP_BATCHED_TOKENS,
+            ),
+        ],
+        "No setting of gpu_memory_utilization makes an allocation larger than the GPU fit: the "
+        "size comes from a code path whose memory grows with the input (eager attention on "
+        "long inputs, a missing flash-attention backend, a huge image).",
+    )
+    return True
+
+
+def _runtime_oom(s: Situation, out: Findings, oom: Any, total: float | None) -> None:
+    """An OOM while serving, graded by the measured headroom.
+
+    vLLM's budget (utilization × total) is allocated at start-up; at runtime only what lives
+    outside it still grows: CUDA graphs, non-torch memory (NCCL, CUDA context), multi-step
+    scheduling buffers and batches larger than profiled. (1 − util) × total is the headroom
+    for all of them. A failed allocation that is small next to what remains of the headroom
+    means steady consumers used it up (utilization too high); one that takes most of it is a
+    batch spike (too many tokens or sequences at once).
+    """
+    ev = oom.evidence
+    util = s.util
+    tried = oom.tried_gib or 0.0
+    free = oom.free_gib or 0.0
+    short = max(tried - free, 0.0)
+    if util is None or not total:
+        out.add(
+            "concurrency_or_batch",
+            0.6,
+            "a batch at runtime needed more memory than profiled",
+            [ev],
+            _runtime_batch_fixes(s),
+        )
+        return
+    headroom = (1 - util) * total
+    graphs = oom.private_pools_gib
+    graphs_basis = "the OOM report's private pools"
+    if graphs is None and not s.get("enforce_eager"):
+        graphs = s.get("cudagraph_actual_gib") or s.get("cudagraph_estimate_gib")
+        graphs_basis = "the log's CUDA-graph figure"
+    graphs = float(graphs or 0.0)
+    non_torch = s.get("non_torch_gib")
+    non_torch_gib = float(non_torch) if non_torch is not None else 0.5
+    args = {**s.parsed.args, **s.context.args}
+    steps = _int_or_none(args.get("num_scheduler_steps"))
+    multistep = steps is not None and steps > 1
+    left = headroom - graphs - non_torch_gib
+    spike_ratio = tried / left if left > 0 else float("inf")
+    consumers = [f"CUDA graphs {graphs:.2f} GiB ({graphs_basis})"] if graphs else []
+    consumers.append(
+        f"non-torch memory {non_torch_gib:.2f} GiB"
+        + ("" if non_torch is not None else " (typical CUDA context + NCCL, not in the log)")
+    )
+    if multistep:
+        consumers.append(
+            f"--num-scheduler-steps {steps}: per-step output buffers for {steps} steps"
+        )
+    held = _held_gib(oom)
+    held_text = f"; the process holds {held:.2f} GiB of {total:.2f}" if held else ""
+    setting = (
+        f"gpu_memory_utilization {util:g}"
+        if s.util_stated
+        else f"vLLM's default gpu_memory_utilization {util:g}"
+    )
+    steady = (
+        left <= 0
+        or spike_ratio <= 0.25
+        or multistep
+        or (s.util_stated and util >= 0.95 and spike_ratio < 1.5)
+    )
+    util_conf = 0.72 if steady else (0.55 if spike_ratio <= 0.5 else 0.35)
+    batch_conf = 0.4 if steady else (0.5 if spike_ratio <= 0.5 else 0.62)
+    fix_opt = lower_util(
+        s,
+        max(short, tried, 1.0) if steady else max(short, 0.5),
+        "leaves room outside the budget for CUDA graphs, non-torch memory"
+        + (", multi-step buffers" if multistep else "")
+        + " and runtime allocations",
+    )
+    out.add(
+        "util_overshoot",
+        util_conf,
+        f"{setting} leaves {headroom:.2f} GiB outside vLLM's "
+        f"budget and a {tried:.2f} GiB allocation no longer fit{held_text}",
+        [ev],
+        [fix_opt] if fix_opt else [],
+        f"At runtime the KV pool is already allocated; what still allocates must fit in "
+        f"(1 − {util:g}) × {total:.2f} = {headroom:.2f} GiB beside {', '.join(consumers)}. "
+        + (
+            "The failed allocation is small next to that headroom, so steady consumers "
+            "outside the budget had used it up."
+            if steady
+            else "The failed allocation takes most of what remains: a batch larger than profiled."
+            if spike_ratio > 0.5
+            else "The failed allocation is a sizeable share of that headroom: steady consumers "
+            "and a large batch both contributed."
+        ),
+    )
+    fixes = _runtime_batch_fixes(s)
+    if multistep and steps is not None:
+        fixes.append(
+            Fix(
+                "--num-scheduler-steps",
+                str(max(steps // 2, 1)),
+                f"multi-step scheduling keeps buffers for {steps} steps outside the profiled budget",
+                STEP_MAX_NUM_SEQS + 0.2,
+            )
+        )
+    out.add(
+        "concurrency_or_batch",
+        batch_conf,
+        "a batch at runtime needed more memory than profiled"
+        if not steady
+        else "a burst of long requests may have needed more activation memory",
+        [ev],
+        fixes,
+        "Runtime allocations beyond the profiled peak (long prompts with logprobs, n>1, "
+        "multimodal inputs) come out of the memory outside the KV pool.",
+    )
+
+
+def _phaseless_oom(s: Situation, out: Findings, oom: Any, total: float | None) -> None:
+    """An OOM whose phase the excerpt does not show: tell weights from activations by what the
+    failing traceback ran through, the failed allocation's size against the GPU and the
+    weights' size when known (a vLLM process normally holds about util × total, so holding
+    most of the GPU alone proves nothing)."""
+    p = s.parsed
+    ev = oom.evidence
+    tried = oom.tried_gib
+    util = s.util
+    held = _held_gib(oom)
+    this_share = held / total if held is not None and total else None
+    wt = s.known("weights_total_gib")
+    per_gpu = float(wt.value) / s.tp if wt is not None else None
+    if p.has("failing_in_mm_encoder"):
+        rule_multimodal(s, out, base=0.75, evidence=[ev, p.evidence("failing_in_mm_encoder")])
+        return
+    activation_frames = p.has("failing_in_activation")
+    batch_sized = bool(
+        tried and total and tried >= max(BATCH_SIZED_SHARE * total, BATCH_SIZED_MIN_GIB)
+    )
+    weights_fill = per_gpu is not None and total is not None and per_gpu >= 0.85 * total
+    if (activation_frames or batch_sized) and not weights_fill:
+        reasons = []
+        if batch_sized and tried and total:
+            reasons.append(
+                f"the failed allocation ({tried:.2f} GiB, {tried / total:.0%} of the GPU) is "
+                "batch-sized, larger than any weight tensor"
+            )
+        if activation_frames:
+            frame = p.evidence("failing_in_activation")
+            reasons.append(
+                "the failing traceback runs through "
+                + (f"`{frame.text[:80]}`" if frame else "an activation op")
+            )
+        if per_gpu is not None and total:
+            reasons.append(f"the weights (~{per_gpu:.1f} GiB per GPU) fit in {total:.1f} GiB")
+        out.add(
+            "concurrency_or_batch",
+            0.6 if (batch_sized and activation_frames) or per_gpu is not None else 0.55,
+            "a batch's activations did not fit: " + "; ".join(reasons),
+            [ev, p.evidence("failing_in_activation")],
+            activation_fixes(s, "the activation peak grows with the tokens per batch"),
+            "Activation memory (attention, MLP intermediates, logits) scales with the tokens "
+            "in one forward pass: the profiling batch or the largest prefill."
+            + (
+                " In V0 without chunked prefill that is a whole max_model_len prompt."
+                if v0_profiles_full_length(s)
+                else ""
+            ),
+        )
+        if this_share is not None and this_share >= 0.9 and per_gpu is None:
+            out.add("weights_dont_fit", 0.3, "weights plus buffers may exceed the GPU", [ev])
+        return
+    if this_share is not None and this_share >= 0.9:
+        if per_gpu is not None and total:
+            if weights_fill:
+                _weights_finding(s, out, [ev], 0.8)
+            elif per_gpu < 0.6 * total:
+                budget = (util or 0.9) * total
                 out.add(
-                    "util_overshoot",
-                    0.3,
-                    "vLLM's budget left too little headroom",
+                    "other",
+                    0.55,
+                    f"PyTorch holds {this_share:.0%} of the GPU although the weights "
+                    f"need ~{per_gpu:.1f} GiB and vLLM's budget is {budget:.1f} GiB",
                     [ev],
-                    [fix_opt] if fix_opt else [],
+                    [
+                        Fix(
+                            "action",
+                            "compare with the previous vLLM release (possible regression) "
+                            "and report it",
+                            "the configuration does not explain the allocation",
+                            STEP_ACTION,
+                        )
+                    ],
+                    "vLLM's own accounting caps what it allocates at utilization × total; "
+                    "allocations beyond it, with weights that fit, are not a configuration error.",
                 )
-        elif high_util:
-            fix_opt = lower_util(s, 1.0, "headroom for memory outside the budget")
-            out.add(
-                "util_overshoot",
-                0.6,
-                f"gpu_memory_utilization {util:g} leaves almost no headroom",
-                [ev],
-                [fix_opt] if fix_opt else [],
-            )
+                out.add("weights_dont_fit", 0.25, "weights plus buffers may exceed the GPU", [ev])
+            else:
+                _weights_finding(s, out, [ev], 0.55)
         else:
-            fix_opt = lower_util(
-                s, max((tried or 0) - (oom.free_gib or 0), 0.5), "headroom outside the budget"
-            )
+            # a small allocation failing with the process at the GPU's size: creating or
+            # loading parameters is the usual way there without a phase marker
+            _weights_finding(s, out, [ev], 0.45)
+            fix_opt = lower_util(s, 1.0, "headroom outside the budget")
             out.add(
                 "util_overshoot",
                 0.3,
-                "the GPU was full when PyTorch needed more",
+                "vLLM's budget left too little headroom",
                 [ev],
                 [fix_opt] if fix_opt else [],
             )
-            out.add(
-                "concurrency_or_batch",
-                0.25,
-                "a large batch may have needed more activation memory",
-                [ev],
-                _runtime_batch_fixes(s),
+    elif s.util_stated and util is not None and util >= 0.95:
+        fix_opt = lower_util(s, 1.0, "headroom for memory outside the budget")
+        out.add(
+            "util_overshoot",
+            0.6,
+            f"gpu_memory_utilization {util:g} leaves almost no headroom",
+            [ev],
+            [fix_opt] if fix_opt else [],
+        )
+    else:
+        fix_opt = lower_util(
+            s, max((tried or 0) - (oom.free_gib or 0), 0.5), "headroom outside the budget"
+        )
+        out.add(
+            "util_overshoot",
+            0.3,
+            "the GPU was full when PyTorch needed more",
+            [ev],
+            [fix_opt] if fix_opt else [],
+        )
+        out.add(
+            "concurrency_or_batch",
+            0.25,
+            "a large batch may have needed more activation memory",
+            [ev],
+            _runtime_batch_fixes(s),
+        )
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def v0_profiles_full_length(s: Situation) -> bool:
+    """Whether the engine is V0 with chunked prefill off, where the profiling batch (and the
+    largest prefill) is max(max_model_len, max_num_batched_tokens) tokens (§3.3)."""
+    engine = s.get("engine")
+    minor = _version_minor(s)
+    v0 = engine == "v0" or (engine is None and 0 < minor < 8)
+    if not v0:
+        return False
+    args = {**s.parsed.args, **s.context.args}
+    chunked = s.parsed.has("chunked_prefill_on") or str(
+        args.get("enable_chunked_prefill", "")
+    ).lower() in ("true", "1")
+    return not chunked
+
+
+def v0_max_model_len_fix(s: Situation) -> Fix:
+    """``--max-model-len`` that shrinks V0's profiling batch: the length in force (the log,
+    the command, else the model's default) × free ÷ tried of the failed allocation, down to a
+    power of two, never below V0's 2048-token floor."""
+    known = s.known("max_model_len")
+    length = int(known.value) if known is not None else None
+    basis = "the length in force"
+    if length is None and s.model_spec is not None:
+        length = int(getattr(s.model_spec, "derived_max_model_len", 0) or 0) or None
+        basis = "the model's default context"
+    batched = s.get("max_num_batched_tokens")
+    tokens = max(length or 0, int(batched or 0)) or None
+    fraction = oom_fit_fraction(s)
+    head = (
+        "V0 without chunked prefill profiles (and prefills) one batch of "
+        "max(max_model_len, max_num_batched_tokens) tokens; its activation peak grows with it"
+    )
+    if length and tokens and fraction is not None:
+        target = max(power_of_two_at_most(int(tokens * fraction)), 2048)
+        if target < length:
+            return Fix(
+                "--max-model-len",
+                str(target),
+                f"{head}: {tokens:,} tokens ({basis}) × {fraction:.2f} (free ÷ tried of the "
+                f"failed allocation) = {tokens * fraction:,.0f}, rounded down to {target:,}",
+                STEP_MAX_MODEL_LEN,
             )
+    if length and length > 2048:
+        target = max(power_of_two_at_most(length // 2), 2048)
+        return Fix(
+            "--max-model-len",
+            str(target),
+            f"{head}: half of {length:,} ({basis}) as a first step; the log does not give the "
+            "numbers to size it",
+            STEP_MAX_MODEL_LEN,
+        )
+    return Fix(
+        "--max-model-len",
+        "8192",
+        f"{head}, and max_model_len defaults to the model's full context; 8192 is a first "
+        "step (the log states neither the length nor the model): cap it to the real P99 "
+        "prompt + output length",
+        STEP_MAX_MODEL_LEN,
+    )
+
+
+def activation_fixes(s: Situation, what: str) -> list[Fix]:
+    """Fixes for an activation peak (a batch's intermediate tensors) that did not fit: in V0
+    without chunked prefill the length first, then the tokens and sequences per batch."""
+    seqs = s.get("max_num_seqs")
+    fixes: list[Fix] = []
+    if v0_profiles_full_length(s):
+        fixes.append(v0_max_model_len_fix(s))
+        fixes.append(
+            Fix(
+                "--enable-chunked-prefill",
+                None,
+                "profiles and prefills max_num_batched_tokens per step instead of a whole "
+                "max_model_len prompt",
+                STEP_BATCHED_TOKENS,
+            )
+        )
+    else:
+        fixes.append(
+            batched_tokens_fix(
+                s, oom_fit_fraction(s), what, 2048, "free ÷ tried of the failed allocation"
+            )
+        )
+    fixes.append(
+        Fix(
+            "--max-num-seqs",
+            str(fewer_seqs(int(seqs) if seqs else default_max_num_seqs(s))),
+            "fewer sequences in the batch and its sampler logits",
+            STEP_MAX_NUM_SEQS,
+        )
+    )
+    return fixes
 
 
 def _maybe_weights(
@@ -1713,6 +2222,10 @@ def rule_truncated(s: Situation, out: Findings) -> None:
     if not p.has("truncated_traceback") or p.ooms or out.by_cause:
         return
     fp = p.failure_phase
+    if p.has("failing_in_mm_encoder") and (fp is None or fp.value == Phase.PROFILING):
+        # the excerpt ends inside a vision/audio encoder: its worst-case profiling run
+        rule_multimodal(s, out, base=0.65, evidence=[p.evidence("failing_in_mm_encoder")])
+        return
     if fp is None:
         return
     if fp.value == Phase.PROFILING and (p.has("mm_encoder_profile") or p.has("mm_encoder_frames")):
@@ -1783,6 +2296,7 @@ RULES: tuple[Callable[[Situation, Findings], None], ...] = (
     rule_sleep_expandable,
     rule_host_memory,
     rule_leak,
+    rule_listed_processes,
     rule_torch_oom,
     rule_truncated,
 )

@@ -100,6 +100,11 @@ class Situation:
 _GPU_TOTAL_IN_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s?GiB")
 _GPU_GB_IN_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s?GB\b", re.IGNORECASE)
 _GPU_COUNT_IN_TEXT = re.compile(r"^\s*(\d+)\s?[x×]\s?", re.IGNORECASE)
+# a count elsewhere in the text: "(4x A10G 24GB)", "80GB*2", "8 GPUs"; not "g5.12xlarge"
+_GPU_COUNT_ANYWHERE = re.compile(
+    r"(?<![\w.])(\d{1,2})\s?[x×]\s?(?=[A-Z])|(?<=\d)\s?G(?:i?B)?\s?[*x×]\s?(\d{1,2})\b|(?<![\w.])(\d{1,2})\s+GPUs\b"
+)
+_MULTI_GPU_WORDS = re.compile(r"(?i)\bmulti-?GPU\b|\bGPUs\b")
 _PARAMS_IN_NAME = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s?[bB](?![a-zA-Z])")
 _ACTIVE_PARAMS = re.compile(r"-A\d+(?:\.\d+)?[bB]\b")
 
@@ -145,6 +150,12 @@ def _parse_gpu_text(text: str) -> tuple[float | None, int, str]:
     if m:
         count = int(m.group(1))
         text = text[m.end() :]
+    else:
+        anywhere = _GPU_COUNT_ANYWHERE.search(text)
+        if anywhere:
+            count = int(next(g for g in anywhere.groups() if g))
+        elif _MULTI_GPU_WORDS.search(text):
+            count = 2  # "multi-GPU", "80GB GPUs": several, at least two
     total = None
     g = _GPU_TOTAL_IN_TEXT.search(text)
     if g:

@@ -7,11 +7,12 @@ Used by doctor, calibration and serve alike::
     parsed.get("available_kv_gib"), parsed.evidence("available_kv_gib").line
 """
 
-from oomguard.logs.parsed import Evidence, Observed, OomEvent, ParsedLog, Phase
+from oomguard.logs.parsed import Evidence, GpuProcess, Observed, OomEvent, ParsedLog, Phase
 from oomguard.logs.parser import command_args, parse_file, parse_stream
 
 __all__ = [
     "Evidence",
+    "GpuProcess",
     "Observed",
     "OomEvent",
     "ParsedLog",

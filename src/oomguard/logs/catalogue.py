@@ -42,6 +42,10 @@ class Pattern:
     failure_phase: Phase | None = None  # the failure happened in this phase (explicit)
     handler: str | None = None  # special handling in the parser
     first_only: bool = False  # run once per log (costly patterns on common words)
+    # inside a traceback, a frame of this kind of code ("mm_encoder": a vision/audio encoder,
+    # "activation": an op whose memory grows with the batch); the parser remembers the kinds
+    # the failing traceback ran through
+    frame_kind: str | None = None
 
 
 def _p(
@@ -126,6 +130,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "chunked_prefill",
         "max_num_batched_tokens=",
         r"Chunked prefill is enabled with max_num_batched_tokens=(?P<max_num_batched_tokens>\d+)",
+        signature="chunked_prefill_on",
     ),
     _p(
         "block_size_forced",
@@ -147,6 +152,31 @@ PATTERNS: tuple[Pattern, ...] = (
         "device_name",
         ("device name", "device_name"),
         r"(?i:device[_ ]name)\s*[:=]\s*['\"]?(?P<gpu_name>(?:NVIDIA|Tesla|Quadro|AMD|Intel)[\w .-]*?)['\"]?\s*(?:,|\)|$)",
+    ),
+    _p(
+        "nvidia_smi_process",
+        ("mib",),
+        # a row of nvidia-smi's process table: "|  0   N/A  N/A   1234   C   python3   20000MiB |"
+        # (older drivers omit the GI/CI columns)
+        r"^\|\s+(?P<gpu>\d+)\s+(?:N/A\s+N/A\s+|\d+\s+\d+\s+)?(?P<pid>\d+)\s+(?:C|G|C\+G|M|M\+C)\s+"
+        r"(?P<name>\S.*?)\s+(?P<mib>\d+)\s?MiB\s*\|",
+        handler="gpu_process",
+    ),
+    _p(
+        "compute_apps_csv",
+        ("mib",),
+        # nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+        r"^(?P<pid>\d+),\s*(?P<name>[^,]+?),\s*(?P<mib>\d+)\s?MiB\s*$",
+        handler="gpu_process",
+    ),
+    _p(
+        "ps_engine_row",
+        ("vllm",),
+        # a `ps aux` row of a running vLLM server or engine (not the grep that found it):
+        # USER PID %CPU %MEM VSZ RSS TTY STAT START TIME COMMAND
+        r"^\S+\s+(?P<pid>\d+)\s+\d+(?:\.\d+)?\s+\d+(?:\.\d+)?\s+\d+\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+"
+        r"(?!grep\b)(?P<name>\S*(?:python\S*\s+(?:-m\s+)?vllm|vllm\s+serve|VLLM::)\S*.*)$",
+        handler="ps_engine",
     ),
     # --- startup snapshot and the free-memory check (§2.1) ----------------------------------
     _p(
@@ -383,8 +413,14 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "capture_frames",
-        ("capture", "cudagraph"),
-        r"\b(?:capture_model|_capture_cudagraphs|capture_graph|cudagraph_capture|CUDAGraphRunner|graph_capture|_warmup_and_capture|CUDAGraphWrapper|_capture_graph)\b",
+        ("capture", "cudagraph", "cuda/graphs.py", "cuda.graph("),
+        # vLLM's capture helpers (V0 CUDAGraphRunner / capture_model, V1 _capture_cudagraphs /
+        # capture_model / CUDAGraphWrapper, the compilation backend's ``with
+        # torch.cuda.graph(...)``) and PyTorch's own capture frames (torch/cuda/graphs.py
+        # __enter__/__exit__, capture_begin/capture_end); ``replay`` is serving, not capture.
+        r"\b(?:capture_model|_capture_cudagraphs|capture_graph|cudagraph_capture|CUDAGraphRunner|graph_capture"
+        r"|_warmup_and_capture|CUDAGraphWrapper|_capture_graph|_capture_\w*cudagraphs?\w*|capture_(?:begin|end))\b"
+        r"|torch\.cuda\.graph\(|torch/cuda/graphs\.py\", line \d+, in (?!replay\b)",
         frame_phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     # --- KV capacity (§5.4, §6) ---------------------------------------------------------------
@@ -617,14 +653,29 @@ PATTERNS: tuple[Pattern, ...] = (
             "image_features",
         ),
         r"\bpixel_values\b|\bimage_embeds\b|vision_tower|\bvision_model\b|\bvisual\b|_process_image_input|get_multimodal_embeddings"
-        r"|_execute_mm_encoder|embed_multimodal|encode_images|get_image_features",
+        r"|_execute_mm_encoder|embed_multimodal|encode_images|get_image_features|_process_audio_input|input_features\b",
         signature="mm_encoder_frames",
+        frame_kind="mm_encoder",
     ),
     _p(
         "mm_model_file",
         ("models/",),
-        r"models/\w*(?:_vl\b|_vl\.|vl_|vision|visual|mllama|llava|pixtral|siglip|clip|intern_vit|idefics|minicpmv|phi3v|phi4mm|gemma3_mm|omni|kimi_vl|aria|molmo|paligemma|blip)\w*\.py",
+        # any model file under vllm/model_executor/models whose name says vision/visual/ViT,
+        # encoder or audio, and the multimodal families whose names do not
+        r"models/\w*(?:_vl\b|_vl\.|vl_|vision|visual|vit|encoder|audio|whisper|mllama|llava|pixtral|siglip|clip"
+        r"|idefics|minicpmv|minicpmo|phi3v|phi4mm|gemma3_mm|gemma3n_mm|omni|kimi_vl|aria|molmo|paligemma|blip"
+        r"|ultravox|voxtral|granite_speech|radio|navit)\w*\.py",
         signature="mm_encoder_frames",
+        frame_kind="mm_encoder",
+    ),
+    _p(
+        "vision_op_frames",
+        ("unfold", "im2col", "conv2d", "conv3d", "patch_embed", "patchembed", "fold.py"),
+        # image ops that, in a language-model server, only a vision tower runs: patch
+        # extraction (nn.Unfold / im2col) and 2-D/3-D patch convolutions
+        r"\bF\.unfold\b|\bim2col\b|nn/modules/fold\.py|\bF\.conv[23]d\b|\bconv[23]d\(|patch_embed|PatchEmbed",
+        signature="mm_encoder_frames",
+        frame_kind="mm_encoder",
     ),
     # --- runtime pressure ---------------------------------------------------------------------
     _p(
@@ -724,6 +775,26 @@ PATTERNS: tuple[Pattern, ...] = (
         frame_phase=Phase.WEIGHT_LOADING,
     ),
     _p(
+        "activation_frames",
+        (
+            "attention",
+            "attn",
+            "softmax",
+            "sampler",
+            "logits",
+            "lm_head",
+            "unfold",
+            "im2col",
+            "top_k_top_p",
+        ),
+        # ops whose memory grows with the tokens (or images) in the batch: attention kernels
+        # and their eager fallbacks, softmax, the sampler and the logits
+        r"\bscaled_dot_product_attention\b|\bflash_attn\w*|\bxformers\b|memory_efficient_attention|/attention/"
+        r"|\w*attention\w*\.py|\b_?attn\w*\(|\battention\w*\(|\bsoftmax\b|sampler\.py|\bsampler\b|compute_logits|_get_logits"
+        r"|logits_processor|\blm_head\b|top_k_top_p|\bF\.unfold\b|\bim2col\b",
+        frame_kind="activation",
+    ),
+    _p(
         "startup_frames",
         ("init_device", "request_memory", "memorysnapshot"),
         r"\b(?:init_device|request_memory|MemorySnapshot)\b",
@@ -741,6 +812,19 @@ PATTERNS: tuple[Pattern, ...] = (
         r"^(?:[\w.]+\.)?(?P<exc>\w*(?:Error|Exception))(?::|\(|\s*$)",
         handler="exception",
     ),
+    # --- narratives of memory rising over time (last: reads the record after the others) ----
+    _p(
+        "growth_narrative",
+        ("hour", "minute", "day", "小时", "分钟", "时间", "天"),
+        r"(?i:\bhours?\b|\bminutes?\b|\bdays?\b|小时|分钟|时间|天)",
+        handler="growth",
+    ),
+)
+
+# A `ps aux` row (USER PID %CPU %MEM VSZ RSS TTY STAT START TIME COMMAND): a listed process's
+# command line is not the command the log's engine ran.
+PS_ROW = re.compile(
+    r"^\S+\s+\d+\s+\d+(?:\.\d+)?\s+\d+(?:\.\d+)?\s+\d+\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+\S"
 )
 
 # Memory figures inside one PyTorch OOM report (applied to the record of an OOM event).
@@ -758,8 +842,7 @@ OOM_OLD = re.compile(
     rf"{_mem('free')} free; (?:{NUM}\s?{UNIT} allowed; )?{_mem('reserved')} reserved in total by PyTorch\)"
 )
 
-# Narratives of memory rising over time ("14G … after 1 hour 18G … 2 hours later 20G").
-TIME_WORDS = re.compile(r"(?i:\bhours?\b|\bminutes?\b|\bdays?\b|小时|分钟|时间|天)")
+# Memory amounts in a narrative of memory rising over time ("14G … after 1 hour 18G … 20G").
 MEMORY_AMOUNT = re.compile(r"(?<![\d.A-Za-z])(\d+(?:\.\d+)?)\s?(?:GiB|GB|G)(?![A-Za-z0-9])")
 
 # Field value types for conversion of named groups.
@@ -803,3 +886,57 @@ def build_trigger_index(patterns: tuple[Pattern, ...]) -> dict[str, tuple[int, .
 
 
 TRIGGERS = build_trigger_index(PATTERNS)
+
+
+def trie_alternation(words: list[str]) -> str:
+    """A regex alternation of ``words`` factored as a prefix tree, longest match first.
+
+    Python's regex engine tries the branches of an alternation one by one at every position;
+    a flat alternation of ~170 words costs ~170 tries per character. Factored by prefix, a
+    position that starts no word is rejected after one branch per distinct first letter, and
+    the optional tail of each node makes the match at a position the longest word there.
+    """
+    root: dict[str, Any] = {}
+    for word in words:
+        node = root
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict[str, Any]) -> str:
+        kids = sorted((ch, sub) for ch, sub in node.items() if ch != "")
+        if not kids:
+            return ""
+        parts = [re.escape(ch) + build(sub) for ch, sub in kids]
+        body = parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+        if "" in node:
+            body = "(?:" + body + ")?"
+        return body
+
+    return build(root)
+
+
+def build_trigger_scan(
+    index: dict[str, tuple[int, ...]],
+) -> tuple[re.Pattern[str], dict[str, tuple[int, ...]]]:
+    """One regex that finds, at every position of a lower-cased record, the longest trigger
+    starting there, and the map from such a trigger to the (sorted) indices of every pattern
+    enabled by it or by any trigger inside it.
+
+    Exact: a trigger T occurring at position q is a prefix of the longest trigger L found at
+    q, so T is a substring of L and L's entry includes T's patterns. One C-level scan replaces
+    a Python loop of ~170 substring tests per record.
+    """
+    words = list(index)
+    scan = re.compile("(?=(" + trie_alternation(words) + "))")
+    closure: dict[str, tuple[int, ...]] = {}
+    for word in words:
+        enabled: set[int] = set()
+        for other in words:
+            if other in word:
+                enabled.update(index[other])
+        closure[word] = tuple(sorted(enabled))
+    return scan, closure
+
+
+TRIGGER_SCAN, TRIGGER_CLOSURE = build_trigger_scan(TRIGGERS)

@@ -115,6 +115,40 @@ class OomEvent:
         return out
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process listed with its GPU memory (an nvidia-smi process table or its CSV query)."""
+
+    pid: int
+    name: str
+    gib: float
+    evidence: Evidence
+    gpu_index: int | None = None
+
+    @property
+    def is_inference_engine(self) -> bool:
+        """Whether the name is a vLLM engine (or a process that hosts one: Ray workers)."""
+        low = self.name.lower()
+        return "vllm" in low or "enginecore" in low or "ray::" in low
+
+    @property
+    def is_python(self) -> bool:
+        """Whether the name is a Python interpreter or a process that hosts one."""
+        low = self.name.lower()
+        return self.is_inference_engine or "python" in low or "torchrun" in low
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "pid": self.pid,
+            "name": self.name,
+            "gib": round(self.gib, 3),
+            "line": self.evidence.line,
+        }
+        if self.gpu_index is not None:
+            out["gpu_index"] = self.gpu_index
+        return out
+
+
 # Scalar fields of ParsedLog that hold Observed values, with their merge rule when a log states
 # them several times (TP/PP ranks print one line each; a log may hold several attempts).
 #   first: keep the first statement; min: keep the smallest (vLLM uses the minimum over
@@ -206,6 +240,9 @@ class ParsedLog:
     ooms: list[OomEvent] = field(default_factory=list)
     oom_count: int = 0
     errors: list[Evidence] = field(default_factory=list)  # exception lines (first few)
+    gpu_processes: list[GpuProcess] = field(default_factory=list)  # listed by nvidia-smi
+    # `ps` rows of running vLLM servers/engines (their GPU memory is not shown)
+    engine_processes: list[Evidence] = field(default_factory=list)
 
     # --- access helpers -------------------------------------------------------------------
     def get(self, name: str) -> Any:
@@ -287,6 +324,8 @@ class ParsedLog:
             },
             "ooms": [o.to_dict() for o in self.ooms],
             "oom_count": self.oom_count,
+            "gpu_processes": [g.to_dict() for g in self.gpu_processes],
+            "engine_processes": [e.to_dict() for e in self.engine_processes],
         }
 
 

@@ -16,6 +16,7 @@ from oomguard.logs.parsed import (
     FIELD_RULES,
     MAX_LIST,
     Evidence,
+    GpuProcess,
     Observed,
     OomEvent,
     ParsedLog,
@@ -23,7 +24,8 @@ from oomguard.logs.parsed import (
 )
 from oomguard.logs.units import parse_int, parse_number, to_gib
 
-_TRIGGER_ITEMS = tuple(cat.TRIGGERS.items())
+_SCAN = cat.TRIGGER_SCAN.findall
+_CLOSURE = cat.TRIGGER_CLOSURE
 _PAIR = re.compile(
     r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\{[^{}]*\}|\[[^\[\]]*\]|[^,()]+?)(?=,\s*\w+=|\)?\s*$)"
 )
@@ -68,6 +70,10 @@ class _Builder:
         self.growth_last_gib: float | None = None
         self.growth_evidence: Evidence | None = None
         self.frame_evidence: Evidence | None = None
+        # kinds of code (Pattern.frame_kind) the current traceback has run through
+        self.tb_kinds: dict[str, Evidence] = {}
+        self.in_frame = False  # the record being fed is traceback content
+        self.after_frame = False  # the previous record was a frame line
 
     # --- fields -----------------------------------------------------------------------------
     def set_field(self, name: str, value: Any, ev: Evidence) -> None:
@@ -105,20 +111,30 @@ class _Builder:
                 self.set_field("engine", "v1", Evidence.of(record.number, text))
             elif record.tag == "VllmWorkerProcess":
                 self.set_field("engine", "v0", Evidence.of(record.number, text))
-        if text.lstrip().startswith('File "'):
+        frame_line = text.lstrip().startswith('File "')
+        # a line of traceback content: a frame, indented source, or the source line that
+        # follows a frame (decorations strip its indentation)
+        self.in_frame = frame_line or (
+            self.open_traceback and (text[:1] in (" ", "\t") or self.after_frame)
+        )
+        self.after_frame = frame_line
+        if frame_line:
             self.open_traceback = True
             if self.frame_evidence is None:
                 self.frame_evidence = Evidence.of(record.number, text)
-        low = text.lower()
-        candidates: set[int] = set()
-        for trigger, indices in _TRIGGER_ITEMS:
-            if trigger in low:
-                candidates.update(indices)
-        if not candidates:
-            self._growth(record, text)
+        found = _SCAN(text.lower())
+        if not found:
             return
+        candidates: tuple[int, ...] | list[int]
+        if len(found) == 1:
+            candidates = _CLOSURE[found[0]]
+        else:
+            merged: set[int] = set()
+            for trigger in set(found):
+                merged.update(_CLOSURE[trigger])
+            candidates = sorted(merged)
         ev: Evidence | None = None
-        for i in sorted(candidates):
+        for i in candidates:
             pattern = cat.PATTERNS[i]
             m = pattern.regex.search(text)
             if m is None:
@@ -126,7 +142,6 @@ class _Builder:
             if ev is None:
                 ev = Evidence.of(record.number, text)
             self._apply(pattern, m, ev, record)
-        self._growth(record, text)
 
     def _apply(self, pattern: cat.Pattern, m: re.Match[str], ev: Evidence, record: Record) -> None:
         groups = m.groupdict()
@@ -152,6 +167,8 @@ class _Builder:
                 self.tb_phase = pattern.frame_phase
                 self.last_frame_phase = pattern.frame_phase
                 self.open_traceback = True
+        if pattern.frame_kind and self.in_frame:
+            self.tb_kinds.setdefault(pattern.frame_kind, ev)
         if pattern.failure_phase:
             if self.explicit_failure is None:
                 self.explicit_failure = Observed(pattern.failure_phase, ev)
@@ -220,6 +237,35 @@ class _Builder:
     def _h_traceback(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         self.tb_phase = None
         self.open_traceback = True
+        self.tb_kinds = {}
+
+    def _failing_traceback(self) -> None:
+        """The traceback just closed by a memory failure (or cut off after its frames): record
+        the kinds of code it ran through as ``failing_in_<kind>`` signatures."""
+        for kind, frame in self.tb_kinds.items():
+            self.signature("failing_in_" + kind, frame)
+
+    def _h_ps_engine(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if len(self.log.engine_processes) < MAX_LIST:
+            self.log.engine_processes.append(ev)
+
+    def _h_gpu_process(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        log = self.log
+        if len(log.gpu_processes) >= MAX_LIST:
+            return
+        groups = m.groupdict()
+        try:
+            pid = int(m.group("pid"))
+            gib = int(m.group("mib")) / 1024
+            gpu = int(groups["gpu"]) if groups.get("gpu") else None
+        except (ValueError, IndexError):
+            return
+        if any(g.pid == pid and g.gpu_index == gpu for g in log.gpu_processes):
+            return
+        name = m.group("name").strip()
+        log.gpu_processes.append(
+            GpuProcess(pid=pid, name=name, gib=gib, evidence=ev, gpu_index=gpu)
+        )
 
     def _h_exception(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         exc = m.group("exc")
@@ -228,12 +274,12 @@ class _Builder:
         self.open_traceback = False
         if len(self.log.errors) < MAX_LIST:
             self.log.errors.append(ev)
-        if (
-            self.tb_phase is not None
-            and self.frame_failure_phase is None
-            and _memory_text(record.text)
-        ):
+        memory = _memory_text(record.text)
+        if self.tb_phase is not None and self.frame_failure_phase is None and memory:
             self.frame_failure_phase = Observed(self.tb_phase, ev)
+        if memory:
+            self._failing_traceback()
+        self.tb_kinds = {}
 
     def _h_oom_torch(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         self._oom("torch", ev, record.text)
@@ -245,6 +291,7 @@ class _Builder:
         log = self.log
         log.oom_count += 1
         self.mark_failure(ev.line)
+        self._failing_traceback()
         if self.tb_phase is not None and self.frame_failure_phase is None:
             self.frame_failure_phase = Observed(self.tb_phase, ev)
         if len(log.ooms) >= MAX_LIST:
@@ -294,6 +341,8 @@ class _Builder:
         self._take_args(args, ev, user=True)
 
     def _h_args_cmdline(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if cat.PS_ROW.match(record.text):
+            return  # another process's command line in a `ps` listing
         args = command_args(m.group("payload"))
         if args:
             self._take_args(args, ev, user=True)
@@ -328,13 +377,13 @@ class _Builder:
                     log.user_settings[field] = converted
 
     # --- narratives of memory growth ----------------------------------------------------------
-    def _growth(self, record: Record, text: str) -> None:
-        if not cat.TIME_WORDS.search(text):
-            return
+    def _h_growth(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """A record that speaks of time: memory amounts rising within it or since the last
+        such record are a narrative of memory growth."""
+        text = record.text
         amounts = [float(a) for a in cat.MEMORY_AMOUNT.findall(text)]
         if not amounts:
             return
-        ev = Evidence.of(record.number, text)
         rising = len(amounts) >= 2 and all(
             b > a for a, b in zip(amounts, amounts[1:], strict=False)
         )
@@ -361,6 +410,14 @@ class _Builder:
                 obs = fields.get(name)
                 if obs is not None and engine is not None:
                     self.set_field("engine", engine, obs.evidence)
+                    break
+        if "engine" not in fields:
+            for event in log.ooms:
+                # PyTorch's OOM text before 2.2 ("(GPU 0; 14.58 GiB total capacity; …)", then
+                # 2.1's "has a total capacty of") dates the log to vLLM ≤ 0.3: the V0 engine
+                low = event.evidence.text.lower()
+                if "total capacity;" in low or "total capacty" in low:
+                    self.set_field("engine", "v0", event.evidence)
                     break
         if (
             "activation_gib" not in fields
@@ -397,6 +454,7 @@ class _Builder:
             found = log.phases.get(self.last_frame_phase) if self.last_frame_phase else None
             ev = found or self.frame_evidence
             self.signature("truncated_traceback", ev or self.frame_evidence)
+            self._failing_traceback()
         log.failure_phase = self._failure_phase()
         return log
 

@@ -1,0 +1,345 @@
+"""The doctor's mechanisms on realistic synthetic logs: graph capture seen from PyTorch's own
+frames, phase-less OOMs told apart by the allocation and the frames, V0's full-length profiling
+batch, encoder tracebacks cut short, allocations larger than the GPU, runtime headroom, tensor
+parallelism before quantizing on multi-GPU machines, and process listings."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from oomguard.doctor.diagnose import diagnose
+from oomguard.doctor.findings import Diagnosis
+from oomguard.doctor.situation import Context
+from oomguard.logs import parse_stream
+
+SITE = "/usr/local/lib/python3.10/dist-packages"
+
+
+def _diag(lines: list[str], **context: object) -> Diagnosis:
+    return diagnose(parse_stream(lines), Context(**context))  # type: ignore[arg-type]
+
+
+def _first(d: Diagnosis) -> tuple[str, str | None]:
+    assert d.top is not None
+    fix = d.top.ordered_fixes()[0]
+    return fix.flag, fix.value
+
+
+def _oom(tried: str, total: str, free: str, held: str, unalloc: str = "12.00 MiB") -> str:
+    return (
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {tried}. GPU 0 has a "
+        f"total capacity of {total} of which {free} is free. Including non-PyTorch memory, this "
+        f"process has {held} memory in use. Of the allocated memory {held} is allocated by "
+        f"PyTorch, and {unalloc} is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+        "to avoid fragmentation."
+    )
+
+
+# --- 1. CUDA-graph capture seen from torch/cuda/graphs.py --------------------------------------
+
+
+def test_driver_oom_at_capture_end_is_cuda_graph() -> None:
+    tag = "(VllmWorker rank=0 pid=812) ERROR 06-11 08:15:02 [multiproc_executor.py:470] "
+    lines = [
+        tag + "Traceback (most recent call last):",
+        tag + f'  File "{SITE}/vllm/v1/worker/gpu_model_runner.py", line 2011, in capture_model',
+        tag + "    self._dummy_run(num_tokens, skip_attn=True)",
+        tag + f'  File "{SITE}/vllm/compilation/cuda_piecewise_backend.py", line 160, in __call__',
+        tag + "    with torch.cuda.graph(cudagraph, pool=self.graph_pool):",
+        tag + f'  File "{SITE}/torch/cuda/graphs.py", line 186, in __exit__',
+        tag + "    self.cuda_graph.capture_end()",
+        tag + "RuntimeError: CUDA error: out of memory",
+    ]
+    d = _diag(lines)
+    assert d.top is not None and d.top.cause == "cuda_graph"
+    assert {f.flag for f in d.top.fixes} >= {"--enforce-eager", "--max-cudagraph-capture-size"}
+
+
+# --- 2. no phase: the allocation, the frames and the weights decide -------------------------------
+
+
+def test_batch_sized_allocation_without_phase_is_activation_not_weights() -> None:
+    d = _diag([_oom("4.20 GiB", "39.39 GiB", "2.05 GiB", "37.31 GiB")])
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    assert "batch-sized" in d.top.summary
+    weights = [f for f in d.findings if f.cause == "weights_dont_fit"]
+    assert all(f.confidence < d.top.confidence for f in weights)
+
+
+def test_small_allocation_with_the_process_filling_the_gpu_stays_weights() -> None:
+    d = _diag([_oom("112.00 MiB", "14.58 GiB", "21.31 MiB", "14.52 GiB")])
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+
+
+def test_sampler_frames_without_phase_are_activation() -> None:
+    lines = [
+        "Traceback (most recent call last):",
+        f'  File "{SITE}/vllm/v1/sample/sampler.py", line 91, in forward',
+        "    logits = self.apply_penalties(logits, sampling_metadata)",
+        _oom("640.00 MiB", "79.19 GiB", "301.44 MiB", "78.87 GiB"),
+    ]
+    d = _diag(lines)
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+
+
+def test_weights_that_fit_are_never_said_not_to_fit() -> None:
+    """19.9 GiB of weights on a 31.7 GiB GPU: whatever the finding, no 'do not fit' claim."""
+    d = _diag(
+        [_oom("300.00 MiB", "31.73 GiB", "120.00 MiB", "31.10 GiB")],
+        model="meta-llama/Llama-2-13b-hf",
+        gpu="V100 32GB (31.73 GiB)",
+        args={"tensor_parallel_size": 1},
+    )
+    for finding in d.findings:
+        m = re.search(
+            r"weights \(~([\d.]+) GiB per GPU\) do not fit in ([\d.]+) GiB", finding.summary
+        )
+        if m:
+            assert float(m.group(1)) >= float(m.group(2)), finding.summary
+
+
+# --- 3. V0 profiles max_model_len tokens without chunked prefill --------------------------------
+
+V0_PROFILE = [
+    "INFO 08-02 11:20:31 llm_engine.py:176] Initializing an LLM engine (v0.5.3.post1) with config: "
+    "model='mistralai/Mistral-7B-Instruct-v0.3', tokenizer='mistralai/Mistral-7B-Instruct-v0.3', "
+    "dtype=torch.bfloat16, max_seq_len=32768, download_dir=None, tensor_parallel_size=1, "
+    "enforce_eager=False, seed=0)",
+    "INFO 08-02 11:20:52 model_runner.py:692] Loading model weights took 13.5083 GB",
+    "Traceback (most recent call last):",
+    f'  File "{SITE}/vllm/worker/worker.py", line 179, in determine_num_available_blocks',
+    "    self.model_runner.profile_run()",
+    f'  File "{SITE}/vllm/worker/model_runner.py", line 896, in profile_run',
+    "    self.execute_model(model_input, kv_caches, intermediate_tensors)",
+    _oom("3.00 GiB", "21.99 GiB", "1.12 GiB", "20.85 GiB"),
+]
+
+
+def test_v0_profiling_oom_with_a_long_context_lowers_max_model_len() -> None:
+    d = _diag(V0_PROFILE)
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    flag, value = _first(d)
+    assert flag == "--max-model-len"
+    # 32768 tokens × 1.12/3.00 of the failed allocation = 12,233 → 8192
+    assert value == "8192"
+    assert not any(f.flag in ("--quantization", "--model") for f in d.top.fixes)
+
+
+def test_v0_with_chunked_prefill_sizes_the_batch_instead() -> None:
+    lines = [
+        *V0_PROFILE[:1],
+        "INFO 08-02 11:20:31 config.py:806] Chunked prefill is enabled with "
+        "max_num_batched_tokens=4096.",
+        *V0_PROFILE[1:],
+    ]
+    d = _diag(lines)
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    assert "--max-model-len" not in {f.flag for f in d.top.fixes}
+    assert ("--max-num-batched-tokens", "1024") in {(f.flag, f.value) for f in d.top.fixes}
+
+
+# --- 4. tracebacks cut off inside an encoder -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [
+            f'  File "{SITE}/vllm/model_executor/models/mllama.py", line 1310, in forward',
+            "    cross_attention_states = self.vision_model(pixel_values, aspect_ratio_ids,",
+        ],
+        [
+            f'  File "{SITE}/vllm/v1/worker/gpu_model_runner.py", line 1120, in _execute_mm_encoder',
+            "    curr_group_outputs = self.model.get_multimodal_embeddings(**batched_mm_inputs)",
+            f'  File "{SITE}/vllm/model_executor/models/kimi_vl.py", line 401, in _process_image_input',
+            f'  File "{SITE}/vllm/model_executor/models/moonvit.py", line 530, in forward',
+            "    hidden_states = block(hidden_states, cu_seqlens)",
+        ],
+    ],
+)
+def test_truncated_encoder_traceback_is_multimodal(frames: list[str]) -> None:
+    d = _diag(["ERROR 05-11 09:41:40 [core.py:396] EngineCore hit an exception:", *frames])
+    assert d.oom_found
+    assert d.top is not None and d.top.cause == "multimodal_encoder"
+    assert "--max-num-seqs" in {f.flag for f in d.top.fixes}
+
+
+def test_truncated_text_model_traceback_without_phase_is_not_an_oom() -> None:
+    d = _diag(
+        [
+            f'  File "{SITE}/vllm/model_executor/models/llama.py", line 310, in forward',
+            "    hidden_states = self.mlp(hidden_states)",
+        ]
+    )
+    assert not d.oom_found
+
+
+# --- 5. one allocation larger than the GPU ---------------------------------------------------------
+
+
+def test_allocation_larger_than_the_gpu_is_not_a_full_gpu() -> None:
+    d = _diag([_oom("118.52 GiB", "79.19 GiB", "52.40 GiB", "26.79 GiB")])
+    assert d.top is not None and d.top.cause == "other"
+    assert "larger than the whole device" in d.top.summary
+    assert d.top.ordered_fixes()[0].flag == "action"
+    assert "flash-attn" in str(d.top.ordered_fixes()[0].value)
+    assert "--gpu-memory-utilization" not in {f.flag for f in d.top.fixes}
+
+
+def test_allocation_larger_than_the_gpu_in_a_vision_tower_is_multimodal() -> None:
+    lines = [
+        "Traceback (most recent call last):",
+        f'  File "{SITE}/vllm/model_executor/models/siglip.py", line 377, in forward',
+        "    attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scale",
+        _oom("61.03 GiB", "44.40 GiB", "30.11 GiB", "14.29 GiB"),
+    ]
+    d = _diag(lines)
+    assert d.top is not None and d.top.cause == "multimodal_encoder"
+    assert "--gpu-memory-utilization" not in {f.flag for f in d.top.fixes}
+
+
+# --- 6. runtime headroom, graded ---------------------------------------------------------------------
+
+RUNTIME = [
+    "INFO 10-11 12:00:00 api_server.py:528] vLLM API server version 0.6.3",
+    "INFO 10-11 12:20:11 metrics.py:351] Avg prompt throughput: 812.3 tokens/s, Avg generation "
+    "throughput: 1630.2 tokens/s, Running: 212 reqs, GPU KV cache usage: 97.1%, CPU KV cache usage: 0.0%.",
+    "ERROR 10-11 12:27:29 engine.py:157] Traceback (most recent call last):",
+    f'ERROR 10-11 12:27:29 engine.py:157]   File "{SITE}/vllm/engine/multiprocessing/engine.py", '
+    "line 218, in run_engine_loop",
+    "ERROR 10-11 12:27:29 engine.py:157]     request_outputs = self.engine_step()",
+]
+
+
+def test_small_runtime_allocation_with_the_headroom_gone_is_utilization() -> None:
+    d = _diag([*RUNTIME, _oom("96.00 MiB", "79.15 GiB", "4.19 MiB", "79.11 GiB")])
+    assert d.top is not None and d.top.cause == "util_overshoot"
+    flag, value = _first(d)
+    assert flag == "--gpu-memory-utilization" and value is not None and float(value) < 0.9
+
+
+def test_runtime_allocation_that_takes_the_headroom_is_a_batch_spike() -> None:
+    d = _diag([*RUNTIME, _oom("6.10 GiB", "79.15 GiB", "1.02 GiB", "78.10 GiB")])
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+
+
+def test_multi_step_buffers_count_as_runtime_consumers() -> None:
+    lines = [*RUNTIME, _oom("4.50 GiB", "79.15 GiB", "1.02 GiB", "78.10 GiB")]
+    without = _diag(lines)
+    assert without.top is not None and without.top.cause == "concurrency_or_batch"
+    d = _diag(lines, args={"num_scheduler_steps": 16, "gpu_memory_utilization": 0.94})
+    assert d.top is not None and d.top.cause == "util_overshoot"
+    batch = next(f for f in d.findings if f.cause == "concurrency_or_batch")
+    assert ("--num-scheduler-steps", "8") in {(f.flag, f.value) for f in batch.fixes}
+
+
+# --- 7. tensor parallelism first when the GPUs are there ------------------------------------------
+
+WEIGHTS_OOM = [
+    "INFO 02-01 10:00:00 llm_engine.py:70] Initializing an LLM engine with config: "
+    "model='meta-llama/Llama-2-13b-hf', dtype=torch.float16, tensor_parallel_size=1",
+    "Traceback (most recent call last):",
+    f'  File "{SITE}/vllm/model_executor/model_loader.py", line 80, in get_model',
+    "    model.load_weights(model_config.model, model_config.download_dir)",
+    _oom("270.00 MiB", "14.58 GiB", "101.31 MiB", "14.48 GiB"),
+]
+
+
+def test_one_gpu_quantizes_first() -> None:
+    d = _diag(WEIGHTS_OOM, gpu="Tesla T4 16GB (14.58 GiB)")
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    flags = [f.flag for f in d.top.ordered_fixes()]
+    assert flags.index("--tensor-parallel-size") > min(
+        flags.index(f) for f in ("--quantization", "--model") if f in flags
+    )
+
+
+@pytest.mark.parametrize("gpu", ["4x Tesla T4 16GB (14.58 GiB)", "AWS g4dn.12xlarge (4x T4 16GB)"])
+def test_several_gpus_offer_tensor_parallelism_first(gpu: str) -> None:
+    d = _diag(WEIGHTS_OOM, gpu=gpu)
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    flag, value = _first(d)
+    assert flag == "--tensor-parallel-size" and value is not None and int(value) <= 4
+
+
+def test_tensor_parallel_already_in_use_puts_tensor_parallelism_first() -> None:
+    lines = [WEIGHTS_OOM[0].replace("tensor_parallel_size=1", "tensor_parallel_size=2")]
+    d = _diag([*lines, *WEIGHTS_OOM[1:]], gpu="Tesla T4 16GB (14.58 GiB)")
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    assert _first(d)[0] == "--tensor-parallel-size"
+
+
+# --- 8. process listings --------------------------------------------------------------------------
+
+STARTUP_SHORT = (
+    "(EngineCore_0 pid=2210) ERROR 09-03 11:03:37 [core.py:712] ValueError: Free memory on device "
+    "(48.61/79.25 GiB) on startup is less than desired GPU memory utilization (0.9, 71.33 GiB). "
+    "Decrease GPU memory utilization or reduce GPU memory used by other processes."
+)
+
+
+def test_listed_engine_holding_memory_at_startup_is_a_leftover() -> None:
+    without = _diag([STARTUP_SHORT])
+    assert without.top is not None and without.top.cause == "util_overshoot"
+    listing = [
+        "$ nvidia-smi",
+        "|  GPU   GI   CI        PID   Type   Process name                              GPU Memory |",
+        "|    0   N/A  N/A     17733      C   VLLM::EngineCore                            30312MiB |",
+    ]
+    d = _diag([*listing, STARTUP_SHORT])
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+    assert d.top.ordered_fixes()[0].flag == "action"
+    assert "17733" in str(d.top.ordered_fixes()[0].value)
+
+
+def test_ps_listing_of_a_running_server_at_startup_is_a_leftover() -> None:
+    ps = (
+        "root       17733  3.1  2.0 60213344 3322104 ?  Sl  Sep02 131:10 /usr/bin/python3 -m "
+        "vllm.entrypoints.openai.api_server --model Qwen/Qwen2.5-32B-Instruct"
+    )
+    d = _diag(["$ ps aux | grep vllm", ps, STARTUP_SHORT])
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+
+
+def test_listing_with_an_expected_cotenant_stays_a_budget_question() -> None:
+    listing = "|    0   N/A  N/A     17733      C   python3                                     30312MiB |"
+    d = _diag([listing, STARTUP_SHORT], expect_cotenant=True)
+    assert d.top is not None and d.top.cause == "util_overshoot"
+
+
+def test_prose_and_listing_without_an_oom_line_are_not_an_oom() -> None:
+    lines = [
+        "I deployed the model and right after the service started it hit an out-of-memory (OOM) er",
+        "|    0   N/A  N/A     17733      C   python3                                     10312MiB |",
+        "PID     MEM(GB) COMMAND",
+        "40126   11.20   ray::WorkerDict.actor_rollout_generate_sequences",
+    ]
+    assert not _diag(lines).oom_found
+
+
+# --- 9. the scorers' reading of a recorded fix ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "lever"),
+    [
+        ("lower --gpu-memory-utilization (reporter's finding)", ("util", "down")),
+        ("smaller --max-model-len", ("max_model_len", "down")),
+        ("Fixed by setting max_seq_len=8192", ("max_model_len", "down")),
+        ("--max-num-seqs lowered", ("max_num_seqs", "down")),
+        ("install flash-attention", ("action", "change")),
+        ("more host RAM", ("action", "change")),
+        ("raise gpu_memory_utilization", ("util", "up")),
+    ],
+)
+def test_scorer_reads_common_fix_phrasings(text: str, lever: tuple[str, str]) -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    from doctor_accuracy import worked_levers
+
+    assert lever in worked_levers(text)
