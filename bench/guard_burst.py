@@ -41,7 +41,9 @@ def guard_config(model_dir: Path) -> ServeConfig:
     )
 
 
-def run(logs_dir: Path, stream: bool = True) -> tuple[BurstResult, BurstResult, dict[str, float]]:
+def run(
+    logs_dir: Path, stream: bool = True, guard_args: tuple[str, ...] = ()
+) -> tuple[BurstResult, BurstResult, dict[str, float]]:
     """Start vLLM, run the direct burst, then the guarded burst; return both and timings."""
     model = create_tiny_model(logs_dir / "tiny-llama")
     n = scenarios.GUARD_BURST_REQUESTS
@@ -61,7 +63,7 @@ def run(logs_dir: Path, stream: bool = True) -> tuple[BurstResult, BurstResult, 
             scenarios.GUARD_MAX_TOKENS,
             stream=stream,
         )
-        with GuardProcess([server.base_url], logs_dir / "guard.log") as guard:
+        with GuardProcess([server.base_url], logs_dir / "guard.log", guard_args) as guard:
             guarded = run_burst(
                 "through guard",
                 guard.url,
@@ -115,6 +117,11 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--logs", type=Path, help="keep vLLM/guard logs here")
     parser.add_argument("--no-stream", action="store_true", help="non-streamed requests (no TTFT)")
+    parser.add_argument(
+        "--track-progress",
+        choices=["off", "auto", "always"],
+        help="the guard's progress tracking (default: the guard's own default)",
+    )
     args = parser.parse_args()
     problem = vllm_venv_problem()
     if problem:
@@ -123,7 +130,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="guard-burst-") as tmp:
         logs = args.logs or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        direct, guarded, timings = run(logs, stream=not args.no_stream)
+        guard_args = ("--track-progress", args.track_progress) if args.track_progress else ()
+        direct, guarded, timings = run(logs, stream=not args.no_stream, guard_args=guard_args)
     if args.json:
         print(
             json.dumps(

@@ -5,19 +5,50 @@ what the gateway has reserved there and what the backend last reported; :func:`p
 chooses where a request goes.
 
 The rule (AI21's pause/resume fix, with the 90 %/80 % watermarks of the troubleshooting guide):
-admit while ``used + cost <= high × effective capacity``; once a request is refused because the
-high watermark is reached, stop admitting (the *pause latch*) until ``used`` falls below
-``low × effective capacity``. ``used`` is the larger of what is reserved and what the backend
-reports in use (``vllm:kv_cache_usage_perc``), so traffic that bypasses the gateway counts too.
-A preemption seen in ``vllm:num_preemptions_total``, or reported usage above the high watermark,
-tightens the effective capacity; sustained calm relaxes it again.
+admit while the *projected peak* — the most KV blocks the requests in flight plus the new one
+will hold together at any future engine step (:mod:`oomguard.guard.projection`) — stays under
+``high × effective capacity``; once a request is refused with the peak in the high band, stop
+admitting (the *pause latch*) until the projected peak falls below ``low × effective capacity``.
+A request whose progress the gateway does not read counts at its full final size until it is
+released (the plain reservation; while nothing's progress is known the projected peak is the
+sum of reservations). KV the backend reports in use (``vllm:kv_cache_usage_perc``) beyond what
+the gateway accounts for (traffic that bypasses it) is added on top. A preemption seen in
+``vllm:num_preemptions_total``, or reported usage above the high watermark, tightens the
+effective capacity; sustained calm relaxes it again.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+from oomguard.guard.projection import (
+    DecodeRate,
+    Footprint,
+    ProgressSettings,
+    RequestProgress,
+    blocks_for_tokens,
+    blocks_now,
+    new_request_footprints,
+    projected_peak_blocks,
+)
+
+__all__ = [
+    "AdmissionSettings",
+    "BackendAdmission",
+    "RequestCost",
+    "blocks_for_tokens",
+    "never_fit_reason",
+    "pick_backend",
+]
+
+TrackMode = Literal["auto", "always", "off"]
+# A poll may lag a release by this much: the released request's blocks still count as ours.
+RELEASE_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -31,13 +62,14 @@ class AdmissionSettings:
     relax_step: float = 0.02
     calm_period_s: float = 5.0
     tighten_cooldown_s: float = 1.0
-
-
-def blocks_for_tokens(tokens: int, block_size: int) -> int:
-    """Number of KV blocks that ``tokens`` tokens occupy (rounded up to whole blocks)."""
-    if tokens <= 0:
-        return 0
-    return -(-tokens // block_size)
+    # Progress tracking: "always" reads every trackable request's progress, "off" none, "auto"
+    # those admitted while full reservations (this one included) exceed track_above_fraction
+    # of the effective capacity — below that the plain reservation fits anyway.
+    track_mode: TrackMode = "off"
+    track_above_fraction: float = 0.25
+    stagger: bool = True
+    stagger_above_fraction: float = 0.5
+    progress: ProgressSettings = field(default_factory=ProgressSettings)
 
 
 @dataclass(frozen=True)
@@ -46,13 +78,15 @@ class RequestCost:
 
     ``sequence_tokens`` = prompt tokens + tokens it may generate; ``num_sequences`` is ``n``
     (or the number of prompts in a batch). ``prompt_exact`` is False when the prompt length is
-    an estimate (no tokenizer reachable).
+    an estimate (no tokenizer reachable). ``trackable``: the gateway can read the request's
+    progress (it streams, or its non-streamed answer can be assembled from a stream).
     """
 
     prompt_tokens: int
     max_new_tokens: int
     num_sequences: int = 1
     prompt_exact: bool = True
+    trackable: bool = False
 
     @property
     def sequence_tokens(self) -> int:
@@ -86,9 +120,19 @@ class BackendAdmission:
     pause_count: int = 0
     tighten_count: int = 0
     preemptions_seen: int = 0
+    rate: DecodeRate = field(init=False)
+    inflight: dict[int, RequestProgress] = field(default_factory=dict)
+    external_blocks: int = 0
+    last_projected_blocks: int = 0
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
     _last_preemptions: float | None = None
     _calm_since_s: float | None = None
     _last_tighten_s: float | None = None
+    _last_pressed: RequestProgress | None = None
+    _recent_releases: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+
+    def __post_init__(self) -> None:
+        self.rate = DecodeRate(self.settings.progress)
 
     # -- capacity -------------------------------------------------------------------------
     def set_capacity(self, num_gpu_blocks: int, block_size: int) -> None:
@@ -124,6 +168,39 @@ class BackendAdmission:
         eff = self.effective_capacity_blocks
         return self.used_blocks / eff if eff > 0 else 0.0
 
+    # -- projection -----------------------------------------------------------------------
+    def footprints(self, now_s: float) -> list[Footprint]:
+        """Envelopes of every request in flight here at ``now_s``."""
+        out: list[Footprint] = []
+        for p in self.inflight.values():
+            out.extend(p.footprints(self.rate, now_s))
+        return out
+
+    def projected_blocks(self, now_s: float) -> int:
+        """Projected peak of the requests in flight, plus KV used by traffic not seen here."""
+        if self.block_size is None:
+            return 0
+        peak = projected_peak_blocks(self.footprints(now_s), self.block_size)
+        self.last_projected_blocks = peak + self.external_blocks
+        return self.last_projected_blocks
+
+    @property
+    def tracked_requests(self) -> int:
+        """Requests in flight whose progress is being read."""
+        return sum(1 for p in self.inflight.values() if p.tracked)
+
+    def should_track(self, cost: RequestCost) -> bool:
+        """Whether a request admitted here now should have its progress read."""
+        mode = self.settings.track_mode
+        if not cost.trackable or mode == "off" or not self.known:
+            return False
+        if mode == "always":
+            return True
+        assert self.block_size is not None
+        eff = self.effective_capacity_blocks
+        full = self.reserved_blocks + cost.blocks(self.block_size)
+        return full > self.settings.track_above_fraction * eff
+
     # -- admission ------------------------------------------------------------------------
     def fits_ever(self, cost: RequestCost) -> bool:
         """Whether the request could run here with the pool otherwise empty."""
@@ -132,53 +209,172 @@ class BackendAdmission:
         assert self.capacity_blocks is not None and self.block_size is not None
         return cost.blocks(self.block_size) <= self.capacity_blocks
 
-    def _refresh_latch(self) -> None:
-        if self.paused and self.used_blocks < self.settings.low_watermark * (
-            self.effective_capacity_blocks
-        ):
+    def _refresh_latch(self, now_s: float) -> None:
+        if not self.paused:
+            return
+        low = self.settings.low_watermark * self.effective_capacity_blocks
+        if self.projected_blocks(now_s) < low:
             self.paused = False
 
-    def can_admit(self, cost: RequestCost) -> bool:
-        """Whether ``cost`` may be reserved now; refusing at the high watermark sets the latch.
+    def admit_margin(self, cost: RequestCost, now_s: float = 0.0) -> int | None:
+        """Blocks of effective capacity left at the peak if ``cost`` is admitted now, else None.
 
-        A backend with nothing reserved takes any request that fits its whole pool, so a
-        large request is never starved by its own size.
+        None means: not now (refusing with the projected peak in the high band sets the
+        latch). A backend with nothing in flight takes any request that fits its whole pool,
+        so a large request is never starved by its own size. When the plain reservations
+        already fit, the projection is not computed (the hot path stays O(1)).
         """
         if not self.known:
-            return False
+            return None
         assert self.block_size is not None and self.capacity_blocks is not None
         need = cost.blocks(self.block_size)
         if need > self.capacity_blocks:
-            return False
-        self._refresh_latch()
+            return None
+        self._refresh_latch(now_s)
         if self.paused:
-            return False
-        if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
-            return True
+            return None
         eff = self.effective_capacity_blocks
-        used = self.used_blocks
-        if used + need <= self.settings.high_watermark * eff:
-            return True
+        limit = self.settings.high_watermark * eff
+        if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
+            return eff - need
+        simple = self.used_blocks + need
+        staggered = simple > self.settings.stagger_above_fraction * limit and self.should_track(
+            cost
+        )
+        if staggered and not self._stagger_ok(cost, limit, now_s):
+            return None
+        if simple <= limit:
+            return eff - simple
+        current = self.footprints(now_s)
+        extra = new_request_footprints(
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            self.rate,
+            self.should_track(cost),
+        )
+        peak = projected_peak_blocks([*current, *extra], self.block_size) + self.external_blocks
+        if peak <= limit:
+            return eff - peak
         # The high watermark is reached. Latch only when we are in the high band; a large
         # request that does not fit while usage is low simply waits for room.
-        if used >= self.settings.low_watermark * eff:
+        base = projected_peak_blocks(current, self.block_size) + self.external_blocks
+        self.last_projected_blocks = base
+        if base >= self.settings.low_watermark * eff:
             self.paused = True
             self.pause_count += 1
-        return False
+        return None
 
-    def reserve(self, cost: RequestCost) -> int:
-        """Reserve the request's blocks; returns the number reserved (needed to release)."""
+    def stagger_tokens(self, cost: RequestCost, limit_blocks: float) -> int:
+        """Engine steps between admissions that let requests like ``cost`` finish staggered.
+
+        Requests admitted together finish together, and a pool full of requests at their
+        final size has no room for a newcomer until they all end, so the same cohort forms
+        again and again. Spread over their lifetime, ``limit / mean size`` such requests fit
+        at once; admitting one every ``lifetime / that many`` steps keeps them spread. Counted
+        in tokens the previous admission has generated (engine steps), not in seconds: the
+        step rate changes with the batch.
+        """
+        if not self.settings.stagger or self.block_size is None:
+            return 0
+        if cost.max_new_tokens <= 0 or limit_blocks <= 0:
+            return 0
+        bs = self.block_size
+        step = max(cost.max_new_tokens // 64, 1)
+        sizes = [
+            blocks_for_tokens(cost.prompt_tokens + k, bs)
+            for k in range(1, cost.max_new_tokens + 1, step)
+        ]
+        mean_blocks = cost.num_sequences * sum(sizes) / len(sizes)
+        return int(cost.max_new_tokens * mean_blocks / limit_blocks)
+
+    def _stagger_ok(self, cost: RequestCost, limit_blocks: float, now_s: float) -> bool:
+        last = self._last_pressed
+        if last is None or last.handle not in self.inflight or not last.tracked:
+            return True
+        if not last.started:
+            return False
+        done = max(
+            (g for g, f in zip(last.generated, last.finished, strict=True) if not f), default=None
+        )
+        return done is None or done >= self.stagger_tokens(cost, limit_blocks)
+
+    def can_admit(self, cost: RequestCost, now_s: float = 0.0) -> bool:
+        """Whether ``cost`` may be admitted now (see :meth:`admit_margin`)."""
+        return self.admit_margin(cost, now_s) is not None
+
+    def reserve(self, cost: RequestCost, now_s: float = 0.0) -> RequestProgress:
+        """Admit the request: record it in flight; returns the handle to report progress on."""
         assert self.block_size is not None
-        blocks = cost.blocks(self.block_size)
-        self.reserved_blocks += blocks
-        self.reserved_tokens += cost.total_tokens
-        return blocks
+        progress = RequestProgress(
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            now_s,
+            tracked=self.should_track(cost),
+            prompt_exact=cost.prompt_exact,
+        )
+        progress.handle = next(self._ids)
+        progress.reserved_blocks = cost.blocks(self.block_size)
+        progress.reserved_tokens = cost.total_tokens
+        self.inflight[progress.handle] = progress
+        limit = self.settings.high_watermark * self.effective_capacity_blocks
+        pressed = self.used_blocks + progress.reserved_blocks > (
+            self.settings.stagger_above_fraction * limit
+        )
+        if pressed and progress.tracked:
+            self._last_pressed = progress  # admitted under pressure: the next waits for it
+        self.reserved_blocks += progress.reserved_blocks
+        self.reserved_tokens += progress.reserved_tokens
+        return progress
 
-    def release(self, blocks: int, tokens: int) -> None:
-        """Give back a reservation made by :meth:`reserve`."""
-        self.reserved_blocks = max(self.reserved_blocks - blocks, 0)
-        self.reserved_tokens = max(self.reserved_tokens - tokens, 0)
-        self._refresh_latch()
+    def release(self, progress: RequestProgress, now_s: float = 0.0) -> None:
+        """The request ended (any way): forget it and give its reservation back."""
+        if self.inflight.pop(progress.handle, None) is None:
+            return
+        if self.block_size is not None:
+            held = blocks_now(progress.footprints(self.rate, now_s), self.block_size)
+            self._recent_releases.append((now_s, held))
+        self.reserved_blocks = max(self.reserved_blocks - progress.reserved_blocks, 0)
+        self.reserved_tokens = max(self.reserved_tokens - progress.reserved_tokens, 0)
+        self._refresh_latch(now_s)
+
+    def note_progress(
+        self,
+        progress: RequestProgress,
+        index: int,
+        generated: int | None,
+        finished: bool,
+        now_s: float,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Sequence ``index`` of an in-flight request reached ``generated`` tokens.
+
+        ``prompt_tokens`` (the backend's exact count) trues up the reservation when the
+        prompt was estimated: the request is re-costed with the largest prompt seen so far.
+        """
+        if progress.handle not in self.inflight:
+            return
+        if generated is None:
+            # The backend does not count tokens per chunk: progress cannot be read exactly,
+            # so the request holds its full size again.
+            progress.tracked = False
+            return
+        progress.observe(index, generated, finished, now_s, self.rate, prompt_tokens)
+        if prompt_tokens is not None and not progress.prompt_exact:
+            self._true_up(progress)
+
+    def _true_up(self, progress: RequestProgress) -> None:
+        seen = [p for p in progress.prompt_of if p is not None]
+        if len(seen) < progress.num_sequences or self.block_size is None:
+            return
+        progress.prompt_exact = True
+        progress.prompt_tokens = max(seen)
+        blocks = blocks_for_tokens(progress.final_tokens, self.block_size) * progress.num_sequences
+        tokens = progress.final_tokens * progress.num_sequences
+        self.reserved_blocks += blocks - progress.reserved_blocks
+        self.reserved_tokens += tokens - progress.reserved_tokens
+        progress.reserved_blocks, progress.reserved_tokens = blocks, tokens
 
     # -- feedback -------------------------------------------------------------------------
     def observe(
@@ -193,6 +389,7 @@ class BackendAdmission:
         s = self.settings
         if kv_usage is not None:
             self.observed_usage = min(max(kv_usage, 0.0), 1.0)
+            self._note_external(now_s)
         new_preemptions = 0.0
         if preemptions_total is not None:
             if self._last_preemptions is not None and preemptions_total >= self._last_preemptions:
@@ -222,17 +419,35 @@ class BackendAdmission:
                 if self.effective_fraction < 1.0:
                     self.effective_fraction = min(1.0, self.effective_fraction + s.relax_step)
                 self._calm_since_s = now_s
-        self._refresh_latch()
+        self._refresh_latch(now_s)
+
+    def _note_external(self, now_s: float) -> None:
+        """KV in use beyond the gateway's own upper bound (traffic that bypasses it).
+
+        A poll may still show the blocks of a request that ended here a moment ago, so what
+        requests released within ``RELEASE_GRACE_S`` held counts as the gateway's own too.
+        """
+        if not self.capacity_blocks or self.block_size is None:
+            return
+        recent = self._recent_releases
+        while recent and now_s - recent[0][0] > RELEASE_GRACE_S:
+            recent.popleft()
+        ours = blocks_now(self.footprints(now_s), self.block_size) + sum(b for _, b in recent)
+        observed = math.ceil(self.observed_usage * self.capacity_blocks)
+        self.external_blocks = max(observed - ours, 0)
 
     def forget_observations(self) -> None:
         """Drop what the backend reported (it went away); reservations stay until released."""
         self.observed_usage = 0.0
+        self.external_blocks = 0
         self._last_preemptions = None
         self._calm_since_s = None
 
 
-def pick_backend(candidates: Sequence[BackendAdmission], cost: RequestCost) -> int | None:
-    """Index of the candidate with the most free KV that admits ``cost`` now, else None.
+def pick_backend(
+    candidates: Sequence[BackendAdmission], cost: RequestCost, now_s: float = 0.0
+) -> int | None:
+    """Index of the candidate that admits ``cost`` now with the most KV to spare, else None.
 
     Every candidate is asked (so each one's latch reflects this request); ties go to the
     earlier candidate.
@@ -240,11 +455,11 @@ def pick_backend(candidates: Sequence[BackendAdmission], cost: RequestCost) -> i
     best: int | None = None
     best_free = 0
     for i, cand in enumerate(candidates):
-        if not cand.can_admit(cost):
+        margin = cand.admit_margin(cost, now_s)
+        if margin is None:
             continue
-        free = cand.free_blocks
-        if best is None or free > best_free:
-            best, best_free = i, free
+        if best is None or margin > best_free:
+            best, best_free = i, margin
     return best
 
 

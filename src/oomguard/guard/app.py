@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from oomguard.guard.config import GuardConfig
 from oomguard.guard.gate import Gate, NeverFits, QueueFull, QueueTimeout, Ticket
 from oomguard.guard.openai_body import (
     ApiError,
+    CharsPerTokenLearner,
     GenerationRequest,
     bad_request,
     estimate_prompt_tokens,
@@ -31,7 +33,18 @@ from oomguard.guard.openai_body import (
     parse_json_body,
     parse_priority_header,
 )
+from oomguard.guard.projection import ProgressSettings
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+from oomguard.guard.sse import (
+    SseSplitter,
+    StreamAssembler,
+    chunk_progress,
+    client_usage_wishes,
+    is_usage_only,
+    stream_error,
+    strip_usage,
+    with_progress_stream,
+)
 from oomguard.guard.telemetry import Telemetry
 
 log = logging.getLogger("oomguard.guard")
@@ -57,6 +70,20 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 # When a model's context limit and every capacity are still unknown, a request without
 # max_tokens reserves this much output; it is re-checked when capacities become known.
 _UNKNOWN_CONTEXT_OUTPUT_TOKENS = 4096
+# Request fields whose streamed form vLLM does not assemble back into the non-streamed answer
+# one to one (or that streaming rejects): such non-streamed requests are not converted.
+_NOT_CONVERTIBLE = (
+    "echo",
+    "best_of",
+    "use_beam_search",
+    "prompt_logprobs",
+    "return_token_ids",
+    "stream_options",
+    "return_prompt_text",
+    "kv_transfer_params",
+)
+_PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens":\s*(\d+)')
+_DONE = b"[DONE]"
 
 
 @dataclass
@@ -114,11 +141,20 @@ class GuardApp:
             min_capacity_fraction=config.min_capacity_fraction,
             relax_step=config.relax_step,
             calm_period_s=config.calm_period_s,
+            track_mode=config.track_progress,
+            track_above_fraction=config.track_above_fraction,
+            stagger=config.stagger_admissions,
+            progress=ProgressSettings(
+                lag_s=config.progress_lag_s,
+                lag_floor_tokens=config.progress_lag_floor_tokens,
+                start_allowance_s=config.progress_start_allowance_s,
+            ),
         )
+        self.chars_per_token = CharsPerTokenLearner(config.estimate_chars_per_token)
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self.drain = DrainRateMeter()
         self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
-        self.telemetry = Telemetry(self.pool, self.queue, self.drain)
+        self.telemetry = Telemetry(self.pool, self.queue, self.drain, self.chars_per_token)
         self.gate = Gate(
             self.pool,
             self.queue,
@@ -166,11 +202,22 @@ class GuardApp:
 
     async def status(self, _request: web.Request) -> web.Response:
         c = self.config
+        now = time.monotonic()
+        backends = [b.snapshot(now) for b in self.pool.backends]
         return web.json_response(
             {
-                "backends": [b.snapshot() for b in self.pool.backends],
+                "backends": backends,
                 "capacity_tokens": sum(b.capacity_tokens or 0 for b in self.pool.backends),
                 "reserved_tokens": sum(b.admission.reserved_tokens for b in self.pool.backends),
+                "projected_peak_blocks": sum(b["projected_peak_blocks"] for b in backends),
+                "in_flight": sum(b.in_flight for b in self.pool.backends),
+                "tracked_requests": sum(b["tracked_requests"] for b in backends),
+                "progress_tracking": {
+                    "mode": c.track_progress,
+                    "above_fraction": c.track_above_fraction,
+                    "lag_s": c.progress_lag_s,
+                    "start_allowance_s": c.progress_start_allowance_s,
+                },
                 "queue": {
                     "depth": self.queue.depth,
                     "tokens": self.queue.tokens,
@@ -181,6 +228,11 @@ class GuardApp:
                 },
                 "watermarks": {"high": c.high_watermark, "low": c.low_watermark},
                 "tokenizer": c.tokenizer,
+                "estimate_chars_per_token": {
+                    "value": round(self.chars_per_token.value, 4),
+                    "configured": c.estimate_chars_per_token,
+                    "samples": self.chars_per_token.samples,
+                },
             }
         )
 
@@ -411,6 +463,7 @@ class GuardApp:
             max_new_tokens=new_tokens,
             num_sequences=req.num_sequences * len(counts),
             prompt_exact=exact,
+            trackable=_trackable(req),
         )
 
     def _tokenizer_backend(self, model: str | None) -> Backend | None:
@@ -431,7 +484,7 @@ class GuardApp:
                 if counts is not None:
                     return counts, True
         self.telemetry.estimated_prompts.inc()
-        return estimate_prompt_tokens(req, self.config.estimate_chars_per_token), False
+        return estimate_prompt_tokens(req, self.chars_per_token.value), False
 
     async def _tokenize(self, backend: Backend, req: GenerationRequest) -> list[int] | None:
         if req.chat:
@@ -513,6 +566,17 @@ class GuardApp:
             raise ApiError(status, message or f"the backend rejected the prompt ({status})")
         return None
 
+    def _learn_prompt(self, req: GenerationRequest, cost: RequestCost, exact: int | None) -> None:
+        """An exact prompt count for a request whose prompt was estimated: learn from it."""
+        if exact is not None and not cost.prompt_exact and self.config.learn_chars_per_token:
+            self.chars_per_token.observe(req, exact)
+
+    def _response_headers(self, cost: RequestCost, ticket: Ticket) -> dict[str, str]:
+        return {
+            "x-oomguard-prompt-tokens": "exact" if cost.prompt_exact else "estimated",
+            "x-oomguard-progress": "tracked" if ticket.tracked else "reserved",
+        }
+
     async def _forward(
         self,
         request: web.Request,
@@ -525,6 +589,10 @@ class GuardApp:
         assert self.session is not None
         backend = ticket.backend
         tel = self.telemetry
+        if ticket.tracked:
+            # Ask for a stream with per-chunk usage: that is how progress is read.
+            body = json.dumps(with_progress_stream(req.body)).encode()
+        streamed_upstream = req.stream or ticket.tracked
         try:
             async with self.session.post(
                 backend.url + request.path_qs,
@@ -535,21 +603,24 @@ class GuardApp:
                 if resp.status >= 500:
                     await resp.read()
                     return _Retry(f"{backend.url} answered {resp.status}")
-                if not req.stream or resp.status != 200:
+                if not streamed_upstream or resp.status != 200:
                     data = await resp.read()
                     headers = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
-                    headers["x-oomguard-prompt-tokens"] = (
-                        "exact" if cost.prompt_exact else "estimated"
-                    )
+                    headers.update(self._response_headers(cost, ticket))
                     if resp.status < 400:
                         tel.outcome["ok"].inc()
+                        if not cost.prompt_exact:
+                            m = _PROMPT_TOKENS_RE.search(data)
+                            self._learn_prompt(req, cost, int(m.group(1)) if m else None)
                     else:
                         tel.outcome["upstream_client_error"].inc()
                     return web.Response(status=resp.status, body=data, headers=headers)
+                if not req.stream:
+                    return await self._assemble(resp, ticket, req, cost)
                 first = await resp.content.readany()
                 if not first:
                     return _Retry(f"{backend.url} closed the stream before any data")
-                return await self._relay_stream(request, resp, first, backend, cost)
+                return await self._relay_stream(request, resp, first, ticket, req, cost)
         except aiohttp.ClientConnectorError as exc:
             self.pool.eject(backend, f"connect failed: {exc}")
             return _Retry(f"connect to {backend.url} failed")
@@ -564,30 +635,93 @@ class GuardApp:
         except _UPSTREAM_ERRORS as exc:
             return _Retry(f"{backend.url}: {type(exc).__name__}")
 
+    def _note_event(self, ticket: Ticket, event: dict[str, Any]) -> int | None:
+        """Report one chunk's progress; returns the exact prompt tokens it states, if any."""
+        prompt: int | None = None
+        for cp in chunk_progress(event):
+            self.gate.note_progress(
+                ticket, cp.index, cp.completion_tokens, cp.finished, cp.prompt_tokens
+            )
+            if cp.prompt_tokens is not None:
+                prompt = cp.prompt_tokens if prompt is None else max(prompt, cp.prompt_tokens)
+        return prompt
+
+    async def _assemble(
+        self,
+        resp: aiohttp.ClientResponse,
+        ticket: Ticket,
+        req: GenerationRequest,
+        cost: RequestCost,
+    ) -> web.Response | _Retry:
+        """Read a tracked non-streamed request's upstream stream; answer the assembled body."""
+        splitter = SseSplitter()
+        assembler = StreamAssembler(chat=req.chat)
+        done = False
+        prompt: int | None = None
+        while not done:
+            chunk = await resp.content.readany()
+            if not chunk:
+                break
+            for payload in splitter.feed(chunk):
+                if payload == _DONE:
+                    done = True
+                    break
+                try:
+                    event = json.loads(payload)
+                except ValueError:
+                    continue
+                if not isinstance(event, dict):
+                    continue
+                err = stream_error(event)
+                if err is not None:
+                    status, err_body = err
+                    if status >= 500:
+                        return _Retry(f"{ticket.backend.url} failed the request ({status})")
+                    self.telemetry.outcome["upstream_client_error"].inc()
+                    return web.json_response(err_body, status=status)
+                p = self._note_event(ticket, event)
+                if p is not None:
+                    prompt = p if prompt is None else max(prompt, p)
+                assembler.add(event)
+        if not done:
+            return _Retry(f"{ticket.backend.url} ended the stream before [DONE]")
+        self._learn_prompt(req, cost, prompt)
+        self.telemetry.outcome["ok"].inc()
+        return web.Response(
+            body=json.dumps(assembler.result()).encode(),
+            content_type="application/json",
+            headers=self._response_headers(cost, ticket),
+        )
+
     async def _relay_stream(
         self,
         request: web.Request,
         resp: aiohttp.ClientResponse,
         first: bytes,
-        backend: Backend,
+        ticket: Ticket,
+        req: GenerationRequest,
         cost: RequestCost,
     ) -> web.StreamResponse:
         tel = self.telemetry
+        backend = ticket.backend
         out = web.StreamResponse(
             status=200,
             headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
-                "x-oomguard-prompt-tokens": "exact" if cost.prompt_exact else "estimated",
+                **self._response_headers(cost, ticket),
             },
         )
         await out.prepare(request)
+        rewrite = _StreamRewriter(self, ticket, req) if ticket.tracked else None
         chunk = first
         tail = b""
         upstream_error: str | None = None
         while True:
+            data = chunk if rewrite is None else rewrite.feed(chunk)
             try:
-                await out.write(chunk)
+                if data:
+                    await out.write(data)
             except ConnectionError:
                 tel.outcome["client_disconnected"].inc()
                 return out
@@ -601,6 +735,8 @@ class GuardApp:
                 break
             if not chunk:
                 break
+        if rewrite is not None:
+            self._learn_prompt(req, cost, rewrite.prompt_tokens)
         if upstream_error is None and b"[DONE]" not in tail:
             upstream_error = f"the backend {backend.url} ended the stream before [DONE]"
         try:
@@ -613,6 +749,53 @@ class GuardApp:
         except ConnectionError:
             tel.outcome["client_disconnected"].inc()
         return out
+
+
+class _StreamRewriter:
+    """Relays a tracked stream: reports progress, removes the usage the client did not ask for."""
+
+    def __init__(self, guard: GuardApp, ticket: Ticket, req: GenerationRequest) -> None:
+        self.guard = guard
+        self.ticket = ticket
+        self.splitter = SseSplitter()
+        self.include_usage, self.continuous = client_usage_wishes(req.body)
+        self.prompt_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to send the client for ``chunk`` (complete events only)."""
+        out: list[bytes] = []
+        for payload in self.splitter.feed(chunk):
+            if payload == _DONE:
+                out.append(b"data: [DONE]\n\n")
+                continue
+            try:
+                event = json.loads(payload)
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                out.append(b"data: " + payload + b"\n\n")
+                continue
+            p = self.guard._note_event(self.ticket, event)
+            if p is not None:
+                self.prompt_tokens = p if self.prompt_tokens is None else max(self.prompt_tokens, p)
+            if is_usage_only(event):
+                if self.include_usage:
+                    out.append(b"data: " + payload + b"\n\n")
+                continue
+            if not self.continuous:
+                payload = strip_usage(payload, event)
+            out.append(b"data: " + payload + b"\n\n")
+        return b"".join(out)
+
+
+def _trackable(req: GenerationRequest) -> bool:
+    """Whether the request's progress can be read: streams, and convertible non-streams."""
+    body = req.body
+    if body.get("use_beam_search"):
+        return False
+    if req.stream:
+        return True
+    return not any(body.get(k) not in (None, False) for k in _NOT_CONVERTIBLE)
 
 
 _APP_KEY = web.AppKey("oomguard_guard", GuardApp)

@@ -75,9 +75,10 @@ class Backend:
             return None
         return a.capacity_blocks * a.block_size
 
-    def snapshot(self) -> dict[str, Any]:
-        """State for ``/status``."""
+    def snapshot(self, now_s: float) -> dict[str, Any]:
+        """State for ``/status`` (``now_s``: the monotonic clock, for the projection)."""
         a = self.admission
+        rate = a.rate.tokens_per_s
         return {
             "url": self.url,
             "healthy": self.healthy,
@@ -91,6 +92,11 @@ class Backend:
             "effective_capacity_blocks": a.effective_capacity_blocks,
             "reserved_blocks": a.reserved_blocks,
             "reserved_tokens": a.reserved_tokens,
+            "projected_peak_blocks": a.projected_blocks(now_s),
+            "tracked_requests": a.tracked_requests,
+            "decode_rate_tokens_per_s": None if rate is None else round(rate, 1),
+            "start_latency_s": round(a.rate.start_latency_s, 4),
+            "external_blocks": a.external_blocks,
             "utilization": round(a.utilization(), 4),
             "admission_paused": a.paused,
             "in_flight": self.in_flight,

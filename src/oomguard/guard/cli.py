@@ -40,6 +40,13 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(help="'backend' (exact, via /tokenize) or 'estimate' (no round trip)."),
         ] = None,
+        track_progress: Annotated[
+            str | None,
+            typer.Option(
+                help="Read in-flight progress for projected-peak admission: 'off' (default), "
+                "'auto' (under KV pressure) or 'always'."
+            ),
+        ] = None,
     ) -> None:
         """Memory-aware admission gateway in front of vLLM servers (OpenAI-compatible)."""
         from oomguard.guard.app import run_guard
@@ -54,5 +61,6 @@ def register(app: typer.Typer) -> None:
             "max_queue_requests": max_queue,
             "queue_timeout_s": queue_timeout,
             "tokenizer": tokenizer,
+            "track_progress": track_progress,
         }
         run_guard(load_config(config, overrides))

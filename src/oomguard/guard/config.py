@@ -46,6 +46,13 @@ class GuardConfig(BaseModel):
     min_capacity_fraction: float = Field(default=0.50, gt=0.0, le=1.0)
     relax_step: float = Field(default=0.02, ge=0.0, le=1.0)
     calm_period_s: float = Field(default=5.0, ge=0.0)
+    # progress-aware admission (see oomguard.guard.projection)
+    track_progress: Literal["auto", "always", "off"] = "off"
+    track_above_fraction: float = Field(default=0.25, ge=0.0, le=1.0)
+    progress_lag_s: float = Field(default=0.02, ge=0.0, le=10.0)
+    progress_lag_floor_tokens: int = Field(default=2, ge=0)
+    progress_start_allowance_s: float = Field(default=0.5, gt=0.0)
+    stagger_admissions: bool = True
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)
     max_queue_tokens: int = Field(default=4_000_000, ge=0)
@@ -57,6 +64,7 @@ class GuardConfig(BaseModel):
     # cost
     tokenizer: Literal["backend", "estimate"] = "backend"
     estimate_chars_per_token: float = Field(default=3.0, gt=0.0)
+    learn_chars_per_token: bool = True
     forward_priority: bool = False
     # backends and failures
     poll_interval_s: float = Field(default=0.25, gt=0.0)

@@ -1,9 +1,11 @@
 """The admission gate: queue + backend pool + reservations, on the event loop.
 
-``acquire`` returns a :class:`Ticket` (a reservation on one backend) at once when the queue is
-empty and a backend admits the request; otherwise the request waits in the bounded queue until
-``pump`` (run whenever a reservation is released or a poll changes the picture) places it, it
-times out, or its client goes away.
+``acquire`` returns a :class:`Ticket` (a reservation on one backend) at once when its model's
+line of the queue is empty and a backend admits the request; otherwise the request waits in the
+bounded queue until ``pump`` places it, it times out, or its client goes away. ``pump`` runs
+whenever a request ends, a poll changes the picture, or (throttled) progress of a tracked
+request moves the projected peak. Each model has its own line, so a head that does not fit
+blocks only requests for the same model.
 """
 
 from __future__ import annotations
@@ -15,17 +17,33 @@ from dataclasses import dataclass
 
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
+from oomguard.guard.projection import RequestProgress
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter
+
+# Progress of tracked requests re-runs admission at most this often (seconds).
+PROGRESS_PUMP_INTERVAL_S = 0.005
+# While requests wait, admission is re-run at least this often: the projected peak falls and
+# admissions are spaced out (staggered) without any event to announce it.
+WAITING_PUMP_INTERVAL_S = 0.01
 
 
 @dataclass(eq=False)
 class Ticket:
-    """A reservation of ``blocks`` KV blocks (``tokens`` tokens) on ``backend``."""
+    """An admitted request on ``backend``; ``progress`` is where its progress is reported."""
 
     backend: Backend
-    blocks: int
-    tokens: int
+    progress: RequestProgress
     released: bool = False
+
+    @property
+    def tracked(self) -> bool:
+        """Whether the request's progress is to be read and reported."""
+        return self.progress.tracked
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks of its full reservation."""
+        return self.progress.reserved_blocks
 
 
 class QueueFull(Exception):
@@ -76,6 +94,8 @@ class Gate:
         self.max_retry_after_s = max_retry_after_s
         self.on_queue_wait = on_queue_wait
         self._pumping = False
+        self._last_progress_pump_s = 0.0
+        self._tick: asyncio.TimerHandle | None = None
 
     def retry_after_s(self, requests_ahead: int | None = None) -> int:
         """Retry-After for a request behind ``requests_ahead`` others (default: the queue)."""
@@ -93,14 +113,15 @@ class Gate:
         cands = self.pool.candidates(model)
         if not cands:
             return None
-        i = pick_backend([b.admission for b in cands], cost)
+        now = time.monotonic()
+        i = pick_backend([b.admission for b in cands], cost, now)
         if i is None:
             return None
         backend = cands[i]
-        blocks = backend.admission.reserve(cost)
+        progress = backend.admission.reserve(cost, now)
         backend.in_flight += 1
-        self.drain.record(time.monotonic())
-        return Ticket(backend, blocks, cost.total_tokens)
+        self.drain.record(now)
+        return Ticket(backend, progress)
 
     async def acquire(
         self,
@@ -117,14 +138,14 @@ class Gate:
         ``front`` puts an already-accepted request (a retry) at the head of its class,
         exempt from the queue bounds. Cancellation removes the request or frees its ticket.
         """
-        if self.queue.depth == 0:
+        if self.queue.depth_of(model) == 0:
             ticket = self._place(cost, model)
             if ticket is not None:
                 return ticket
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Ticket] = loop.create_future()
         start = time.monotonic()
-        waiter = Waiter(priority, cost.total_tokens, start, _Pending(cost, model, fut))
+        waiter = Waiter(priority, cost.total_tokens, start, _Pending(cost, model, fut), key=model)
         if front:
             self.queue.push_front(waiter)
         elif not self.queue.push(waiter):
@@ -151,39 +172,80 @@ class Gate:
         return fut.result()
 
     def release(self, ticket: Ticket) -> None:
-        """Give a ticket's reservation back (idempotent) and admit whoever now fits."""
+        """The request ended: give its reservation back (idempotent) and admit who now fits."""
         if ticket.released:
             return
         ticket.released = True
         b = ticket.backend
-        b.admission.release(ticket.blocks, ticket.tokens)
+        b.admission.release(ticket.progress, time.monotonic())
         b.in_flight -= 1
         self.pump()
 
+    def note_progress(
+        self,
+        ticket: Ticket,
+        index: int,
+        generated: int | None,
+        finished: bool,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Report a tracked request's progress (choice ``index`` at ``generated`` tokens).
+
+        Progress moves the projected peak down, so queued requests are retried — at most
+        every ``PROGRESS_PUMP_INTERVAL_S``, and at once when a sequence finished.
+        """
+        if ticket.released:
+            return
+        now = time.monotonic()
+        ticket.backend.admission.note_progress(
+            ticket.progress, index, generated, finished, now, prompt_tokens
+        )
+        if self.queue.depth and (
+            finished or now - self._last_progress_pump_s >= PROGRESS_PUMP_INTERVAL_S
+        ):
+            self._last_progress_pump_s = now
+            self.pump()
+
     def pump(self) -> None:
-        """Admit queued requests, in order, while the head fits somewhere."""
+        """Admit queued requests: each line's head, best first, while any head fits.
+
+        A head that does not fit (yet) leaves its line waiting and the next line is tried.
+        """
         if self._pumping:
             return
         self._pumping = True
         try:
-            while True:
-                waiter = self.queue.peek()
-                if waiter is None:
-                    return
-                pending: _Pending = waiter.data
-                if pending.future.done():
+            progressed = True
+            while progressed and self.queue.depth:
+                progressed = False
+                for waiter in self.queue.heads():
+                    pending: _Pending = waiter.data
+                    if pending.future.done():
+                        self.queue.remove(waiter)
+                        progressed = True
+                        continue
+                    ticket = self._place(pending.cost, pending.model)
+                    if ticket is None:
+                        reason = self.never_fit_reason(pending.cost, pending.model)
+                        if reason is None:
+                            continue
+                        self.queue.remove(waiter)
+                        pending.future.set_exception(NeverFits(reason))
+                        progressed = True
+                        continue
                     self.queue.remove(waiter)
-                    continue
-                ticket = self._place(pending.cost, pending.model)
-                if ticket is None:
-                    reason = self.never_fit_reason(pending.cost, pending.model)
-                    if reason is None:
-                        return
-                    self.queue.remove(waiter)
-                    pending.future.set_exception(NeverFits(reason))
-                    continue
-                self.queue.remove(waiter)
-                self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
-                pending.future.set_result(ticket)
+                    self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
+                    pending.future.set_result(ticket)
+                    progressed = True
         finally:
             self._pumping = False
+        if self.queue.depth and self._tick is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._tick = loop.call_later(WAITING_PUMP_INTERVAL_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.pump()

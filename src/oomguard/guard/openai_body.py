@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,3 +234,67 @@ def estimate_prompt_tokens(req: GenerationRequest, chars_per_token: float) -> li
         len(p) if isinstance(p, list) else estimate_text_tokens(p, chars_per_token)
         for p in req.prompts
     ]
+
+
+def prompt_chars(req: GenerationRequest) -> int | None:
+    """Characters an exact prompt count can be compared with, or None when not comparable.
+
+    Single text prompts and chat requests of text only (no tools, no non-text parts) qualify;
+    for chat the per-message allowance of :func:`estimate_prompt_tokens` is the template.
+    """
+    if req.chat:
+        if req.body.get("tools"):
+            return None
+        total = 0
+        for m in req.messages:
+            chars, other = _message_text_chars(m)
+            if other:
+                return None
+            total += chars
+        return total
+    if len(req.prompts) == 1 and isinstance(req.prompts[0], str):
+        return len(req.prompts[0])
+    return None
+
+
+@dataclass
+class CharsPerTokenLearner:
+    """The estimate's characters per token, learned from the backend's exact prompt counts.
+
+    Until ``min_samples`` requests were compared, the configured value is used; then a low
+    percentile of the recent ratios times ``safety`` (fewer characters per token means more
+    tokens: the estimate stays on the generous side of what the traffic really shows).
+    """
+
+    configured: float
+    window: int = 128
+    min_samples: int = 8
+    quantile: float = 0.1
+    safety: float = 0.9
+    _ratios: deque[float] = field(default_factory=deque)
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._ratios = deque(maxlen=self.window)
+        self.value = self.configured
+
+    @property
+    def samples(self) -> int:
+        """Ratios currently remembered."""
+        return len(self._ratios)
+
+    def observe(self, req: GenerationRequest, exact_prompt_tokens: int) -> None:
+        """Compare one request's text with the backend's exact prompt token count."""
+        chars = prompt_chars(req)
+        if chars is None or chars <= 0:
+            return
+        tokens = exact_prompt_tokens
+        if req.chat:
+            tokens -= CHAT_TOKENS_PER_MESSAGE * (len(req.messages) + 1)
+        if tokens <= 0:
+            return
+        self._ratios.append(chars / tokens)
+        if len(self._ratios) >= self.min_samples:
+            ordered = sorted(self._ratios)
+            low = ordered[int(self.quantile * (len(ordered) - 1))]
+            self.value = max(low * self.safety, 0.5)

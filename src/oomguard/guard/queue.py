@@ -14,37 +14,64 @@ from typing import Any
 
 @dataclass(eq=False)
 class Waiter:
-    """One queued request: its priority class, its cost in tokens, and caller data."""
+    """One queued request: its priority class, its cost in tokens, and caller data.
+
+    ``key`` names the line it waits in (the model it asks for): each key is served FIFO within
+    priority classes on its own, so a head that cannot be placed blocks only its own line.
+    """
 
     priority: int
     cost_tokens: int
     enqueued_at_s: float
     data: Any = None
     removed: bool = False
+    key: Any = None
+
+
+@dataclass
+class _Line:
+    classes: dict[int, deque[Waiter]] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)
+    depth: int = 0
+
+    def cls(self, priority: int) -> deque[Waiter]:
+        q = self.classes.get(priority)
+        if q is None:
+            q = self.classes[priority] = deque()
+            self.order = sorted(self.classes)
+        return q
+
+    def head(self) -> Waiter | None:
+        for prio in self.order:
+            q = self.classes[prio]
+            while q and q[0].removed:
+                q.popleft()
+            if q:
+                return q[0]
+        return None
 
 
 @dataclass
 class AdmissionQueue:
-    """FIFO per priority class, bounded by request count and by total cost tokens.
+    """Lines of waiting requests (one per key), FIFO per priority class, bounded overall.
 
-    ``push`` refuses (returns False) when either bound would be exceeded; ``push_front``
-    (used for retries of already-accepted requests) ignores the bounds so an accepted request
-    is never shed. Removal is O(1) (the entry is marked and skipped later).
+    The bounds (request count, total cost tokens) hold for all lines together. ``push``
+    refuses (returns False) when either bound would be exceeded; ``push_front`` (used for
+    retries of already-accepted requests) ignores the bounds so an accepted request is never
+    shed. Removal is O(1) (the entry is marked and skipped later).
     """
 
     max_requests: int
     max_tokens: int
     depth: int = 0
     tokens: int = 0
-    _classes: dict[int, deque[Waiter]] = field(default_factory=dict)
-    _order: list[int] = field(default_factory=list)
+    _lines: dict[Any, _Line] = field(default_factory=dict)
 
-    def _class(self, priority: int) -> deque[Waiter]:
-        q = self._classes.get(priority)
-        if q is None:
-            q = self._classes[priority] = deque()
-            self._order = sorted(self._classes)
-        return q
+    def _line(self, key: Any) -> _Line:
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = _Line()
+        return line
 
     def would_accept(self, cost_tokens: int) -> bool:
         """Whether a request of ``cost_tokens`` fits under both bounds now."""
@@ -54,32 +81,42 @@ class AdmissionQueue:
         """Append at the back of its class; False (and nothing queued) when the queue is full."""
         if not self.would_accept(waiter.cost_tokens):
             return False
-        self._class(waiter.priority).append(waiter)
-        self.depth += 1
-        self.tokens += waiter.cost_tokens
+        line = self._line(waiter.key)
+        line.cls(waiter.priority).append(waiter)
+        self._account_added(line, waiter)
         return True
 
     def push_front(self, waiter: Waiter) -> None:
         """Put an already-accepted request at the head of its class, bounds notwithstanding."""
-        self._class(waiter.priority).appendleft(waiter)
+        line = self._line(waiter.key)
+        line.cls(waiter.priority).appendleft(waiter)
+        self._account_added(line, waiter)
+
+    def _account_added(self, line: _Line, waiter: Waiter) -> None:
+        line.depth += 1
         self.depth += 1
         self.tokens += waiter.cost_tokens
 
+    def heads(self) -> list[Waiter]:
+        """The head of every non-empty line, best first (priority, then time queued)."""
+        out = []
+        for line in self._lines.values():
+            if line.depth:
+                h = line.head()
+                if h is not None:
+                    out.append(h)
+        out.sort(key=lambda w: (w.priority, w.enqueued_at_s))
+        return out
+
     def peek(self) -> Waiter | None:
-        """The next request to serve (lowest priority number, oldest first), or None."""
-        for prio in self._order:
-            q = self._classes[prio]
-            while q and q[0].removed:
-                q.popleft()
-            if q:
-                return q[0]
-        return None
+        """The next request to serve over all lines, or None."""
+        heads = self.heads()
+        return heads[0] if heads else None
 
     def pop(self) -> Waiter | None:
         """Remove and return the next request to serve."""
         w = self.peek()
         if w is not None:
-            self._classes[w.priority].popleft()
             self._account_removed(w)
         return w
 
@@ -94,14 +131,27 @@ class AdmissionQueue:
         waiter.removed = True
         self.depth -= 1
         self.tokens -= waiter.cost_tokens
+        line = self._lines.get(waiter.key)
+        if line is not None:
+            line.depth -= 1
+            if line.depth == 0:
+                del self._lines[waiter.key]
 
-    def depth_ahead(self, priority: int) -> int:
-        """Queued requests served before a new one of ``priority`` (same or better class)."""
+    def depth_of(self, key: Any) -> int:
+        """Requests waiting in the line of ``key``."""
+        line = self._lines.get(key)
+        return line.depth if line is not None else 0
+
+    def depth_ahead(self, priority: int, key: Any = None) -> int:
+        """Queued requests of ``key``'s line served before a new one of ``priority``."""
+        line = self._lines.get(key)
+        if line is None:
+            return 0
         n = 0
-        for prio in self._order:
+        for prio in line.order:
             if prio > priority:
                 break
-            n += sum(1 for w in self._classes[prio] if not w.removed)
+            n += sum(1 for w in line.classes[prio] if not w.removed)
         return n
 
     def __len__(self) -> int:

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from oomguard.guard.backends import BackendPool
+    from oomguard.guard.openai_body import CharsPerTokenLearner
     from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
 
 OUTCOMES = (
@@ -49,8 +50,15 @@ _WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 
 
 class _StateCollector(Collector):
-    def __init__(self, pool: BackendPool, queue: AdmissionQueue, drain: DrainRateMeter) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        queue: AdmissionQueue,
+        drain: DrainRateMeter,
+        chars_per_token: CharsPerTokenLearner | None,
+    ) -> None:
         self.pool, self.queue, self.drain = pool, queue, drain
+        self.chars_per_token = chars_per_token
 
     def collect(self) -> Iterable[Metric]:
         return list(self._collect())
@@ -69,6 +77,13 @@ class _StateCollector(Collector):
             "Requests admitted per second over the last window",
             value=self.drain.rate_per_s(time.monotonic()),
         )
+        if self.chars_per_token is not None:
+            yield GaugeMetricFamily(
+                "oomguard_estimate_chars_per_token",
+                "Characters per token the prompt estimate uses (learned from exact counts)",
+                value=self.chars_per_token.value,
+            )
+        now = time.monotonic()
         g = {
             name: GaugeMetricFamily(name, doc, labels=["backend"])
             for name, doc in (
@@ -76,6 +91,16 @@ class _StateCollector(Collector):
                 ("oomguard_reserved_tokens", "KV tokens reserved by admitted requests"),
                 ("oomguard_reserved_blocks", "KV blocks reserved by admitted requests"),
                 ("oomguard_capacity_blocks", "Usable KV blocks (num_gpu_blocks - 1)"),
+                (
+                    "oomguard_projected_peak_blocks",
+                    "Most KV blocks the requests in flight will hold at any future step",
+                ),
+                ("oomguard_tracked_requests", "Requests in flight whose progress is read"),
+                (
+                    "oomguard_decode_rate_tokens_per_second",
+                    "Peak per-sequence decode rate seen recently (0 while unknown)",
+                ),
+                ("oomguard_external_kv_blocks", "KV blocks in use by traffic not seen here"),
                 ("oomguard_effective_capacity_fraction", "Capacity fraction after tightening"),
                 ("oomguard_admission_paused", "1 while admission is latched off (hysteresis)"),
                 ("oomguard_backend_in_flight", "Requests the gateway has in flight there"),
@@ -98,6 +123,10 @@ class _StateCollector(Collector):
             g["oomguard_reserved_tokens"].add_metric(lb, a.reserved_tokens)
             g["oomguard_reserved_blocks"].add_metric(lb, a.reserved_blocks)
             g["oomguard_capacity_blocks"].add_metric(lb, a.capacity_blocks or 0)
+            g["oomguard_projected_peak_blocks"].add_metric(lb, a.projected_blocks(now))
+            g["oomguard_tracked_requests"].add_metric(lb, a.tracked_requests)
+            g["oomguard_decode_rate_tokens_per_second"].add_metric(lb, a.rate.tokens_per_s or 0.0)
+            g["oomguard_external_kv_blocks"].add_metric(lb, a.external_blocks)
             g["oomguard_effective_capacity_fraction"].add_metric(lb, a.effective_fraction)
             g["oomguard_admission_paused"].add_metric(lb, 1.0 if a.paused else 0.0)
             g["oomguard_backend_in_flight"].add_metric(lb, b.in_flight)
@@ -117,7 +146,13 @@ class _StateCollector(Collector):
 class Telemetry:
     """All gateway metrics; ``registry`` is what ``/metrics`` renders."""
 
-    def __init__(self, pool: BackendPool, queue: AdmissionQueue, drain: DrainRateMeter) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        queue: AdmissionQueue,
+        drain: DrainRateMeter,
+        chars_per_token: CharsPerTokenLearner | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         requests = Counter(
             "oomguard_requests",
@@ -156,4 +191,4 @@ class Telemetry:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(pool, queue, drain))
+        self.registry.register(_StateCollector(pool, queue, drain, chars_per_token))

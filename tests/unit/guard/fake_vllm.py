@@ -7,6 +7,9 @@ Serves ``/v1/completions`` and ``/v1/chat/completions`` (streamed and not), ``/t
 (+1 for BOS; chat adds 4 per message). KV use is simulated from the running requests' blocks;
 a request that does not fit is *preempted* (counted) and waits, like vLLM's recompute.
 
+Streams honour ``stream_options`` like vLLM: ``include_usage`` adds a final usage-only chunk,
+``continuous_usage_stats`` puts the choice's token count so far on every chunk.
+
 Knobs: first-token delay, token rate, pool size; per request, header ``x-fake-cut-after: N``
 aborts the connection after N streamed tokens, ``x-fake-tokens: N`` generates N tokens instead
 of max_tokens. ``POST /_control`` with ``{"fail_next": k}`` makes the next k generation requests
@@ -43,6 +46,7 @@ class FakeState:
     completed: int = 0
     peak_running_blocks: int = 0
     tokenize_calls: int = 0
+    streams_with_usage: int = 0
     active_transports: set[Any] = field(default_factory=set)
 
     @property
@@ -230,6 +234,10 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
             rid = f"cmpl-{s.requests_seen}"
             created = int(time.time())
             if body.get("stream"):
+                opts = body.get("stream_options") or {}
+                include_usage = opts.get("include_usage") is True
+                continuous = include_usage and opts.get("continuous_usage_stats") is True
+                s.streams_with_usage += int(continuous)
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(r)
                 for i in range(n_tokens):
@@ -246,14 +254,34 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
                         choice = {"index": 0, "text": " tok"}
                         obj = "text_completion"
                     choice["finish_reason"] = "length" if i == n_tokens - 1 else None
-                    chunk = {
+                    chunk: dict[str, Any] = {
                         "id": rid,
                         "object": obj,
                         "created": created,
                         "model": s.model,
                         "choices": [choice],
                     }
+                    if continuous:  # like vLLM: the choice's count so far, on every chunk
+                        chunk["usage"] = {
+                            "prompt_tokens": prompt_tokens,
+                            "total_tokens": prompt_tokens + i + 1,
+                            "completion_tokens": i + 1,
+                        }
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if include_usage:
+                    final = {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": s.model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "total_tokens": prompt_tokens + n_tokens,
+                            "completion_tokens": n_tokens,
+                        },
+                    }
+                    await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 s.completed += 1

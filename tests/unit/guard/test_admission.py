@@ -50,23 +50,30 @@ def test_unknown_capacity_admits_nothing() -> None:
 
 def test_admits_up_to_high_watermark_then_latches_until_low() -> None:
     b = backend()  # 100 usable blocks, high 90, low 80
-    for _ in range(9):
-        assert b.can_admit(cost_blocks(10))
-        b.reserve(cost_blocks(10))
+    held = []
+    for blocks in (10,) * 8 + (5, 5):
+        assert b.can_admit(cost_blocks(blocks))
+        held.append(b.reserve(cost_blocks(blocks)))
     assert b.reserved_blocks == 90
     # 90 + 5 > 90: refused, and since usage is in the high band the latch closes.
     assert not b.can_admit(cost_blocks(5))
     assert b.paused and b.pause_count == 1
     # Releasing to 85 would leave room for 5 blocks, but the latch holds until below 80.
-    b.release(5, 80)
+    b.release(held.pop())
     assert b.reserved_blocks == 85
     assert not b.can_admit(cost_blocks(5))
     assert b.paused
-    b.release(6, 96)
-    assert b.reserved_blocks == 79
+    b.release(held.pop())
+    assert b.reserved_blocks == 80 and b.paused  # not below 80 yet
+    b.release(held.pop())
+    assert b.reserved_blocks == 70
     assert not b.paused
     assert b.can_admit(cost_blocks(5))
     assert b.pause_count == 1
+    # Releasing twice is harmless.
+    b.release(held[0])
+    b.release(held[0])
+    assert b.reserved_blocks == 60
 
 
 def test_large_request_below_low_band_waits_without_latching() -> None:

@@ -1,0 +1,305 @@
+"""Projected KV peak of the requests in flight on one backend (pure: no I/O, no clock).
+
+vLLM decodes every running sequence one token per engine step, in lockstep, and frees a
+sequence's blocks when it finishes. So the KV the in-flight set will need is predictable: a
+sequence with ``c`` tokens now and a final size of ``f`` tokens (prompt + ``max_tokens``) holds
+``blocks(min(c + k, f))`` blocks ``k`` steps from now, until it finishes at ``k = f − c`` and
+holds nothing. Admission compares the *peak over future steps* of the sum against the
+watermark, instead of the sum of final sizes: requests at different stages of their lives
+need far less than all of them at full size.
+
+What the gateway sees lags the engine (the API server coalesces outputs; the network and the
+gateway add delay), so each sequence is described by a safe envelope (:class:`Footprint`):
+``hi_tokens`` is an upper bound on its tokens now (the observed count plus a lag allowance),
+``remaining_steps`` an upper bound on the steps it still lives (from the observed count, a lower
+bound on its progress). A sequence whose progress is unknown holds its whole final size with no
+end in sight (``remaining_steps=None``), which is the plain reservation.
+
+:class:`RequestProgress` turns observations (tokens generated per sequence, with their times)
+into footprints, given the backend's decode rate (tokens per second per sequence) and the
+allowances of :class:`ProgressSettings`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    """Number of KV blocks that ``tokens`` tokens occupy (rounded up to whole blocks)."""
+    if tokens <= 0:
+        return 0
+    return -(-tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Envelope of the future KV use of ``sequences`` identical sequences.
+
+    At step ``k`` from now they hold ``sequences × blocks(min(hi_tokens + k, final_tokens))``
+    blocks while ``k < remaining_steps``, then none. ``remaining_steps=None``: no known end
+    (the sequences hold their final size until the request is released).
+    """
+
+    hi_tokens: int
+    final_tokens: int
+    remaining_steps: int | None
+    sequences: int = 1
+
+    def blocks_at(self, step: int, block_size: int) -> int:
+        """Blocks held ``step`` engine steps from now."""
+        if self.remaining_steps is not None and step >= self.remaining_steps:
+            return 0
+        tokens = min(self.hi_tokens + step, self.final_tokens)
+        return self.sequences * blocks_for_tokens(tokens, block_size)
+
+
+def full_footprint(final_tokens: int, sequences: int) -> Footprint:
+    """The plain reservation: the final size, held until the request is released."""
+    return Footprint(final_tokens, final_tokens, None, sequences)
+
+
+def projected_peak_blocks(footprints: Iterable[Footprint], block_size: int) -> int:
+    """The most blocks the footprints hold together at any future step (0 for none).
+
+    Every footprint's use is non-decreasing until it drops to zero, so the sum can only reach
+    a new maximum just before some footprint ends (step ``remaining_steps − 1``) or after all
+    bounded ones ended; only those steps are evaluated (O(n·m) for n footprints, m distinct
+    ends).
+    """
+    fps = [f for f in footprints if f.remaining_steps is None or f.remaining_steps > 0]
+    if not fps:
+        return 0
+    steps = sorted({f.remaining_steps - 1 for f in fps if f.remaining_steps is not None})
+    # After every bounded footprint has ended only the unbounded ones remain, at full size.
+    peak = sum(
+        f.sequences * blocks_for_tokens(f.final_tokens, block_size)
+        for f in fps
+        if f.remaining_steps is None
+    )
+    for k in steps:
+        total = 0
+        for f in fps:
+            total += f.blocks_at(k, block_size)
+        if total > peak:
+            peak = total
+    return peak
+
+
+def blocks_now(footprints: Iterable[Footprint], block_size: int) -> int:
+    """Blocks the footprints hold at step 0 (upper bound on what is in use now)."""
+    return sum(f.blocks_at(0, block_size) for f in footprints)
+
+
+@dataclass(frozen=True)
+class ProgressSettings:
+    """Allowances that make the envelopes safe when observations lag the engine.
+
+    ``lag_s``: how far behind the engine an observation may be when it arrives (API-server
+    output coalescing, network, the gateway's own event loop); ``lag_floor_tokens``: tokens
+    added on top (the engine schedules a step ahead, the last sampled token);
+    ``start_allowance_s``: how long an admitted request may take to get its first token at
+    least — a request that shows no progress for longer (or twice the slowest start seen) is
+    treated as unknown again and holds its full size; ``rate_half_life_s``: how fast the
+    remembered peak decode rate decays.
+    """
+
+    lag_s: float = 0.02
+    lag_floor_tokens: int = 2
+    start_allowance_s: float = 1.0
+    rate_half_life_s: float = 30.0
+
+
+@dataclass
+class DecodeRate:
+    """Per-sequence decode speed of one backend (tokens/s), remembered as a decaying peak.
+
+    A peak, not an average: the envelope needs an upper bound on how many tokens a sequence
+    may have produced since it was last seen. A smaller batch decodes faster, so the highest
+    recent rate is the safe one. ``start_latency_s`` is likewise the slowest recent time from
+    sending a request to seeing its first progress.
+    """
+
+    settings: ProgressSettings = field(default_factory=ProgressSettings)
+    tokens_per_s: float | None = None
+    start_latency_s: float = 0.0
+    _rate_at_s: float = 0.0
+    _start_at_s: float = 0.0
+
+    def _decayed(self, value: float, since_s: float, now_s: float) -> float:
+        half = self.settings.rate_half_life_s
+        if half <= 0 or now_s <= since_s:
+            return value
+        return value * 0.5 ** ((now_s - since_s) / half)
+
+    def observe_rate(self, tokens_per_s: float, now_s: float) -> None:
+        """One sample of a sequence's decode speed."""
+        if not tokens_per_s > 0 or not math.isfinite(tokens_per_s):
+            return
+        current = (
+            0.0
+            if self.tokens_per_s is None
+            else self._decayed(self.tokens_per_s, self._rate_at_s, now_s)
+        )
+        self.tokens_per_s = max(current, tokens_per_s)
+        self._rate_at_s = now_s
+
+    def observe_start(self, latency_s: float, now_s: float) -> None:
+        """One request's time from being sent to its first observed progress."""
+        current = self._decayed(self.start_latency_s, self._start_at_s, now_s)
+        self.start_latency_s = max(current, max(latency_s, 0.0))
+        self._start_at_s = now_s
+
+    def start_deadline_s(self) -> float:
+        """Seconds after sending within which a request is assumed to show progress."""
+        return max(self.settings.start_allowance_s, 2.0 * self.start_latency_s)
+
+
+# A rate sample needs this much time and this many tokens behind it: the API server coalesces
+# outputs when it falls behind, so short spans see bursts, not the engine's pace.
+_MIN_RATE_SPAN_S = 0.2
+_MIN_RATE_TOKENS = 2
+
+
+@dataclass
+class RequestProgress:
+    """What the gateway has seen of one admitted request's generation.
+
+    ``tracked`` is False when no progress will ever be reported (the response is relayed
+    without being read): the request then holds its full size until released. Sequence ``i``
+    is choice index ``i`` of the response (``n`` choices per prompt, prompts in order).
+    ``handle``, ``reserved_blocks`` and ``reserved_tokens`` are the admission's bookkeeping.
+    """
+
+    prompt_tokens: int
+    max_new_tokens: int
+    num_sequences: int
+    sent_at_s: float
+    tracked: bool = False
+    prompt_exact: bool = True
+    handle: int = -1
+    reserved_blocks: int = 0
+    reserved_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    prompt_of: list[int | None] = field(default_factory=list)
+    started: bool = False
+    last_seen_s: float = 0.0
+    last_step_tokens: int = 0
+    _first_seen: list[tuple[float, int] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.num_sequences
+        self.generated = [0] * n
+        self.finished = [False] * n
+        self.prompt_of = [None] * n
+        self._first_seen = [None] * n
+
+    @property
+    def final_tokens(self) -> int:
+        """Tokens of one sequence at its largest (prompt + ``max_new_tokens``)."""
+        return self.prompt_tokens + self.max_new_tokens
+
+    def observe(
+        self,
+        index: int,
+        generated: int,
+        finished: bool,
+        now_s: float,
+        rate: DecodeRate,
+        prompt_tokens: int | None = None,
+    ) -> None:
+        """Sequence ``index`` has generated ``generated`` tokens (and maybe finished).
+
+        Feeds ``rate`` with the sequence's speed and, on the first progress, the start latency.
+        ``prompt_tokens`` (exact, from the backend's usage) refines this sequence's prompt.
+        """
+        if not 0 <= index < self.num_sequences:
+            return
+        if not self.started:
+            self.started = True
+            rate.observe_start(now_s - self.sent_at_s, now_s)
+        before = self.generated[index]
+        if generated > before:
+            self.last_step_tokens = generated - before
+            self.generated[index] = generated
+        if finished:
+            self.finished[index] = True
+        if prompt_tokens is not None and prompt_tokens >= 0:
+            self.prompt_of[index] = prompt_tokens
+        self.last_seen_s = now_s
+        first = self._first_seen[index]
+        if first is None:
+            self._first_seen[index] = (now_s, generated)
+        else:
+            span_s = now_s - first[0]
+            made = generated - first[1]
+            if span_s >= _MIN_RATE_SPAN_S and made >= _MIN_RATE_TOKENS:
+                rate.observe_rate(made / span_s, now_s)
+
+    def footprints(self, rate: DecodeRate, now_s: float) -> list[Footprint]:
+        """The envelope of this request's unfinished sequences at ``now_s``.
+
+        Untracked requests, and any request while the backend's decode rate is unknown, hold
+        their full size with no end; so does a sequence overdue to show its first progress.
+        """
+        tps = rate.tokens_per_s
+        if not self.tracked or tps is None:
+            return [full_footprint(self.final_tokens, self.num_sequences)]
+        s = rate.settings
+        waited_s = max(now_s - self.sent_at_s, 0.0)
+        deadline_s = rate.start_deadline_s()
+        unseen = 0
+        out: list[Footprint] = []
+        lag = (
+            s.lag_floor_tokens
+            + self.last_step_tokens
+            + math.ceil(tps * (max(now_s - self.last_seen_s, 0.0) + s.lag_s))
+        )
+        for i in range(self.num_sequences):
+            if self.finished[i]:
+                continue
+            if self._first_seen[i] is None:
+                unseen += 1
+                continue
+            prompt = self.prompt_of[i]
+            if prompt is None:
+                prompt = self.prompt_tokens
+            final = prompt + self.max_new_tokens
+            lo = prompt + self.generated[i]
+            out.append(Footprint(min(lo + lag, final), final, max(final - lo, 0)))
+        if unseen:
+            if waited_s > deadline_s:
+                out.append(full_footprint(self.final_tokens, unseen))
+            else:
+                # It may have started unseen (hi), and may start as late as the deadline (end).
+                hi = self.prompt_tokens + s.lag_floor_tokens + math.ceil(tps * (waited_s + s.lag_s))
+                start_steps = math.ceil(tps * (deadline_s - waited_s)) + 1
+                out.append(
+                    Footprint(
+                        min(hi, self.final_tokens),
+                        self.final_tokens,
+                        self.max_new_tokens + start_steps,
+                        unseen,
+                    )
+                )
+        return out
+
+
+def new_request_footprints(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    num_sequences: int,
+    rate: DecodeRate,
+    track: bool,
+) -> list[Footprint]:
+    """The envelope of a request about to be sent (``track``: its progress will be read)."""
+    probe = RequestProgress(prompt_tokens, max_new_tokens, num_sequences, 0.0, tracked=track)
+    return probe.footprints(rate, 0.0)
+
+
+def peak_with(current: Sequence[Footprint], extra: Sequence[Footprint], block_size: int) -> int:
+    """Projected peak of ``current`` and ``extra`` together."""
+    return projected_peak_blocks([*current, *extra], block_size)
