@@ -42,8 +42,14 @@ _WORKED = (
     ),
     (r"gpu[_-]memory[_-]utili[sz]ation\s+0\.\d+.*?(?:default|crashes|failed)", "util", "down"),
     (
+        r"gpu[_-]memory[_-]utili[sz]ation\W+(?:\w+\W+){0,4}?(?:be\s+)?(?:raised|increased)",
+        "util",
+        "up",
+    ),
+    (
         r"max[_-]model[_-]len\s+\d+|max[_-](?:model|seq)[_-]len\s*=\s*\d+"
-        r"|(?:smaller|shorter|lower|reduc|decreas|cap)\w*\s+(?:the\s+)?-*max[_-](?:model|seq)[_-]len",
+        r"|(?:smaller|shorter|lower|reduc|decreas|cap)\w*\s+(?:the\s+)?-*max[_-](?:model|seq)[_-]len"
+        r"|explicit\w*\s+-*max[_-]model[_-]len|-*max[_-]model[_-]len\s+explicitly",
         "max_model_len",
         "down",
     ),
@@ -54,11 +60,14 @@ _WORKED = (
         "max_num_seqs",
         "down",
     ),
+    (r"max[_-]num[_-]batched[_-]tokens", "batched_tokens", "down"),
+    (r"limit[_-]mm[_-]per[_-]prompt|max_pixels|mm[_-]processor[_-]kwargs", "mm_limits", "down"),
     (r"\bawq\b|\bgptq\b|quantiz", "quantize", "down"),
     (r"tensor[_-]parallel", "tp", "up"),
     (r"expandable_segments|PYTORCH_CUDA_ALLOC_CONF|TORCH_NCCL|torch==", "allocator_env", "change"),
     (
-        r"isolate|kill|clean up|downgrade|stay on|install\w*\s+flash[ _-]?att|more\s+(?:host\s+|system\s+|cpu\s+)?ram\b",
+        r"isolate|kill|clean up|downgrade|stay on|install\w*\s+flash[ _-]?att|more\s+(?:host\s+|system\s+|cpu\s+)?ram\b"
+        r"|free the previous|del llm|more resources",
         "action",
         "change",
     ),
@@ -88,6 +97,9 @@ def fix_lever(fix: Fix, current_util: float | None) -> tuple[str, str]:
     table = {
         "--max-model-len": ("max_model_len", "down"),
         "--max-num-seqs": ("max_num_seqs", "down"),
+        "--max-num-batched-tokens": ("batched_tokens", "down"),
+        "--limit-mm-per-prompt": ("mm_limits", "down"),
+        "--mm-processor-kwargs": ("mm_limits", "down"),
         "--enforce-eager": ("cuda_graph", "down"),
         "--max-cudagraph-capture-size": ("cuda_graph", "down"),
         "--cudagraph-capture-sizes": ("cuda_graph", "down"),

@@ -41,6 +41,8 @@ from oomguard.doctor.situation import (
 )
 from oomguard.logs.parsed import Evidence, GpuProcess, Phase
 
+# A stated utilization at or above this leaves no headroom outside vLLM's budget.
+FULL_UTIL = 0.98
 # Memory the CUDA context, NCCL and allocator slack need outside vLLM's budget (GiB).
 CONTEXT_SLACK_GIB = 0.25
 # A co-tenant using at least this share of the GPU is more than a desktop or a sidecar.
@@ -818,6 +820,59 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
             "allocator fragmentation from NCCL streams inflating the profiled peak.",
         )
         return
+    # nothing known but the message: the V1 engine's defaults (1024 sequences on large GPUs, a
+    # profiling batch of max_num_batched_tokens plus the sampler warm-up for every sequence)
+    # are the usual consumer, ahead of a utilization or length the log does not state
+    bare = weights is None and act is None and not s.util_stated and not s.known("max_model_len")
+    if bare and (engine_v1 or (s.get("engine") is None and _version_minor(s) == 0)):
+        out.add(
+            "concurrency_or_batch",
+            0.5,
+            "nothing but the message is known: the profiling batch and sampler warm-up for "
+            "vLLM's default number of sequences most often take the KV budget",
+            evid,
+            [
+                Fix(
+                    "--max-num-seqs",
+                    "256",
+                    "the V1 default (1024 sequences on ≥ 70 GiB GPUs) sizes the sampler "
+                    "warm-up and the profiling batch; 256 cuts that peak",
+                    STEP_MAX_NUM_SEQS,
+                ),
+                Fix(
+                    "--max-num-batched-tokens",
+                    "4096",
+                    "the profiling batch is max_num_batched_tokens long (8192 or more by "
+                    "default in V1); its activation peak comes out of the KV budget",
+                    STEP_BATCHED_TOKENS,
+                ),
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{min(round((util or 0.9) + 0.05, 2), 0.95):.2f}",
+                    "gives the KV cache more of the GPU (if nothing else uses it)",
+                    STEP_UTIL + 3,
+                ),
+            ],
+            "vLLM subtracts the weights and the profiled peak from utilization × total before "
+            "the KV cache gets anything; the message alone does not say which term grew. Check "
+            "'Model loading took' and the profiling lines: weights near the budget mean a "
+            "quantized checkpoint or more GPUs, a low utilization means raising it.",
+        )
+        out.add(
+            "kv_too_small_for_max_len",
+            0.45,
+            "or the utilization is too low for weights plus KV cache",
+            evid,
+            [
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{min(round((util or 0.9) + 0.05, 2), 0.95):.2f}",
+                    "gives the KV cache more of the GPU (if nothing else uses it)",
+                    STEP_UTIL,
+                )
+            ],
+        )
+        return
     # generic: the budget is too small for weights + activation at these settings
     fixes = []
     if util is not None and util < 0.95:
@@ -1080,7 +1135,30 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
             ],
             "This is vLLM's own CPU swap area (--swap-space), not the OS swap file.",
         )
-    kill = p.evidence("host_ram_kill") or p.evidence("host_alloc_failure")
+    too_large = p.evidence("cpu_swap_too_large")
+    if too_large is not None:
+        current = s.get("swap_space_gib")
+        out.add(
+            "cpu_ram",
+            0.9,
+            "vLLM refused a swap space larger than 70 % of the host's RAM",
+            [too_large],
+            [
+                Fix(
+                    "--swap-space",
+                    f"{max(int(float(current) // 4), 1) if current else 2}",
+                    "swap_space is pinned host RAM per GPU (× the tensor-parallel size); keep the "
+                    "total well under the host's RAM",
+                    STEP_SWAP - 8.5,
+                )
+            ],
+            "V0 checks swap_space × GPUs against the host's total RAM at start-up.",
+        )
+    kill = (
+        p.evidence("host_ram_kill")
+        or p.evidence("host_alloc_failure")
+        or p.evidence("host_ram_low")
+    )
     died = p.evidence("died_unexpectedly")
     explained = p.ooms or any(
         p.has(sig)
@@ -1120,23 +1198,86 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
             fixes.append(
                 Fix("--cpu-offload-gb", "0", "offloaded weights live in host RAM", STEP_OFFLOAD)
             )
+        if p.has("pinned_host_memory") and not any(f.flag == "--swap-space" for f in fixes):
+            fixes.append(
+                Fix(
+                    "--swap-space",
+                    "0",
+                    "the failing allocation is pinned host memory: V0 pins swap_space GiB per "
+                    "GPU for preempted sequences without checking what is free",
+                    STEP_SWAP - 8.5,
+                )
+            )
+        if s.sleep_mode:
+            fixes.append(
+                Fix(
+                    "action",
+                    "sleep mode level 1 parks each engine's weights in host RAM: count engines "
+                    "× weights against the node's RAM, or sleep at level 2 (weights discarded)",
+                    "sleep mode moves GPU memory to the host",
+                    STEP_ACTION + 0.5,
+                )
+            )
+        ray = p.has("ray_oom")
         fixes.append(
             Fix(
                 "action",
-                "give the container/host more RAM or stop other memory users; "
-                "check `dmesg | grep -i oom`",
-                "the kernel killed the process for host RAM",
+                "give the node/container more RAM or stop other memory users (fewer API-server "
+                "processes or Ray workers per node, no full-vocabulary logits returned to the "
+                "host); "
+                + (
+                    "Ray's monitor kills above RAY_memory_usage_threshold (0.95 of the node)"
+                    if ray
+                    else "check `dmesg | grep -i oom` and `free -h`"
+                ),
+                "Ray's memory monitor killed workers for host RAM"
+                if ray
+                else "the kernel killed the process for host RAM",
                 STEP_ACTION + 9,
             )
         )
+        capture = _killed_in_capture(s)
+        conf = 0.85 if kill is not died else 0.6
+        if capture is not None and not ray:
+            # killed with graph capture the last step the log shows: the capture (and the
+            # compilation before it) is what grew, whichever memory the killer counted
+            conf = 0.55
+            out.add(
+                "cuda_graph",
+                0.62,
+                "the process was killed while CUDA graphs were being captured",
+                [capture, kill],
+                [
+                    Fix(
+                        "--enforce-eager",
+                        None,
+                        "skips graph capture (and its compilation) entirely; if start-up then "
+                        "succeeds, the capture was the step that ran out",
+                        STEP_CUDAGRAPH,
+                    ),
+                    Fix(
+                        "--max-cudagraph-capture-size",
+                        "128",
+                        "captures fewer, smaller graphs (older releases: "
+                        "--cudagraph-capture-sizes)",
+                        STEP_CUDAGRAPH + 0.1,
+                    ),
+                ],
+                "A kill right after 'Capturing CUDA graphs' is not automatically host RAM: the V1 "
+                "engine compiles and captures many batch sizes, and the kill lands on the step "
+                "that was growing.",
+            )
         out.add(
             "cpu_ram",
-            0.85 if kill is not died else 0.6,
-            "the process was killed for lack of host RAM",
+            conf,
+            "Ray's memory monitor killed workers: the node ran out of host RAM"
+            if ray
+            else "the process was killed for lack of host RAM",
             [kill],
             fixes,
-            "A kill without a CUDA error is the kernel's OOM killer: host memory ran out "
-            "(weights staged in RAM while loading, pinned swap space, CPU offload, or unified memory).",
+            "A kill without a CUDA error is the kernel's (or Ray's) OOM killer: host memory ran "
+            "out (weights staged in RAM while loading, pinned swap space, CPU offload, sleep-mode "
+            "weights, returned logits, or unified memory).",
         )
     drv = p.evidence("driver_oom")
     if drv is not None and not any(o.kind == "torch" for o in p.ooms):
@@ -1157,6 +1298,23 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 [cumem_fix],
                 "cumem_allocator maps vLLM's whole budget; with a trainer or another engine on the same "
                 "GPU, utilization × total plus the other process exceeds the card.",
+            )
+        elif p.has("pinned_host_memory"):
+            out.add(
+                "cpu_ram",
+                0.75,
+                "allocating pinned host memory failed",
+                [drv, p.evidence("pinned_host_memory")],
+                [
+                    Fix(
+                        "--swap-space",
+                        "0",
+                        "pinned (page-locked) host memory for the CPU swap blocks is what failed",
+                        STEP_SWAP - 8.5,
+                    )
+                ],
+                "A CUDA error on a pinned (cudaHostAlloc) allocation is host memory running out, "
+                "not the GPU.",
             )
         elif (
             (s.get("cpu_blocks") or 0) > 0
@@ -1191,6 +1349,18 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 [drv],
                 [fix_opt] if fix_opt else [],
             )
+
+
+def _killed_in_capture(s: Situation) -> Evidence | None:
+    """The capture marker when graph capture is the last phase the log reached (nothing of
+    serving after it)."""
+    p = s.parsed
+    if s.get("enforce_eager"):
+        return None
+    reached = p.phase_reached
+    if reached != Phase.CUDA_GRAPH_CAPTURE:
+        return None
+    return p.phases.get(Phase.CUDA_GRAPH_CAPTURE)
 
 
 def rule_leak(s: Situation, out: Findings) -> None:
@@ -1601,7 +1771,9 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
 
     # fragmentation: only when the reserved-but-unallocated memory could have served the request
     if unalloc is not None and tried:
-        big = max(0.5, 0.01 * total) if total else 0.5
+        # a request of a few hundred MiB failing beside as much reserved-but-unallocated
+        # memory is fragmentation too; below a quarter GiB the numbers are noise
+        big = max(0.25, 0.01 * total) if total else 0.25
         if unalloc >= tried and unalloc >= big:
             fixes = (
                 []
@@ -1655,7 +1827,17 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
 
     # other processes on the GPU
     others = oom.other_processes_gib
-    if others is not None and total and others >= max(1.0, 0.05 * total):
+    shortfall = max((tried or 0.0) - (oom.free_gib or 0.0), 0.0) if tried else None
+    # a co-tenant counts when it is sizeable, or when what it holds would have covered the
+    # failed allocation's shortfall (a trainer's leftover CUDA context tipping a full budget)
+    tipped = (
+        others is not None
+        and (oom.this_process_gib is not None or bool(oom.processes_gib))  # listed, not inferred
+        and others >= 0.25
+        and shortfall is not None
+        and 0 < shortfall <= others
+    )
+    if others is not None and total and (others >= max(1.0, 0.05 * total) or tipped):
         share = others / total
         free_for_us = total - others - CONTEXT_SLACK_GIB
         fix = util_to_fit_free(
@@ -1665,6 +1847,14 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
             f"{others:.1f} GiB are used by another process; vLLM's "
             "utilization is a fraction of the whole GPU, so it must leave that out",
         )
+        lowered = lower_util(
+            s,
+            others + (shortfall or 0.0),
+            f"{others:.2f} GiB held by another process (and the {shortfall or 0.0:.2f} GiB the "
+            "allocation lacked) must stay outside vLLM's utilization × total",
+        )
+        if lowered is not None and float(lowered.value or 1) < float(fix.value or 1):
+            fix = lowered  # the budget in force already exceeds what is free beside the co-tenant
         if share >= LEFTOVER_SHARE and not (
             s.context.expect_cotenant or (s.util_stated and (s.util or 1) <= 0.6)
         ):
@@ -1730,6 +1920,44 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
             )
             _maybe_weights(s, out, [ev], 0.35)
     elif phase == Phase.KV_ALLOCATION:
+        if is_multimodal_model(s) and (s.get("gpu_blocks") or s.get("kv_tokens")):
+            # the KV cache was sized (a block count was logged) and the OOM came after it on
+            # a vision-language model: the encoder's memory was not in the budget
+            out.add(
+                "multimodal_encoder",
+                0.6,
+                "a vision-language model ran out of memory after its KV cache was sized: the "
+                "vision encoder's activations were not in the budget",
+                [ev, s.parsed.evidence("gpu_blocks") or s.parsed.evidence("kv_tokens")],
+                [
+                    Fix(
+                        "--limit-mm-per-prompt",
+                        '{"image": 1}',
+                        "fewer images per prompt in one encoder batch",
+                        STEP_MULTIMODAL,
+                    ),
+                    Fix(
+                        "--mm-processor-kwargs",
+                        '{"max_pixels": 1003520}',
+                        "bounds the image size the encoder processes (Qwen-VL style processors)",
+                        STEP_MULTIMODAL + 0.1,
+                    ),
+                    *(
+                        [f]
+                        if (
+                            f := lower_util(
+                                s,
+                                max((tried or 0) - (oom.free_gib or 0), 2.0),
+                                "leaves room outside the KV budget for the encoder's activations "
+                                "(or upgrade to a vLLM that profiles the encoder)",
+                            )
+                        )
+                        else []
+                    ),
+                ],
+                "Releases whose profile run skipped the vision encoder sized the KV cache from "
+                "text-only activations; the first real image then needs memory that is gone.",
+            )
         fix_opt = lower_util(
             s,
             max((tried or 0) - (oom.free_gib or 0), 0.0),
@@ -1981,6 +2209,21 @@ def _phaseless_oom(s: Situation, out: Findings, oom: Any, total: float | None) -
     if p.has("failing_in_mm_encoder"):
         rule_multimodal(s, out, base=0.75, evidence=[ev, p.evidence("failing_in_mm_encoder")])
         return
+    if s.util_stated and util is not None and util >= FULL_UTIL:
+        fix_full = lower_util(
+            s, max(tried or 0.0, 1.0), "headroom for allocations outside the budget"
+        )
+        out.add(
+            "util_overshoot",
+            0.65,
+            f"gpu_memory_utilization {util:g} leaves no headroom: any allocation outside "
+            "vLLM's budget fails",
+            [ev],
+            [fix_full] if fix_full else [],
+            "At utilization ≥ 0.98 vLLM hands (almost) the whole GPU to weights, the profiled "
+            "activations and the KV cache; CUDA graphs, an encoder's or sampler's buffers and "
+            "runtime allocations have nowhere to go.",
+        )
     activation_frames = p.has("failing_in_activation")
     batch_sized = bool(
         tried and total and tried >= max(BATCH_SIZED_SHARE * total, BATCH_SIZED_MIN_GIB)
@@ -2084,6 +2327,42 @@ def _phaseless_oom(s: Situation, out: Findings, oom: Any, total: float | None) -
             [ev],
             _runtime_batch_fixes(s),
         )
+
+
+_VLM_NAME_WORDS = (
+    "-vl",
+    "vl-",
+    "_vl",
+    "vision",
+    "llava",
+    "internvl",
+    "minicpm-v",
+    "minicpm-o",
+    "pixtral",
+    "idefics",
+    "paligemma",
+    "mllama",
+    "molmo",
+    "phi-3-vision",
+    "phi-3.5-vision",
+    "gemma-3-",
+    "qwen2-vl",
+    "qwen2.5-vl",
+    "glm-4v",
+    "cogvlm",
+    "deepseek-vl",
+    "kimi-vl",
+    "omni",
+)
+
+
+def is_multimodal_model(s: Situation) -> bool:
+    """Whether the model (the resolved spec, else its name) takes images/audio."""
+    spec = s.model_spec
+    if spec is not None and getattr(spec, "vision", None) is not None:
+        return True
+    name = str(s.get("model") or "").lower()
+    return bool(name) and any(word in name for word in _VLM_NAME_WORDS)
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -2303,11 +2582,16 @@ RULES: tuple[Callable[[Situation, Findings], None], ...] = (
 
 
 def never_expandable_with_sleep(s: Situation, findings: list[Finding]) -> None:
-    """The trap: expandable_segments breaks sleep mode's memory pool — never advise it then."""
+    """The trap: expandable_segments breaks sleep mode's memory pool — never advise it for the
+    engine then (an action naming another process, such as a co-located trainer, stays)."""
     if not s.sleep_mode:
         return
     for finding in findings:
-        finding.fixes = [f for f in finding.fixes if "expandable_segments:True" not in str(f.value)]
+        finding.fixes = [
+            f
+            for f in finding.fixes
+            if f.flag == "action" or "expandable_segments:True" not in str(f.value)
+        ]
 
 
 def apply_rules(s: Situation) -> list[Finding]:
@@ -2315,6 +2599,9 @@ def apply_rules(s: Situation) -> list[Finding]:
     out = Findings()
     for rule in RULES:
         rule(s, out)
+    from oomguard.doctor.prose import rule_prose  # prose reuses this module's fix builders
+
+    rule_prose(s, out)
     ranked = out.ranked()
     never_expandable_with_sleep(s, ranked)
     for finding in ranked:

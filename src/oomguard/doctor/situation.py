@@ -26,7 +26,8 @@ class Context:
 
 @dataclass(frozen=True)
 class Known:
-    """A number with its origin: ``log`` (evidence line), ``command``, ``facts``, ``default``."""
+    """A number with its origin: ``log`` (evidence line), ``command``, ``facts``, ``default``,
+    ``name`` (estimated from a model name) or ``said`` (stated in prose, not a log line)."""
 
     value: Any
     origin: str
@@ -74,8 +75,9 @@ class Situation:
 
     @property
     def util_stated(self) -> bool:
+        """Whether the user set the utilization (the log, the command, or the text says so)."""
         known = self.known("gpu_memory_utilization")
-        return known is not None and known.stated
+        return known is not None and (known.stated or known.origin == "said")
 
     @property
     def block_size(self) -> int:
@@ -243,8 +245,28 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
         if gpu_spec is not None:
             s.gpu_spec = gpu_spec
             s.set("gpu_total_gib", gpu_spec.total_bytes / GIB, "facts")
+    elif parsed.get("said_gpu_name"):
+        # a GPU named in the text ("8 A100-40Gs", "8xNVIDIA-H200"): weaker than a log line
+        said = parsed.evidence("said_gpu_name")
+        count_said = parsed.get("said_gpu_count")
+        total, _count, name = _parse_gpu_text(str(parsed.get("said_gpu_name")))
+        gpu_spec = _resolve_gpu(name)
+        if gpu_spec is not None and total is None:
+            s.gpu_spec = gpu_spec
+            s.set("gpu_total_gib", gpu_spec.total_bytes / GIB, "facts", said)
+        if total is not None:
+            s.set("gpu_total_gib", total, "said", said)
+        if count_said:
+            s.set("gpu_count", int(count_said), "said", said)
+        s.set("gpu_name", name, "said", said)
 
     util_known = s.known("gpu_memory_utilization")
+    if util_known is None and parsed.get("said_util") is not None:
+        # a utilization the text states ("--gpu-memory-utilization 0.5", "set it to 1.0")
+        s.set(
+            "gpu_memory_utilization", parsed.get("said_util"), "said", parsed.evidence("said_util")
+        )
+        util_known = s.known("gpu_memory_utilization")
     if util_known is None:
         s.set("gpu_memory_utilization", _default_util(s.get("vllm_version")), "default")
 
@@ -266,6 +288,11 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
             if estimate is not None:
                 s.set("weights_total_gib", estimate[0], "name")
                 s.set("weights_per_gpu_gib", estimate[0] / s.tp, "name")
+    if "weights_per_gpu_gib" not in s.values and parsed.get("said_weights_gib") is not None:
+        # the writer's own figure ("the model is only 1.6G"): the checkpoint's size
+        said_w = float(parsed.get("said_weights_gib"))
+        s.set("weights_total_gib", said_w, "said", parsed.evidence("said_weights_gib"))
+        s.set("weights_per_gpu_gib", said_w / s.tp, "said", parsed.evidence("said_weights_gib"))
     if "weights_total_gib" not in s.values and weights is not None:
         s.set("weights_total_gib", weights.value * s.tp, weights.origin, weights.evidence)
     return s

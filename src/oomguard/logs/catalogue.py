@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from oomguard.logs import prose
 from oomguard.logs.parsed import Phase
 
 NUM = r"-?\d[\d,]*(?:\.\d+)?"
@@ -90,6 +91,14 @@ PATTERNS: tuple[Pattern, ...] = (
         "engine_v0",
         ("v0 llm engine", "falling back to v0", "vllm_use_v1=0"),
         r"Initializing a V0 LLM engine|Falling back to V0|VLLM_USE_V1=0",
+        handler="engine_v0",
+    ),
+    _p(
+        "engine_v0_frames",
+        ("vllm/worker/", "raise_if_cache_size_invalid", "determine_num_available_blocks"),
+        # code only the V0 engine has: its worker package (V1's lives under vllm/v1/worker/)
+        # and the V0 cache-size check
+        r"(?<!v1)/vllm/worker/\w+\.py|\braise_if_cache_size_invalid\b|\bdetermine_num_available_blocks\b",
         handler="engine_v0",
     ),
     _p(
@@ -259,8 +268,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("weights_debug", "weights memory:", rf"weights memory: (?P<weights_gib>{NUM})\s?GiB"),
     _p(
         "weight_load_oom",
-        "failed to load model - not enough",
-        r"Failed to load model - not enough GPU memory",
+        ("failed to load model - not enough", "failed to load model — not enough"),
+        r"Failed to load model [-—–] not enough GPU memory",
         signature="weight_load_oom",
         failure_phase=Phase.WEIGHT_LOADING,
     ),
@@ -569,6 +578,57 @@ PATTERNS: tuple[Pattern, ...] = (
         signature="host_alloc_failure",
     ),
     _p(
+        "ray_oom",
+        (
+            "memory pressure",
+            "low on memory",
+            "ray oom",
+            "ray-oom-prevention",
+            "ray_memory_usage_threshold",
+        ),
+        # Ray's memory monitor kills workers when the node's RAM passes its threshold:
+        # "N Workers (tasks / actors) killed due to memory pressure (OOM)", "Task was killed
+        # due to the node running low on memory", and its advice naming ray-oom-prevention
+        r"(?i:killed due to (?:the node )?(?:memory pressure|running low on memory)|running low on memory"
+        r"|\(ray oom\)|ray-oom-prevention|RAY_memory_usage_threshold)",
+        signature="host_ram_kill",
+        handler="ray_oom",
+    ),
+    _p(
+        "mmap_failure",
+        "unable to mmap",
+        # torch.load / safetensors mapping a checkpoint file into host memory
+        r"unable to mmap (?:\d+ bytes)?",
+        signature="host_alloc_failure",
+    ),
+    _p(
+        "pinned_memory",
+        ("pin_memory", "pinned", "cudahostalloc", "pin memory"),
+        r"(?i:pin_memory|pinned (?:host |cpu )?(?:memory|buffers?|cache|blocks?)|cudaHostAlloc|pin memory)",
+        signature="pinned_host_memory",
+    ),
+    _p(
+        "swap_too_large",
+        "too large swap space",
+        # V0 CacheConfig: swap_space × GPUs above 70 % of host RAM is refused (ValueError),
+        # above 40 % warned about ("Possibly too large swap space")
+        r"(?<!Possibly )Too large swap space",
+        signature="cpu_swap_too_large",
+    ),
+    _p(
+        "swap_possibly_large",
+        "possibly too large swap space",
+        r"Possibly too large swap space",
+        signature="swap_space_large",
+    ),
+    _p(
+        "free_listing",
+        ("mem:", "swap:"),
+        # a row of `free` / `free -h`: "Mem:  62Gi  5,8Gi  13Gi  45Mi  43Gi  56Gi"
+        r"^\s*(?P<kind>Mem|Swap):\s+(?P<cols>\d[\d.,]*\s?[KMGTP]?i?B?(?:\s+\d[\d.,]*\s?[KMGTP]?i?B?){1,5})\s*$",
+        handler="free_listing",
+    ),
+    _p(
         "wsl",
         ("/mnt/", "wsl", "microsoft-standard"),
         r"/mnt/[a-z]/|\bWSL2?\b|microsoft-standard",
@@ -617,6 +677,19 @@ PATTERNS: tuple[Pattern, ...] = (
         ("enable-lora", "enable_lora", "loading lora"),
         r"--enable-lora|enable_lora['\"]?\s*[:=]\s*True|Loading LoRA",
         signature="lora",
+    ),
+    _p(
+        "sleep_freed",
+        "sleep mode freed",
+        rf"Sleep mode freed (?P<sleep_freed_gib>{NUM}) ?GiB",
+    ),
+    _p(
+        "still_in_use",
+        "still in use",
+        # "Sleep mode freed 43.82 GiB memory, 4.11 GiB memory is still in use." and the same
+        # figure quoted after later steps
+        r"(?<![\d.])(?P<gib>\d+(?:\.\d+)?) ?GiB(?: memory)? is still in use",
+        handler="still_in_use",
     ),
     # --- multimodal encoder profiling (§2.3 step 1) ---------------------------------------------
     _p(
@@ -812,6 +885,292 @@ PATTERNS: tuple[Pattern, ...] = (
         r"^(?:[\w.]+\.)?(?P<exc>\w*(?:Error|Exception))(?::|\(|\s*$)",
         handler="exception",
     ),
+    # --- PyTorch's OOM figures on lines of their own (a report wrapped or reformatted) ---------
+    _p(
+        "oom_detail",
+        (
+            "has a total capacity of",
+            "has a total capacty of",
+            "total capacity;",
+            "gib total,",
+            "mib total,",
+            "pytorch allocated:",
+            "reserved but unallocated",
+            "memory in use",
+        ),
+        r"(?i:has a total capac\w* of|total capacity;|GPU(?: \d+)? has \S+ ?[KMGT]i?B total,|PyTorch allocated:"
+        r"|reserved by PyTorch but unallocated|Reserved but unallocated:|memory in use)",
+        handler="oom_detail",
+    ),
+    # --- statements in prose: titles, summaries, descriptions (weaker evidence) ------------------
+    _p(
+        "said_oom",
+        (
+            "oom",
+            "out of memory",
+            "out-of-memory",
+            "out of gpu",
+            "out of cuda",
+            "out of device",
+            "out of host",
+            "out of cpu",
+            "out of system",
+            "out of node",
+            "out of vram",
+            "out of ram",
+            "enough",
+            "insufficient",
+            "low on memory",
+            "memory pressure",
+        ),
+        prose.SAID_OOM,
+        handler="said",
+    ),
+    _p("said_capture", ("graph", "capture"), prose.MENTIONS["said_capture"], handler="said"),
+    _p(
+        "said_multimodal",
+        (
+            "image",
+            "video",
+            "vision",
+            "visual",
+            "modal",
+            "vlm",
+            "pixel",
+            "mm_processor",
+            "limit-mm",
+            "limit_mm",
+            "encoder cache",
+            "forconditionalgeneration",
+        ),
+        prose.MENTIONS["said_multimodal"],
+        handler="said",
+    ),
+    _p("said_fragmentation", "fragment", prose.MENTIONS["said_fragmentation"], handler="said"),
+    _p(
+        "said_host_ram",
+        (
+            "host ram",
+            "host memory",
+            "cpu ram",
+            "cpu memory",
+            "system ram",
+            "system memory",
+            "node ram",
+            "node memory",
+            " ram",
+            "swap",
+            "pinned",
+            "pin_memory",
+            "mmap",
+            "cgroup",
+            "rss",
+            "%mem",
+            "mem(",
+            "mem (",
+        ),
+        prose.MENTIONS["said_host_ram"],
+        handler="said",
+    ),
+    _p(
+        "said_colocated",
+        (
+            "grpo",
+            "ppo",
+            "dpo",
+            "rlhf",
+            "verl",
+            "skyrl",
+            "nemo",
+            "trainer",
+            "training",
+            "colocat",
+            "co-locat",
+            "rollout",
+        ),
+        prose.MENTIONS["said_colocated"],
+        handler="said",
+    ),
+    _p(
+        "said_other_process",
+        (
+            "another",
+            "other process",
+            "other engine",
+            "other job",
+            "previous",
+            "leftover",
+            "left-over",
+            "zombie",
+            "orphan",
+            "del llm",
+            "not freed",
+            "not released",
+            "still in use",
+            "second llm",
+            "second engine",
+            "second instance",
+        ),
+        prose.MENTIONS["said_other_process"],
+        handler="said",
+    ),
+    _p(
+        "said_max_len",
+        (
+            "max_model_len",
+            "max-model-len",
+            "max model len",
+            "max_seq_len",
+            "max-seq-len",
+            "max seq len",
+            "context",
+            "long ",
+            "rope",
+        ),
+        prose.MENTIONS["said_max_len"],
+        handler="said",
+    ),
+    _p(
+        "said_batch",
+        (
+            "num_seqs",
+            "num-seqs",
+            "num_seq",
+            "num-seq",
+            "num seqs",
+            "batched",
+            "batch_size",
+            "batch-size",
+            "batch size",
+            "concurren",
+            "parallel requests",
+            "many requests",
+            "beam",
+            "n=",
+            "n =",
+        ),
+        prose.MENTIONS["said_batch"],
+        handler="said",
+    ),
+    _p(
+        "said_logprobs",
+        ("logprobs", "logits", "vocab"),
+        prose.MENTIONS["said_logprobs"],
+        handler="said",
+    ),
+    _p(
+        "said_runtime",
+        (
+            "shutting down",
+            "shut down",
+            "during ",
+            "while ",
+            "after ",
+            "at runtime",
+            "under load",
+            "at step",
+        ),
+        prose.MENTIONS["said_runtime"],
+        handler="said",
+    ),
+    _p(
+        "said_startup",
+        (
+            "start",
+            "launch",
+            "engine init",
+            "immediately",
+            "when loading",
+            "while loading",
+        ),
+        prose.MENTIONS["said_startup"],
+        handler="said",
+    ),
+    _p(
+        "said_model_size",
+        ("model is", "model size", "model weighs", "model takes", "weights are", "weights take"),
+        prose.SAID_MODEL_SIZE.pattern,
+        handler="said_model_size",
+    ),
+    _p(
+        "said_single_gpu",
+        ("first gpu", "one gpu", "single gpu"),
+        prose.MENTIONS["said_single_gpu"],
+        handler="said",
+    ),
+    _p(
+        "said_workaround",
+        (
+            "work",
+            "fine",
+            "ok",
+            "solved",
+            "fixe",
+            "resolved",
+            "help",
+            "succeed",
+            "have to",
+            "had to",
+            "has to",
+            "need to",
+            "needed to",
+            "must to",
+        ),
+        prose.WORKAROUND.pattern,
+        handler="workaround",
+    ),
+    _p(
+        "said_util",
+        (
+            "memory_utilization",
+            "memory-utilization",
+            "memory utilization",
+            "memory_utilisation",
+            "memory-utilisation",
+        ),
+        prose.SAID_UTIL.pattern,
+        handler="said_util",
+    ),
+    _p(
+        "said_unallocated",
+        ("reserved-but-unallocated", "reserved but unallocated"),
+        prose.SAID_UNALLOCATED.pattern,
+        handler="said_unallocated",
+    ),
+    _p(
+        "said_gpu",
+        (
+            "a100",
+            "a800",
+            "h100",
+            "h800",
+            "h200",
+            "h20",
+            "b200",
+            "b100",
+            "l40",
+            "l4",
+            "l20",
+            "a10",
+            "a30",
+            "a40",
+            "a6000",
+            "rtx",
+            "v100",
+            "t4",
+            "p100",
+            "mi2",
+            "mi3",
+        ),
+        r"(?<![\w.])" + prose.SAID_GPU.pattern,
+        handler="said_gpu",
+    ),
+    _p(
+        "said_regression",
+        ("work", "fine", "ok", "regression", "previously", "upgrad", "downgrad"),
+        prose.REGRESSION_WORDS.pattern,
+        handler="said_regression",
+    ),
     # --- narratives of memory rising over time (last: reads the record after the others) ----
     _p(
         "growth_narrative",
@@ -833,10 +1192,17 @@ OOM_TOTAL_FREE = re.compile(
     rf"GPU (?P<idx>\d+) has a total capac\w* of {_mem('total')} of which {_mem('free')} is free"
 )
 OOM_PROCESS = re.compile(rf"Process (?P<pid>\d+) has {_mem('used')} memory in use")
-OOM_THIS_PROCESS = re.compile(rf"this process has {_mem('used')} memory in use")
+OOM_THIS_PROCESS = re.compile(rf"this process has {_mem('used')} (?:memory )?in use")
 OOM_ALLOCATED = re.compile(rf"Of the allocated memory {_mem('alloc')} is allocated by PyTorch")
 OOM_POOLS = re.compile(rf"{_mem('pools')} allocated in private pools")
 OOM_UNALLOCATED = re.compile(rf"{_mem('unalloc')} is reserved by PyTorch but unallocated")
+# a reformatted report (quoted in issues and pull requests): "GPU has 19.53 GiB total, 329.87
+# MiB free." / "PyTorch allocated: 18.40 GiB" / "Reserved but unallocated: 402.27 MiB"
+OOM_ALT_TOTAL_FREE = re.compile(
+    rf"GPU(?: (?P<idx>\d+))? has {_mem('total')} total, {_mem('free')} free"
+)
+OOM_ALT_ALLOCATED = re.compile(rf"PyTorch allocated: {_mem('alloc')}")
+OOM_ALT_UNALLOCATED = re.compile(rf"(?i:reserved but unallocated): {_mem('unalloc')}")
 OOM_OLD = re.compile(
     rf"\(GPU (?P<idx>\d+); {_mem('total')} total capacity; {_mem('alloc')} already allocated; "
     rf"{_mem('free')} free; (?:{NUM}\s?{UNIT} allowed; )?{_mem('reserved')} reserved in total by PyTorch\)"
@@ -872,7 +1238,13 @@ INT_FIELDS = frozenset(
     }
 )
 FLOAT_FIELDS = frozenset(
-    {"gpu_memory_utilization", "max_concurrency", "kv_usage_max_pct", "profiling_free_increase"}
+    {
+        "gpu_memory_utilization",
+        "max_concurrency",
+        "kv_usage_max_pct",
+        "profiling_free_increase",
+        "said_util",
+    }
 )
 
 

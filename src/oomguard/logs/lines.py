@@ -24,6 +24,13 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 _PROCESS_TAG = re.compile(r"^\(?[A-Za-z_][\w.-]*(?: rank=\d+)? pid=\d+(?:, ip=[\w.:-]+)?\)\s*")
+# logger header: "INFO 10-24 01:26:57 [core.py:710] ", "INFO 01-11 15:51:02 llm_engine.py:70] ",
+# "INFO  [gpu_worker.py:642]  ", "INFO 04-29 gpu_executor.py:118] "
+_LOGGER_HEADER = re.compile(
+    r"^(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+"
+    r"(?:\d{2}-\d{2}(?:\s+\d{2}:\d{2}:\d{2}(?:\.\d+)?)?\s+)?"
+    r"(?:\[[\w./-]+(?::\d+)?\]\s*|[\w./-]+\.py:\d+\]\s*)?"
+)
 # One decoration at the start of a line; applied repeatedly until none matches.
 _PREFIXES: tuple[re.Pattern[str], ...] = (
     # ISO / RFC3339 timestamps added by docker, kubectl, journald exports
@@ -37,11 +44,7 @@ _PREFIXES: tuple[re.Pattern[str], ...] = (
     re.compile(r"^\[rank\d+\]:\s?"),
     # logger header: "INFO 10-24 01:26:57 [core.py:710] ", "INFO 01-11 15:51:02 llm_engine.py:70] ",
     # "INFO  [gpu_worker.py:642]  ", "INFO 04-29 gpu_executor.py:118] "
-    re.compile(
-        r"^(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)\s+"
-        r"(?:\d{2}-\d{2}(?:\s+\d{2}:\d{2}:\d{2}(?:\.\d+)?)?\s+)?"
-        r"(?:\[[\w./-]+(?::\d+)?\]\s*|[\w./-]+\.py:\d+\]\s*)?"
-    ),
+    _LOGGER_HEADER,
     # python logging default format: "engine.py :190 2024-02-03 03:44:03,976 "
     re.compile(r"^[\w./-]+\.py\s*:\d+\s+\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:,\d+)?\s+"),
 )
@@ -55,6 +58,7 @@ _ANY_PREFIX = re.compile(
     + ")"
 )
 _TAG_GROUP = f"d{_PREFIXES.index(_PROCESS_TAG)}"
+_LEVEL_GROUP = f"d{_PREFIXES.index(_LOGGER_HEADER)}"
 _RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 
 # A line without decorations still starts a new record when it looks like one of these.
@@ -77,6 +81,7 @@ class Line:
     body: str
     decorated: bool
     tag: str = ""  # process tag such as "EngineCore_DP0" or "RayWorkerWrapper"
+    level: str = ""  # the logger header's level ("INFO", "WARNING" …) when the line had one
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Record:
     text: str
     lines: int = 1
     tag: str = ""
+    level: str = ""  # the first line's logger level ("" when it had no logger header)
 
 
 def clean(raw: str) -> str:
@@ -99,11 +105,13 @@ def clean(raw: str) -> str:
     return _CONTROL.sub("", raw).rstrip()
 
 
-def strip_decorations(text: str) -> tuple[str, bool, str]:
-    """Return the message body of a cleaned line, whether a decoration was removed, and the
-    process tag (``EngineCore_DP0``, ``Worker_TP1`` …) if the line carried one."""
+def strip_decorations(text: str) -> tuple[str, bool, str, str]:
+    """Return the message body of a cleaned line, whether a decoration was removed, the
+    process tag (``EngineCore_DP0``, ``Worker_TP1`` …) if the line carried one, and the logger
+    header's level (``INFO``, ``WARNING`` …; empty without a logger header)."""
     decorated = False
     tag = ""
+    level = ""
     for _ in range(8):
         stripped = text.lstrip() if decorated else text
         m = _ANY_PREFIX.match(stripped)
@@ -111,11 +119,13 @@ def strip_decorations(text: str) -> tuple[str, bool, str]:
             break
         if m.lastgroup == _TAG_GROUP and not tag:
             tag = m.group(0).lstrip("(").split(" ", 1)[0]
+        elif m.lastgroup == _LEVEL_GROUP and not level:
+            level = m.group(0).split(None, 1)[0]
         text = stripped[m.end() :]
         decorated = True
     if "[repeated" in text:
         text = _RAY_REPEAT.sub("", text)
-    return text, decorated, tag
+    return text, decorated, tag, level
 
 
 def split_physical(chunks: Iterable[str]) -> Iterator[str]:
@@ -143,8 +153,8 @@ def split_physical(chunks: Iterable[str]) -> Iterator[str]:
 def iter_lines(chunks: Iterable[str]) -> Iterator[Line]:
     """Number and clean physical lines."""
     for number, raw in enumerate(split_physical(chunks), start=1):
-        body, decorated, tag = strip_decorations(clean(raw))
-        yield Line(number=number, body=body, decorated=decorated, tag=tag)
+        body, decorated, tag, level = strip_decorations(clean(raw))
+        yield Line(number=number, body=body, decorated=decorated, tag=tag, level=level)
 
 
 def _continues(prev: Record, line: Line) -> bool:
@@ -184,7 +194,7 @@ def iter_records(chunks: Iterable[str]) -> Iterator[Record]:
             continue
         if current is not None:
             yield current
-        current = Record(number=line.number, text=line.body, tag=line.tag)
+        current = Record(number=line.number, text=line.body, tag=line.tag, level=line.level)
     if current is not None:
         yield current
 

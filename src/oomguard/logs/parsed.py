@@ -152,7 +152,7 @@ class GpuProcess:
 # Scalar fields of ParsedLog that hold Observed values, with their merge rule when a log states
 # them several times (TP/PP ranks print one line each; a log may hold several attempts).
 #   first: keep the first statement; min: keep the smallest (vLLM uses the minimum over
-#   ranks); last: keep the latest.
+#   ranks); max: keep the largest; last: keep the latest.
 FIELD_RULES: dict[str, str] = {
     "vllm_version": "first",
     "engine": "first",
@@ -209,6 +209,23 @@ FIELD_RULES: dict[str, str] = {
     "encoder_profile_items": "first",
     "kv_usage_max_pct": "last",
     "preemptions": "last",
+    # host memory as `free` lists it
+    "host_ram_total_gib": "first",
+    "host_ram_available_gib": "min",
+    "host_swap_total_gib": "first",
+    "host_swap_free_gib": "min",
+    # sleep mode: what it freed and what the engine kept (first and latest statement)
+    "sleep_freed_gib": "first",
+    "sleep_residual_first_gib": "first",
+    "sleep_residual_gib": "last",
+    # numbers stated in prose (titles, summaries): weaker than a log line
+    "said_util": "max",
+    "said_unallocated_gib": "max",
+    "said_gpu_name": "first",
+    "said_weights_gib": "first",
+    "said_gpu_count": "first",
+    "said_version_old": "first",
+    "said_version_new": "first",
 }
 
 
@@ -289,8 +306,45 @@ class ParsedLog:
             "sleep_expandable_conflict",
             "memory_growth",
             "cpu_kv_allocation_failed",
+            "cpu_swap_too_large",
+            "host_ram_low",
+            # a sentence that says memory ran out (an issue title, a summary): weaker
+            # evidence, but a stated failure all the same
+            "said_oom",
         )
         return any(s in self.signatures for s in memory_signatures) or bool(self.ooms)
+
+    @property
+    def only_said(self) -> bool:
+        """Whether the only evidence of a failure is prose (no log line, error or traceback
+        of a memory failure)."""
+        return (
+            self.shows_failure
+            and not self.ooms
+            and all(
+                s == "said_oom" or s not in self.signatures
+                for s in (
+                    "cuda_oom",
+                    "driver_oom",
+                    "no_cache_blocks",
+                    "kv_too_small",
+                    "startup_check_failed",
+                    "host_ram_kill",
+                    "cpu_swap_exhausted",
+                    "host_alloc_failure",
+                    "mamba_blocks_exceeded",
+                    "sampler_warmup_oom",
+                    "weight_load_oom",
+                    "profiling_free_increase",
+                    "auto_fit_failed",
+                    "sleep_expandable_conflict",
+                    "memory_growth",
+                    "cpu_kv_allocation_failed",
+                    "cpu_swap_too_large",
+                    "host_ram_low",
+                )
+            )
+        )
 
     # --- rendering ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -6,11 +6,14 @@ import ast
 import re
 import sys
 from collections.abc import Iterable
+from dataclasses import fields as dataclass_fields
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from oomguard.errors import BadInput
 from oomguard.logs import catalogue as cat
+from oomguard.logs import prose
 from oomguard.logs.lines import Record, iter_records, read_binary_lines
 from oomguard.logs.parsed import (
     FIELD_RULES,
@@ -82,6 +85,8 @@ class _Builder:
         if current is None or rule == "last":
             self.log.fields[name] = Observed(value, ev)
         elif rule == "min" and isinstance(value, (int, float)) and value < current.value:
+            self.log.fields[name] = Observed(value, ev)
+        elif rule == "max" and isinstance(value, (int, float)) and value > current.value:
             self.log.fields[name] = Observed(value, ev)
 
     def signature(self, name: str, ev: Evidence) -> None:
@@ -309,6 +314,155 @@ class _Builder:
                 return
         log.ooms.append(event)
 
+    def _h_oom_detail(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """PyTorch's OOM figures on a line of their own, after the line that reported the
+        failure (a report wrapped by the reporter or reformatted): fill in what the event
+        lacks."""
+        log = self.log
+        if not log.ooms:
+            return
+        last = log.ooms[-1]
+        if last.evidence.line >= record.number or record.number - last.evidence.line > 8:
+            return
+        detail = _parse_oom(last.kind, last.evidence, record.text)
+        updates: dict[str, Any] = {}
+        for f in dataclass_fields(OomEvent):
+            if f.name in ("kind", "evidence"):
+                continue
+            mine, theirs = getattr(last, f.name), getattr(detail, f.name)
+            if theirs not in (None, ()) and mine in (None, ()):
+                updates[f.name] = theirs
+        if updates:
+            log.ooms[-1] = replace(last, **updates)
+
+    def _h_ray_oom(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.signature("ray_oom", ev)
+
+    def _h_free_listing(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """A row of `free` (-h or KiB): total, used, free[, shared, buff/cache, available]."""
+        values: list[float] = []
+        for token in m.group("cols").split():
+            gib = _free_amount_gib(token)
+            if gib is None:
+                return
+            values.append(gib)
+        if len(values) < 3:
+            return
+        total = values[0]
+        if total <= 0:
+            return
+        if m.group("kind") == "Mem":
+            available = values[5] if len(values) >= 6 else values[2]
+            self.set_field("host_ram_total_gib", total, ev)
+            self.set_field("host_ram_available_gib", available, ev)
+            if available < 0.05 * total:
+                self.signature("host_ram_low", ev)
+        else:
+            self.set_field("host_swap_total_gib", total, ev)
+            self.set_field("host_swap_free_gib", values[2], ev)
+            if values[2] < 0.05 * total:
+                self.signature("host_swap_full", ev)
+
+    def _h_still_in_use(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """What an engine keeps on the GPU after sleeping; a figure that keeps rising over
+        the log's steps is memory the engine no longer releases."""
+        try:
+            gib = float(m.group("gib"))
+        except ValueError:
+            return
+        first = self.log.fields.get("sleep_residual_first_gib")
+        self.set_field("sleep_residual_first_gib", gib, ev)
+        self.set_field("sleep_residual_gib", gib, ev)
+        if first is not None and gib >= first.value + 2.0 and gib >= 1.5 * first.value:
+            self.signature("sleep_residual_growth", first.evidence)
+
+    # --- prose ------------------------------------------------------------------------------
+    def _h_said(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """A sentence naming a memory failure or a mechanism (``said_*`` signatures); vLLM's
+        own quiet log lines and hedged advice ("to avoid OOM") do not count."""
+        name = m.re.pattern
+        pattern = _SAID_BY_REGEX.get(name)
+        if pattern is None:
+            return
+        if record.level in prose.QUIET_LEVELS:
+            return
+        if pattern in ("said_oom", "said_fragmentation"):
+            for found in m.re.finditer(record.text):
+                if prose.is_statement(record.text, found.start(), record.level):
+                    self.signature(pattern, ev)
+                    return
+            return
+        self.signature(pattern, ev)
+
+    def _h_workaround(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if record.level in prose.QUIET_LEVELS:
+            return
+        named = False
+        for found in m.re.finditer(record.text):
+            lever = found.group("a") or found.group("b") or found.group("c") or ""
+            cause = prose.lever_cause(lever)
+            if cause is not None:
+                self.signature("said_fix_" + cause, ev)
+                named = True
+        if named and _SAID_OOM.search(record.text):
+            # "I have to lower max_num_seqs to avoid the OOM": a workaround for an OOM that
+            # happened, not advice
+            self.signature("said_oom", ev)
+
+    def _h_said_util(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if record.level in prose.QUIET_LEVELS:
+            return
+        for found in m.re.finditer(record.text):
+            try:
+                util = float(found.group("util"))
+            except ValueError:
+                continue
+            if 0 < util <= 1:
+                self.set_field("said_util", util, ev)
+
+    def _h_said_model_size(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if record.level in prose.QUIET_LEVELS:
+            return
+        try:
+            self.set_field("said_weights_gib", float(m.group("gib")), ev)
+        except ValueError:
+            return
+
+    def _h_said_unallocated(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if self.log.ooms and record.number - self.log.ooms[-1].evidence.line <= 8:
+            return  # part of an OOM report: read with it
+        raw, unit = (
+            (m.group("a"), m.group("a_unit")) if m.group("a") else (m.group("b"), m.group("b_unit"))
+        )
+        try:
+            self.set_field("said_unallocated_gib", to_gib(raw, unit), ev)
+        except ValueError:
+            return
+
+    def _h_said_gpu(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if record.level in prose.QUIET_LEVELS or "said_gpu_name" in self.log.fields:
+            return
+        name = re.sub(r"\s+", " ", m.group("name"))
+        mem = m.group("mem")
+        self.set_field("said_gpu_name", f"{name} {mem}GB" if mem else name, ev)
+        count = m.group("count") or m.group("count2")
+        if m.group("dual"):
+            count = "2"
+        if count and 1 < int(count) <= 64:
+            self.set_field("said_gpu_count", int(count), ev)
+
+    def _h_said_regression(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """ "Works in 0.2.6 but runs out of memory in 0.2.7": the oldest and newest vLLM
+        versions of a sentence that also states a memory failure."""
+        if record.level in prose.QUIET_LEVELS or "said_version_old" in self.log.fields:
+            return
+        if _SAID_OOM.search(record.text) is None:
+            return
+        versions = sorted({prose.version_tuple(v) for v in prose.VERSION.findall(record.text)})
+        if len(versions) >= 2:
+            self.set_field("said_version_old", ".".join(map(str, versions[0])), ev)
+            self.set_field("said_version_new", ".".join(map(str, versions[-1])), ev)
+
     # --- arguments --------------------------------------------------------------------------
     def _h_args_dict(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         payload = m.group("payload")
@@ -343,7 +497,8 @@ class _Builder:
     def _h_args_cmdline(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         if cat.PS_ROW.match(record.text):
             return  # another process's command line in a `ps` listing
-        args = command_args(m.group("payload"))
+        # a command quoted in prose ends at its closing backtick ("`vllm serve m` runs out …")
+        args = command_args(m.group("payload").split("`", 1)[0])
         if args:
             self._take_args(args, ev, user=True)
 
@@ -479,6 +634,22 @@ class _Builder:
         return Observed(reached, ev)
 
 
+_SAID_BY_REGEX = {p.regex.pattern: p.name for p in cat.PATTERNS if p.handler == "said"}
+_SAID_OOM = re.compile(prose.SAID_OOM)
+_FREE_AMOUNT = re.compile(r"^(\d+(?:[.,]\d+)?)([KMGTP]?)(i?)B?$")
+
+
+def _free_amount_gib(token: str) -> float | None:
+    """One column of `free`: ``62Gi``, ``5,8Gi`` (a locale's decimal comma), ``45Mi``, or a
+    bare number of KiB (plain ``free``)."""
+    m = _FREE_AMOUNT.match(token)
+    if m is None:
+        return None
+    number = float(m.group(1).replace(",", "."))
+    scale = {"": 2**10, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}[m.group(2)]
+    return number * scale / 2**30
+
+
 def command_args(text: str) -> dict[str, Any]:
     """vLLM arguments (underscore names) of a pasted ``vllm serve`` / api_server command.
 
@@ -557,6 +728,11 @@ def _parse_oom(kind: str, ev: Evidence, text: str) -> OomEvent:
     if old is not None:
         total, free, gpu_index = gib(old, "total"), gib(old, "free"), int(old.group("idx"))
         allocated, reserved = gib(old, "alloc"), gib(old, "reserved")
+    if new is None:
+        alt = cat.OOM_ALT_TOTAL_FREE.search(text)
+        if alt is not None:
+            total, free = gib(alt, "total"), gib(alt, "free")
+            gpu_index = int(alt.group("idx")) if alt.group("idx") else None
     processes: list[tuple[int, float]] = []
     for pm in cat.OOM_PROCESS.finditer(text):
         used = gib(pm, "used")
@@ -564,8 +740,12 @@ def _parse_oom(kind: str, ev: Evidence, text: str) -> OomEvent:
             processes.append((int(pm.group("pid")), used))
     this = gib(cat.OOM_THIS_PROCESS.search(text), "used")
     if allocated is None:
-        allocated = gib(cat.OOM_ALLOCATED.search(text), "alloc")
-    unallocated = gib(cat.OOM_UNALLOCATED.search(text), "unalloc")
+        allocated = gib(
+            cat.OOM_ALLOCATED.search(text) or cat.OOM_ALT_ALLOCATED.search(text), "alloc"
+        )
+    unallocated = gib(
+        cat.OOM_UNALLOCATED.search(text) or cat.OOM_ALT_UNALLOCATED.search(text), "unalloc"
+    )
     if unallocated is None and reserved is not None and allocated is not None:
         unallocated = max(reserved - allocated, 0.0)
     low = text.lower()

@@ -1,0 +1,176 @@
+"""What people write about a memory failure: issue titles, one-line summaries, descriptions.
+
+Real input to the doctor is often not a log but a sentence ("Gives OOM, works with
+enforce-eager", "[Bug]: ValueError: No available memory for the cache blocks", "the node runs
+low on memory"). This module holds the regular expressions that read such text as weaker
+evidence: a statement that memory ran out, the settings and mechanisms it names, the fix the
+writer says worked, the GPU and vLLM versions it mentions.
+
+vLLM's own log lines (a logger header with level DEBUG/INFO/WARNING) are never statements of
+a failure: their warnings say "to avoid OOM", "may cause out-of-memory errors", "If you are
+running out of memory, consider …". Such lines, and any statement hedged by "if", "may",
+"avoid", "risk" … shortly before the words, are ignored by :func:`is_statement`.
+"""
+
+from __future__ import annotations
+
+import re
+
+# logger levels whose lines are vLLM's own messages, not a report of what happened
+QUIET_LEVELS = frozenset({"DEBUG", "INFO", "WARNING", "WARN"})
+
+_MEM_WORD = r"(?:memory|vram|ram)"
+_WHERE = r"(?:(?:gpu|cuda|device|cpu|host|system|node)[ -])?"
+
+# a statement that memory ran out
+SAID_OOM = (
+    r"(?i:\bOOM(?:s|ed|ing|'ed|-?kill\w*)?\b"
+    rf"|\bout[ -]of[ -]{_WHERE}memory\b"
+    rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
+    rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
+    rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"
+    r"|\blow\s+on\s+memory\b|\bmemory\s+pressure\b)"
+)
+
+# words that make a statement conditional or advice ("to avoid OOM", "if you run out of …")
+_HEDGE = re.compile(
+    r"(?i)\b(?:if|avoid\w*|prevent\w*|may|might|could|would|risk\w*|potential\w*|consider\w*"
+    r"|unless|whether|possibl[ey]|likely|reduce the chance|in case|to reduce)\b"
+)
+_CONDITION = re.compile(r"(?i)^(?:if|unless|in case|whether)$")
+# a failure the same sentence reports: "crashes … if the system doesn't have enough RAM" states
+# what happened; "if you are running out of memory, consider …" does not
+_FAILURE_VERB = re.compile(r"(?i)\b(?:crash\w*|fail\w*|killed|abort\w*|died|dies|error)\b")
+_SENTENCE_END = re.compile(r"[.;!?](?:\s|$)")
+
+
+def is_statement(text: str, start: int, level: str) -> bool:
+    """Whether the words at ``text[start:]`` state that something happened: not a vLLM log
+    line of a quiet level, and not hedged within the same sentence just before them (a
+    condition such as "if" counts as a hedge only when the sentence reports no failure)."""
+    if level in QUIET_LEVELS:
+        return False
+    window = text[max(0, start - 48) : start]
+    ends = list(_SENTENCE_END.finditer(window))
+    if ends:
+        window = window[ends[-1].end() :]
+    hedges = [h.group(0) for h in _HEDGE.finditer(window)]
+    if not hedges:
+        return True
+    if all(_CONDITION.match(h) for h in hedges):
+        sentence = text[max(0, start - 200) : start]
+        ends = list(_SENTENCE_END.finditer(sentence))
+        if ends:
+            sentence = sentence[ends[-1].end() :]
+        return _FAILURE_VERB.search(sentence) is not None
+    return False
+
+
+# --- mechanisms a text names (signature name → regex) --------------------------------------
+_LEVERS = (
+    r"enforce[-_ ]eager|max[-_ ]num[-_ ]seqs?|batch[-_ ]size|max[-_ ]num[-_ ]batched[-_ ]tokens"
+    r"|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|context\s+length|gpu[-_ ]memory[-_ ]utili[sz]ation"
+    r"|tensor[-_ ]parallel[-_ ]size|tensor[-_ ]parallel\w*|swap[-_ ]space|expandable_segments"
+    r"|limit[-_ ]mm[-_ ]per[-_ ]prompt|VLLM_USE_V1=0|cpu[-_ ]offload\w*|kv[-_ ]cache[-_ ]dtype"
+)
+# "works with enforce-eager", "I have to reduce max_num_seqs to 4", "setting
+# --max-model-len 8192 fixed it": the fix the writer says worked
+WORKAROUND = re.compile(
+    r"(?i)(?:\b(?:works?|worked|working|runs?|ran|fine|ok(?:ay)?|solved|fixe[sd]|resolved|helps?|helped|succeed\w*)\b"
+    r"[^.\n]{0,30}?\b(?:with|by|after|when|using|once)\b[^.\n]{0,20}?(?P<a>" + _LEVERS + r")"
+    r"|\b(?:had|have|has|need(?:ed)?|must)\s+to\s+(?:reduce|lower|decrease|set|add|use|pass|disable|enable|turn\s+off|limit|cap)\b"
+    r"[^.\n]{0,20}?(?P<b>" + _LEVERS + r")"
+    r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b)"
+)
+
+# lever text → the cause it addresses
+LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(?i)enforce|VLLM_USE_V1"), "cuda_graph"),
+    (re.compile(r"(?i)num[-_ ]seqs|batch"), "concurrency_or_batch"),
+    (
+        re.compile(r"(?i)model[-_ ]len|seq[-_ ]len|context|kv[-_ ]cache[-_ ]dtype"),
+        "kv_too_small_for_max_len",
+    ),
+    (re.compile(r"(?i)utili"), "util_overshoot"),
+    (re.compile(r"(?i)tensor|offload"), "weights_dont_fit"),
+    (re.compile(r"(?i)swap"), "cpu_ram"),
+    (re.compile(r"(?i)expandable"), "fragmentation"),
+    (re.compile(r"(?i)limit[-_ ]mm"), "multimodal_encoder"),
+)
+
+MENTIONS: dict[str, str] = {
+    "said_capture": r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b|\bcapture[-_ ]sizes?\b)",
+    "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
+    "said_fragmentation": r"(?i:\bfragment\w*)",
+    # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
+    "said_host_ram": r"(?i:\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\))",
+    "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b)",
+    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance)\b)",
+    "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
+    "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
+    "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",
+    "said_runtime": r"(?i:\bshutting\s+down\b|\bshut\s+down\b|\bduring\s+(?:inference|generation|serving|decoding)\b|\bwhile\s+(?:serving|generating|running\s+requests)\b|\bafter\s+(?:\d+\s+|a\s+few\s+|some\s+|several\s+)?(?:hours?|minutes?|requests?|steps?)\b|\bat\s+runtime\b|\bunder\s+load\b|\bat\s+step\s+\d+)",
+    "said_startup": r"(?i:\b(?:right\s+)?after\s+(?:the\s+)?(?:service|server|engine)\s+(?:is\s+|was\s+)?start\w*|\b(?:at|during|on)\s+start-?up\b|\bwhen\s+(?:starting|launching|loading)\b|\bwhile\s+loading\b|\bengine\s+init\w*|\bimmediately\b)",
+    "said_single_gpu": r"(?i:\b(?:only|defaults?\s+to|just)\s+(?:uses?\s+)?(?:the\s+)?(?:first|one|a\s+single|single)\s+GPU\b|\bsingle\s+GPU\b|\bone\s+GPU\b)",
+}
+
+# a utilization a text states: "gpu_memory_utilization default value to 1.0", "--gpu-memory-utilization=0.95"
+SAID_UTIL = re.compile(
+    r"(?i)gpu[-_ ]memory[-_ ]utili[sz]ation(?:\W+(?!0?\.\d|1\b|1\.0)\w+){0,5}?\W+(?P<util>0?\.\d+|1\.0+|1)(?![\d.])"
+)
+
+# "The model is only 1.6G", "model size is 14GB": the writer's figure for the weights
+SAID_MODEL_SIZE = re.compile(
+    r"(?i)\b(?:model|weights)\s+(?:is|are|size\s+is|weighs|takes?)\s+(?:only\s+|about\s+|around\s+|~\s?)?"
+    r"(?P<gib>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b"
+)
+
+# "~20 GiB reserved-but-unallocated", "reserved but unallocated: 402 MiB"
+SAID_UNALLOCATED = re.compile(
+    r"(?i)(?P<a>\d+(?:\.\d+)?)\s?(?P<a_unit>[KMGT]i?B)\s+(?:of\s+)?(?:memory\s+)?reserved[- ]but[- ]unallocated"
+    r"|reserved[- ]but[- ]unallocated(?:\s+memory)?\s*[:=]?\s*(?:of\s+|is\s+)?~?(?P<b>\d+(?:\.\d+)?)\s?(?P<b_unit>[KMGT]i?B)"
+)
+
+# a GPU a text names: "8 A100-40Gs", "8xNVIDIA-H200", "A10*4", "RTX 4090 24GB", "dual-A100(40G)"
+SAID_GPU = re.compile(
+    r"(?:(?P<count>\d{1,2})\s?[x×*]?\s?|(?P<dual>dual|two|2)[- ])?(?:NVIDIA[- ]?)?"
+    r"(?P<name>A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
+    r"|RTX\s?A6000|A6000|RTX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)"
+    r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
+)
+
+# vLLM versions in a sentence about a regression ("works in 0.2.6 but OOMs in 0.2.7")
+REGRESSION_WORDS = re.compile(
+    r"(?i)\b(?:works?|worked|working|fine|ok|regression|previously|upgrad\w*|downgrad\w*)\b"
+)
+# (not inside a URL or a checkpoint name such as "Mixtral-8x7B-Instruct-v0.1-GPTQ")
+VERSION = re.compile(
+    r"(?i)(?<![\w./-])(?:v|vllm\s?|version\s)?(0\.\d{1,2}(?:\.\d{1,2})?)(?!\d|\.\d|[\w-])"
+)
+
+# vLLM releases that changed where memory goes; (version, cause, what changed). Sources: the
+# v0.2.7 release notes (CUDA graphs captured by default, --enforce-eager added; vLLM PR
+# #1926) and the v0.8.0 release notes (the V1 engine on by default, with torch.compile
+# piecewise CUDA graphs over more batch sizes; vllm-memory.md §2.6).
+VERSION_BOUNDARIES: tuple[tuple[tuple[int, ...], str, str], ...] = (
+    ((0, 2, 7), "cuda_graph", "vLLM 0.2.7 started capturing CUDA graphs by default"),
+    (
+        (0, 8, 0),
+        "cuda_graph",
+        "vLLM 0.8 made the V1 engine the default, which captures CUDA graphs for more batch sizes",
+    ),
+)
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """``"0.2.7"`` → ``(0, 2, 7)``; missing parts count as 0."""
+    parts = [int(p) for p in text.split(".")[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def lever_cause(lever: str) -> str | None:
+    """The cause a named lever addresses (``enforce-eager`` → ``cuda_graph``), or None."""
+    for pattern, cause in LEVER_CAUSE:
+        if pattern.search(lever):
+            return cause
+    return None
