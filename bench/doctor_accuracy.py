@@ -75,13 +75,39 @@ _WORKED = (
 )
 
 
-def worked_levers(text: str) -> set[tuple[str, str]]:
-    """The (family, direction) levers a free-text "fix that worked" names."""
-    return {
+# "--gpu-memory-utilization 0.9 (…)": the utilization the fix that worked set, when it opens with one
+_WORKED_UTIL = re.compile(
+    r"^\s*-*gpu[_-]memory[_-]utili[sz]ation[\s=]+(?P<util>0?\.\d+|1(?:\.0+)?)(?![\d.])"
+)
+
+
+def row_util(row: dict[str, Any]) -> float | None:
+    """The utilization a case's reported settings state, when it is one number."""
+    value = (row.get("settings") or {}).get("gpu_memory_utilization")
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def worked_levers(text: str, current_util: float | None = None) -> set[tuple[str, str]]:
+    """The (family, direction) levers a free-text "fix that worked" names.
+
+    When the text opens with the utilization that worked and the case states the one that
+    failed, the direction of the utilization lever is their comparison, not the wording.
+    """
+    levers = {
         (family, direction)
         for pattern, family, direction in _WORKED
         if re.search(pattern, text, re.IGNORECASE)
     }
+    stated = _WORKED_UTIL.search(text)
+    if stated and current_util is not None:
+        value = float(stated.group("util"))
+        if value != current_util:
+            levers = {lever for lever in levers if lever[0] != "util"}
+            levers.add(("util", "up" if value > current_util else "down"))
+    return levers
 
 
 def fix_lever(fix: Fix, current_util: float | None) -> tuple[str, str]:
@@ -136,7 +162,7 @@ def score(rows: list[dict[str, Any]], with_context: bool) -> dict[str, Any]:
             misses.append(f"  case {i}: {row['label']} → {got}   ({row['source']})")
         worked = row.get("fix_that_worked")
         if worked:
-            levers = worked_levers(worked)
+            levers = worked_levers(worked, row_util(row))
             if levers:
                 fix_total += 1
                 fixes = top.ordered_fixes() if top else []

@@ -26,7 +26,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from doctor_accuracy import context_of, fix_lever, print_confusion, worked_levers  # noqa: E402
+from doctor_accuracy import (  # noqa: E402
+    context_of,
+    fix_lever,
+    print_confusion,
+    row_util,
+    worked_levers,
+)
 from oomguard.doctor.diagnose import diagnose  # noqa: E402
 from oomguard.doctor.findings import CAUSES  # noqa: E402
 from oomguard.doctor.situation import Context  # noqa: E402
@@ -93,7 +99,7 @@ def run_case(index: int, row: dict[str, Any], with_context: bool) -> Outcome:
     top = diagnosis.top
     fixes = top.ordered_fixes() if top else []
     worked = row.get("fix_that_worked")
-    levers = worked_levers(worked) if worked else set()
+    levers = worked_levers(worked, row_util(row)) if worked else set()
     fix_counted = bool(levers)
     fix_matched = False
     doctor_lever = "-"

@@ -53,6 +53,7 @@ CONF_UTIL_HIGH = 0.5  # utilization ≥ 0.95 stated
 CONF_CAPTURE = 0.48
 CONF_LOGPROBS = 0.46
 CONF_COLOCATED = 0.45
+CONF_WAKE_UP_CACHED = 0.5  # sleep-mode wake-up beside a trainer (its cached blocks)
 CONF_OTHER_PROCESS = 0.44
 CONF_UTIL_LOW = 0.42
 CONF_SINGLE_GPU = 0.4
@@ -491,16 +492,46 @@ def _version_boundary(s: Situation, out: Findings, said: Evidence) -> None:
 
 def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
     p = s.parsed
-    if p.has("said_host_ram") or p.has("pinned_host_memory"):
+    if p.has("said_host_ram") or p.has("pinned_host_memory") or p.has("said_gpu_not_full"):
         out.add(
             "cpu_ram",
             CONF_HOST,
-            "the text places the failure in host memory (RAM, swap, pinned or mapped memory)",
-            [said, *_ev(s, "said_host_ram", "pinned_host_memory")],
+            "the text places the failure in host memory (RAM, swap, pinned or mapped memory, "
+            "a container's limit), or says the GPU was not full when memory ran out",
+            [said, *_ev(s, "said_host_ram", "pinned_host_memory", "said_gpu_not_full")],
             _host_fixes(s),
             "vLLM also needs host RAM: checkpoints are read (often memory-mapped) through it, "
             "V0 pins --swap-space GiB per GPU, --cpu-offload-gb and sleep mode park weights in "
             "it, and each API-server process holds its own copy of the tokenizer and buffers.",
+        )
+    if p.has("said_wake_up") and (p.has("said_colocated") or p.has("said_empty_cache")):
+        # the trainer frees its tensors, but PyTorch's caching allocator keeps the blocks
+        # reserved; sleep mode's wake-up maps memory through its own allocator and finds none
+        out.add(
+            "fragmentation",
+            CONF_WAKE_UP_CACHED,
+            "vLLM's wake-up ran out of memory beside a trainer: memory the trainer freed stays "
+            "reserved in PyTorch's cache, where vLLM's sleep-mode allocator cannot reach it",
+            [said, *_ev(s, "said_wake_up", "said_empty_cache", "said_colocated")],
+            [
+                Fix(
+                    "action",
+                    "call torch.cuda.empty_cache() (after gc.collect()) in the trainer before "
+                    "wake_up, so its cached blocks go back to the driver",
+                    "blocks reserved but unallocated by the trainer are invisible to vLLM's "
+                    "cumem allocator; expandable_segments does not apply with sleep mode",
+                    STEP_ACTION,
+                ),
+                _util_fix(
+                    s,
+                    0.1 * float(s.total_gib or 80.0),
+                    "if the trainer's live tensors, not its cache, fill the rest",
+                    "0.8",
+                ),
+            ],
+            "Sleep mode releases vLLM's memory through its own allocator; on wake-up it maps "
+            "it back. Whatever the trainer's caching allocator still holds, even unused, is "
+            "not free for that.",
         )
     if p.has("said_fragmentation"):
         out.add(

@@ -2562,6 +2562,31 @@ def _version_minor(s: Situation) -> int:
     return int(m.group(1)) if m else 0
 
 
+# the memory of the GPU most deployments top out at (an 80 GB card, in GiB): weights per GPU
+# above it do not fit whichever GPU a log without a device name ran on, bar the few larger ones
+COMMON_LARGEST_GPU_GIB = 79.0
+
+
+def rule_weights_exceed_gpu(s: Situation, out: Findings) -> None:
+    """A CUDA OOM where the weights per GPU alone are the whole GPU or more: whatever else
+    the log shows (other processes, a full cache), the model cannot fit at this parallelism,
+    so the weights outrank every other cause; with no GPU named, weights beyond an 80 GB card
+    are still the likeliest cause."""
+    p = s.parsed
+    wt = s.known("weights_total_gib")
+    if not p.ooms or wt is None:
+        return
+    pp = int(s.get("pipeline_parallel_size") or 1)
+    per_gpu = float(wt.value) / (s.tp * max(pp, 1))
+    total = s.total_gib
+    ev = p.ooms[0].evidence
+    if total:
+        if per_gpu >= 0.95 * total:
+            _weights_finding(s, out, [ev], 0.9)
+    elif per_gpu >= COMMON_LARGEST_GPU_GIB:
+        _weights_finding(s, out, [ev], 0.6)
+
+
 RULES: tuple[Callable[[Situation, Findings], None], ...] = (
     rule_startup_check,
     rule_kv_too_small,
@@ -2577,6 +2602,7 @@ RULES: tuple[Callable[[Situation, Findings], None], ...] = (
     rule_leak,
     rule_listed_processes,
     rule_torch_oom,
+    rule_weights_exceed_gpu,
     rule_truncated,
 )
 

@@ -176,10 +176,22 @@ def _continues(prev: Record, line: Line) -> bool:
     return first.islower() or first.isdigit() or body[:1] in (" ", "\t")
 
 
+# whole words that vLLM's memory messages wrap at: a line ending or starting with one of these
+# was wrapped between two words ("on startup is" + "less than desired"), not inside one
+_WHOLE_WORDS = frozenset(
+    "a an the is are was were be been of to in on at by for with than and or not no as from"
+    " that this it its less more can cannot when which try memory free gpu desired startup"
+    " cache blocks available needed larger smaller increasing decreasing model tokens stored"
+    " utilization engine initializing seconds secs".split()
+)
+
+
 def _join(prev: str, body: str) -> str:
     # a hard wrap inside a word ("KV cach" + "e is needed") joins without a space
     if body[:1] not in (" ", "\t") and prev[-1:].isalnum() and body[:1].isalnum():
-        if body[:1].islower() and not prev.endswith((" seconds", " secs")):
+        last = prev.rsplit(None, 1)[-1].lower() if prev.strip() else ""
+        first = body.split(None, 1)[0].lower()
+        if body[:1].islower() and last not in _WHOLE_WORDS and first not in _WHOLE_WORDS:
             return prev + body
     return prev + " " + body.strip()
 

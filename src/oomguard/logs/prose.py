@@ -103,7 +103,12 @@ MENTIONS: dict[str, str] = {
     "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
     "said_fragmentation": r"(?i:\bfragment\w*)",
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
-    "said_host_ram": r"(?i:\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\))",
+    "said_host_ram": r"(?i:\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
+    # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
+    "said_gpu_not_full": r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?(?:using\s+|used\s+|at\s+)?(?:all|full)\b)",
+    # sleep mode's wake-up and the caching allocator's cached blocks (torch.cuda.empty_cache)
+    "said_wake_up": r"(?i:\bwake[_ -]?up\b)",
+    "said_empty_cache": r"(?i:\bempty_cache\b|\bcaching\s+allocator\b)",
     "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b)",
     "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance)\b)",
     "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
