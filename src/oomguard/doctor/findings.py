@@ -20,6 +20,34 @@ CAUSES = (
     "other",
 )
 
+# Causes in the order the seeds' checklist reaches them (step 1 measures what else holds the
+# GPU, step 2 utilization, CUDA graphs beside it, step 3 max_model_len, step 4 the batch, then
+# what the model itself needs, and the allocator, host and unknown last): two findings with the
+# same confidence are ranked in this order.
+CHECKLIST_ORDER: dict[str, int] = {
+    cause: rank
+    for rank, cause in enumerate(
+        (
+            "leak_or_other_process",
+            "util_overshoot",
+            "cuda_graph",
+            "kv_too_small_for_max_len",
+            "concurrency_or_batch",
+            "multimodal_encoder",
+            "weights_dont_fit",
+            "fragmentation",
+            "cpu_ram",
+            "other",
+        )
+    )
+}
+
+
+def rank_key(cause: str, confidence: float) -> tuple[float, int]:
+    """Sort key for findings, best first: higher confidence (to 0.01), then checklist order."""
+    return (-round(confidence, 2), CHECKLIST_ORDER.get(cause, len(CHECKLIST_ORDER)))
+
+
 # The seeds' checklist order (measure → utilization → max_model_len → max_num_seqs → batch
 # tokens → fp8 KV → quantize → more GPUs → tier), extended with the levers it does not name.
 STEP_ACTION = 1

@@ -162,6 +162,19 @@ def _util_fix(s: Situation, extra_gib: float, reason: str, fallback: str) -> Fix
     )
 
 
+def _stated_util_fix(s: Situation) -> Fix:
+    """The utilization the text says it lowered to, else one that leaves a GiB more room."""
+    changed = s.parsed.get("said_changed_util")
+    if changed is not None:
+        return Fix(
+            "--gpu-memory-utilization",
+            f"{float(changed):.2f}",
+            "the value the text says avoided the out-of-memory",
+            STEP_UTIL,
+        )
+    return _util_fix(s, 1.0, "the text says a lower utilization worked", "0.85")
+
+
 def _host_fixes(s: Situation) -> list[Fix]:
     p = s.parsed
     fixes: list[Fix] = []
@@ -211,9 +224,7 @@ def _workarounds(s: Situation, out: Findings, said: Evidence) -> None:
         "cuda_graph": _graph_fixes,
         "concurrency_or_batch": lambda: _batch_fixes(s),
         "kv_too_small_for_max_len": lambda: _max_len_fixes(s),
-        "util_overshoot": lambda: [
-            _util_fix(s, 1.0, "the text says a lower utilization worked", "0.85")
-        ],
+        "util_overshoot": lambda: [_stated_util_fix(s)],
         "weights_dont_fit": lambda: [
             Fix(
                 "--tensor-parallel-size",
@@ -469,6 +480,30 @@ def _version_boundary(s: Situation, out: Findings, said: Evidence) -> None:
     before, after = prose.version_tuple(str(old)), prose.version_tuple(str(new))
     for boundary, cause, what in prose.VERSION_BOUNDARIES:
         if before < boundary <= after:
+            if boundary == V1_DEFAULT and _v1_default_seqs(s):
+                # the V1 default also raised max_num_seqs to 1024 on ≥ 70 GiB GPUs (§3.2): the
+                # start-up profile and the sampler warm-up run that many sequences, so with the
+                # setting left at its default that is the likelier cost; graphs come second
+                out.add(
+                    "concurrency_or_batch",
+                    CONF_BOUNDARY,
+                    f"works on {old} but runs out of memory on {new}: vLLM 0.8's V1 engine "
+                    "raised the default max_num_seqs to 1024 on large GPUs, and its profile "
+                    "and sampler warm-up run that many sequences",
+                    [said, p.evidence("said_version_old")],
+                    _batch_fixes(s),
+                    "An upgrade that starts to fail at the same settings points at what the new "
+                    "release allocates that the old one did not; max_num_seqs was not set, so "
+                    "the new default applies.",
+                )
+                out.add(
+                    cause,
+                    CONF_BOUNDARY - 0.05,
+                    f"or: {what}",
+                    [said, p.evidence("said_version_old")],
+                    _graph_fixes(),
+                )
+                return
             out.add(
                 cause,
                 CONF_BOUNDARY,
@@ -488,6 +523,19 @@ def _version_boundary(s: Situation, out: Findings, said: Evidence) -> None:
                 "release allocates that the old one did not.",
             )
             return
+
+
+# the release that made the V1 engine the default (with its larger max_num_seqs default)
+V1_DEFAULT = (0, 8, 0)
+
+
+def _v1_default_seqs(s: Situation) -> bool:
+    """Whether max_num_seqs was left at its default on a GPU where V1 makes that 1024 (≥ 70
+    GiB, or not known)."""
+    if s.get("max_num_seqs") is not None:
+        return False
+    total = s.total_gib
+    return total is None or total >= 70
 
 
 def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:

@@ -30,6 +30,7 @@ from oomguard.doctor.findings import (
     STEP_UTIL,
     Finding,
     Fix,
+    rank_key,
 )
 from oomguard.doctor.situation import (
     GIB,
@@ -87,7 +88,7 @@ class Findings:
         current.evidence.extend(e for e in evs if e.line not in seen)
 
     def ranked(self) -> list[Finding]:
-        return sorted(self.by_cause.values(), key=lambda f: -f.confidence)
+        return sorted(self.by_cause.values(), key=lambda f: rank_key(f.cause, f.confidence))
 
 
 # --- fixes computed from the numbers ------------------------------------------------------------
@@ -1881,9 +1882,12 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
                 [fix],
             )
         else:
+            # a sizeable co-tenant is a measured cause; a small one that merely tipped the
+            # allocation over is weaker than what the failing frame or batch says
+            sizeable = others >= max(1.0, 0.05 * total)
             out.add(
                 "util_overshoot",
-                0.78,
+                0.78 if sizeable else 0.58,
                 f"another process uses {others:.1f} GiB of the GPU that "
                 "gpu_memory_utilization does not budget for",
                 [ev],
@@ -2580,11 +2584,24 @@ def rule_weights_exceed_gpu(s: Situation, out: Findings) -> None:
     per_gpu = float(wt.value) / (s.tp * max(pp, 1))
     total = s.total_gib
     ev = p.ooms[0].evidence
+    measured = wt.origin == "log"
+    if not measured and _loaded_past_weights(s):
+        # weights as large as the GPU could not have loaded: the log contradicts an estimate
+        # made from the model's name (a quantized or differently sized checkpoint)
+        return
     if total:
         if per_gpu >= 0.95 * total:
-            _weights_finding(s, out, [ev], 0.9)
+            # the log's own weight figure is a measurement; one from the name is an estimate
+            _weights_finding(s, out, [ev], 0.9 if measured else 0.85)
     elif per_gpu >= COMMON_LARGEST_GPU_GIB:
         _weights_finding(s, out, [ev], 0.6)
+
+
+def _loaded_past_weights(s: Situation) -> bool:
+    """Whether the failure came after the weights were on the GPU: its phase (a log line or a
+    traceback frame) is profiling, KV allocation, warm-up, capture or serving."""
+    failed = s.parsed.failure_phase
+    return failed is not None and failed.value.rank > Phase.WEIGHT_LOADING.rank
 
 
 RULES: tuple[Callable[[Situation, Findings], None], ...] = (
@@ -2628,8 +2645,8 @@ def apply_rules(s: Situation) -> list[Finding]:
     from oomguard.doctor.prose import rule_prose  # prose reuses this module's fix builders
 
     rule_prose(s, out)
+    for finding in out.by_cause.values():
+        finding.confidence = min(max(finding.confidence, 0.05), 0.97)
     ranked = out.ranked()
     never_expandable_with_sleep(s, ranked)
-    for finding in ranked:
-        finding.confidence = min(max(finding.confidence, 0.05), 0.97)
     return ranked

@@ -460,7 +460,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "kv_needed",
         "kv cache is needed",
-        rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) GiB KV cache is needed, which is larger than the available KV cache memory \((?P<kv_available_gib>{NUM}) GiB\)",
+        # early V1 releases (0.8.x) print the same bytes / 2**30 figures with a "GB" unit
+        rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) Gi?B KV cache is needed, which is larger than the available KV cache memory \((?P<kv_available_gib>{NUM}) Gi?B\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
     ),
@@ -788,8 +789,16 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "serving_frames",
-        ("run_busy_loop", "engine_step", "step_with_batch_queue", "run_engine_loop"),
-        r"\b(?:run_busy_loop|_process_engine_step|step_with_batch_queue|run_engine_loop)\b",
+        # prompt logprobs are computed only for real requests that ask for them
+        (
+            "run_busy_loop",
+            "engine_step",
+            "step_with_batch_queue",
+            "run_engine_loop",
+            "_get_prompt_logprobs",
+        ),
+        r"\b(?:run_busy_loop|_process_engine_step|step_with_batch_queue|run_engine_loop"
+        r"|_get_prompt_logprobs\w*)\b",
         frame_phase=Phase.SERVING,
     ),
     _p(
@@ -1134,6 +1143,12 @@ PATTERNS: tuple[Pattern, ...] = (
         ),
         prose.WORKAROUND.pattern,
         handler="workaround",
+    ),
+    _p(
+        "said_lever_change",
+        (" from ", "->", "→", "=>"),
+        prose.LEVER_CHANGE.pattern,
+        handler="lever_change",
     ),
     _p(
         "said_util",

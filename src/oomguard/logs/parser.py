@@ -409,6 +409,29 @@ class _Builder:
             # happened, not advice
             self.signature("said_oom", ev)
 
+    def _h_lever_change(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """ "Setting X to 0.7 would cause OOM, so decrease it from 0.7 to 0.6": a setting
+        lowered (or the parallelism raised) in a text that names a memory failure, even a hedged
+        one, reports the failure and the change that avoided it. Raising utilization, the
+        context or the batch is no fix for running out of memory and is not read as one."""
+        if record.level in prose.QUIET_LEVELS or _SAID_OOM.search(record.text) is None:
+            return
+        for found in m.re.finditer(record.text):
+            change = prose.lever_change(record.text, found)
+            if change is None:
+                continue
+            lever, old, new = change
+            cause = prose.lever_cause(lever)
+            if cause is None or old == new:
+                continue
+            if (new > old) != (cause == "weights_dont_fit"):
+                continue
+            self.signature("said_fix_" + cause, ev)
+            self.signature("said_oom", ev)
+            if cause == "util_overshoot" and 0 < new < old <= 1:
+                self.set_field("said_util", old, ev)
+                self.set_field("said_changed_util", new, ev)
+
     def _h_said_util(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         if record.level in prose.QUIET_LEVELS:
             return

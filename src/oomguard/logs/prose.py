@@ -83,6 +83,60 @@ WORKAROUND = re.compile(
     r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b)"
 )
 
+# "so decrease it from 0.7 to 0.6", "max_num_seqs 256 -> 64", "lowered --max-model-len from
+# 32768 to 8192": a setting changed from one value to another. Written after a (possibly hedged)
+# statement that the old value runs out of memory, it reports the failure and the fix that
+# worked; "it" refers to the last lever named before it in the same text.
+_NUM = r"\d+(?:\.\d+)?"
+_CHANGE_VERB = r"(?:decreas|reduc|lower|increas|rais|chang|bump|drop|cut)\w*"
+LEVER_CHANGE = re.compile(
+    r"(?i)(?:\b"
+    + _CHANGE_VERB
+    + r"\s+(?:(?P<it>it|this|that|the\s+value)|(?:the\s+)?-*(?P<a>"
+    + _LEVERS
+    + r")(?:\s+(?:setting|value|parameter))?)\s+from\s+(?P<x>"
+    + _NUM
+    + r")\s+to\s+(?P<y>"
+    + _NUM
+    + r")(?![\d.]\d)"
+    r"|-*(?P<b>"
+    + _LEVERS
+    + r")\s*[:=]?\s*(?:from\s+)?(?P<x2>"
+    + _NUM
+    + r")\s*(?:->|→|=>)\s*(?P<y2>"
+    + _NUM
+    + r")(?![\d.]\d))"
+)
+_LEVER_NAME = re.compile(r"(?i)" + _LEVERS)
+# "even after I reduced it …", "… still OOM", "did not help": a change that did not avoid it
+_IN_VAIN_BEFORE = re.compile(r"(?i)\beven\s+(?:after|when|if|with|though)\b[^.;!?\n]{0,30}$")
+_IN_VAIN_AFTER = re.compile(
+    r"(?i)^[^.;!?\n]{0,40}?\b(?:still|same\s+(?:error|issue|problem|oom)|(?:did|does|do|was|is)(?:n't|\s+not)"
+    r"|not\s+(?:help\w*|work\w*|fix\w*|solv\w*)|no\s+(?:luck|help|difference|effect)|nothing|in\s+vain)\b"
+)
+
+
+def lever_change(text: str, match: re.Match[str]) -> tuple[str, float, float] | None:
+    """The lever, old and new value of a :data:`LEVER_CHANGE` match; for "decrease it from …"
+    the lever is the last one named before the match in ``text``. None when there is no lever
+    or the text says the change did not help ("even after …", "… still OOM")."""
+    if _IN_VAIN_BEFORE.search(text, 0, match.start()) or _IN_VAIN_AFTER.search(
+        text[match.end() : match.end() + 80]
+    ):
+        return None
+    lever = match.group("a") or match.group("b")
+    if lever is None:
+        before = list(_LEVER_NAME.finditer(text, 0, match.start()))
+        if not before:
+            return None
+        lever = before[-1].group(0)
+    old, new = match.group("x") or match.group("x2"), match.group("y") or match.group("y2")
+    try:
+        return lever, float(old), float(new)
+    except (TypeError, ValueError):
+        return None
+
+
 # lever text → the cause it addresses
 LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?i)enforce|VLLM_USE_V1"), "cuda_graph"),
