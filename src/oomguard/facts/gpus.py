@@ -24,6 +24,16 @@ _OOMS = "../shared/data/oom-cases.jsonl"
 # nvidia-smi totals per model: modal-labs/modal-client PR #2797 (H100 81559 MiB, A100-80 81920,
 # A100-40 40960, A10 23028, L40S 46068, L4 23034, T4 15360); others from vendor spec sheets.
 _SMI = "nvidia-smi total (modal-labs/modal-client#2797 or vendor spec) minus driver reserve"
+_HOLDOUT = "bench/data/startup-logs-holdout.jsonl"
+# Interconnect (``nvlink``), from NVIDIA's product pages and data sheets: SXM/SXM2 modules sit on
+# NVLink (HGX boards: NVSwitch, every pair linked); H100 NVL and GH200 ship with NVLink; GeForce
+# RTX 40/50, RTX 6000 Ada, RTX PRO 6000, L4/L40/L40S, A10/A10G and T4 have no NVLink; RTX 3090 and
+# A6000 accept a 2-way bridge and A100/H100 PCIe an optional bridge, but cloud and workstation
+# builds mostly run them without, so they count as PCIe-only (the conservative case for a bridged
+# pair is ``nvlink=True`` via a custom GPU). AMD Instinct MI300X: xGMI, fully connected on the
+# 8-GPU platform. vLLM keys its custom all-reduce on this (custom_all_reduce.py).
+_NVLINK = frozenset({"V100 16GB SXM2", "V100 32GB SXM2", "A100 40GB SXM", "A100 80GB SXM", "H100 SXM",
+                     "H100 NVL", "H200", "H20", "H20 141GB", "GH200", "B200", "MI300X"})  # fmt: skip
 
 
 class NoGPUDetected(BadInput):
@@ -44,6 +54,9 @@ class _Row:
 
 _ROWS: tuple[_Row, ...] = (
     # consumer
+    _Row("RTX 2060 12GB", 12, 11.997, "7.5", "NVIDIA GeForce RTX 2060 12GB",
+         f"observed: vLLM log total_gpu_memory (12.00GiB, so 11.995-12.0) on an RTX 2060 12GB ({_HOLDOUT}, row 13)",
+         ("2060 12gb",)),
     _Row("RTX 3060", 12, 11.76, "8.6", "NVIDIA GeForce RTX 3060", f"derived: 12288 MiB {_SMI}", ("3060", "rtx 3060 12gb")),
     _Row("RTX 3070", 8, 7.76, "8.6", "NVIDIA GeForce RTX 3070", f"derived: 8192 MiB {_SMI}", ("3070",)),
     _Row("RTX 3080", 10, 9.77, "8.6", "NVIDIA GeForce RTX 3080", f"derived: 10240 MiB {_SMI}", ("3080", "rtx 3080 10gb")),
@@ -72,6 +85,15 @@ _ROWS: tuple[_Row, ...] = (
     _Row("RTX PRO 6000 Blackwell", 96, 94.97, "12.0", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
          f"derived: 97887 MiB {_SMI}", ("rtx pro 6000", "pro 6000", "rtx pro 6000 96gb", "6000 blackwell")),
     # datacenter
+    _Row("V100 16GB SXM2", 16, 15.77, "7.0", "Tesla V100-SXM2-16GB", f"derived: 16160 MiB {_SMI}",
+         ("v100", "v100 16gb", "tesla v100", "v100-sxm2-16gb", "v100 sxm2 16gb")),
+    _Row("V100 32GB SXM2", 32, 31.74, "7.0", "Tesla V100-SXM2-32GB",
+         f"observed: vLLM log total_gpu_memory (31.74GiB) on a V100 32GB ({_HOLDOUT}, row 14)",
+         ("v100 32gb", "v100-32gb", "v100 32g", "v100-sxm2-32gb", "v100 sxm2 32gb")),
+    _Row("V100 16GB PCIe", 16, 15.77, "7.0", "Tesla V100-PCIE-16GB",
+         "derived: same 16160 MiB HBM2 as the V100 16GB SXM2", ("v100-pcie-16gb", "v100 pcie 16gb", "v100 pcie")),
+    _Row("V100 32GB PCIe", 32, 31.74, "7.0", "Tesla V100-PCIE-32GB",
+         "derived: same 32 GB HBM2 as the V100 32GB SXM2 observed at 31.74 GiB", ("v100-pcie-32gb", "v100 pcie 32gb")),
     _Row("T4", 16, 14.74, "7.5", "Tesla T4",
          f"observed: vLLM log total 14.74 GiB ({_LOGS}; 15360 MiB with ECC)", ("tesla t4", "t4 16gb")),
     _Row("A10", 24, 22.20, "8.6", "NVIDIA A10", f"derived: 23028 MiB (ECC on) {_SMI}", ()),
@@ -117,6 +139,7 @@ def _spec(row: _Row) -> GPUSpec:
         compute_capability=row.cc,
         device_name=row.device_name,
         source=row.source,
+        nvlink=row.name in _NVLINK,
     )
 
 

@@ -38,6 +38,15 @@ NON_TORCH_GIB = {
     ("late", "single"): 0.25,  # 0.18+: 0.24–0.27 TP=1, 2.07–2.21 TP≥2, 0.07 PP-only (0.19 logs)
     ("late", "tp"): 2.0,
     ("late", "pp"): 0.07,
+    # TP over PCIe-only cards (GPUSpec.nvlink False): vLLM's custom all-reduce is off for world
+    # size > 2 without full NVLink and for 2 without P2P (vllm custom_all_reduce.py), and NCCL
+    # has no NVLink/NVSwitch paths to set up buffers for. Priors, not fits (the development logs
+    # hold no PCIe TP run): V0 (which measures NCCL init) and 0.18+ (whose ~2 GiB TP growth
+    # appears on NVLink machines) fall to the single-GPU figure of the era; 0.11–0.17 keeps
+    # its TP figure, as nothing shows that growth depends on the link (the conservative side).
+    ("v0", "tp_pcie"): 0.10,
+    ("early", "tp_pcie"): 0.55,
+    ("late", "tp_pcie"): 0.25,
 }
 # CUDA-graph estimate (§2.6), fitted on 0.19 "Estimated CUDA graph memory" lines: a fixed pool
 # part plus a per-layer part per captured size (51 sizes up to 512 by default).
@@ -202,9 +211,14 @@ def non_torch(
     tp: int,
     pp: int,
     platform: str = "cuda",
+    nvlink: bool = True,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
-    """Non-torch memory growth measured by the profile (cuBLAS workspaces, NCCL buffers) (§2.4)."""
+    """Non-torch memory growth measured by the profile (cuBLAS workspaces, NCCL buffers) (§2.4).
+
+    ``nvlink`` is the GPU's interconnect (:attr:`GPUSpec.nvlink`): the calibrated TP figures
+    come from NVLink/NVSwitch machines; PCIe-only cards use the ``tp_pcie`` row instead.
+    """
     if platform == "cpu":
         return Estimate.exact(0, "CPU backend: no device profiling")
     group = (
@@ -213,14 +227,17 @@ def non_torch(
         else ("early" if era.minor <= 17 else "late")
     )
     kind = "tp" if tp > 1 else ("pp" if pp > 1 else "single")
+    if kind == "tp" and not nvlink:
+        kind = "tp_pcie"
     table = coef.non_torch_gib
     gib = table.get((group, kind), table[(group, "single")])
     if kind == "tp" and group == "late":
         gib += 0.04 * tp
     value = gib * GIB
     low, high = _range(value, 0.3, 0.1 * GIB)
+    basis = "calibrated" if kind != "tp_pcie" else "PCIe-only interconnect: no NVLink buffers"
     return Estimate(
-        int(value), low, high, f"estimate: non-torch growth, {group} versions, {kind} (calibrated)"
+        int(value), low, high, f"estimate: non-torch growth, {group} versions, {kind} ({basis})"
     )
 
 

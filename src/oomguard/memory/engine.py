@@ -430,6 +430,22 @@ def _default_block_size(
     return 16
 
 
+def _v0_auto_chunked_prefill(model: ModelSpec, max_len: int, platform: str) -> bool:
+    """Whether the V0 engine turns chunked prefill on by itself (no flag given).
+
+    Source: vllm ``engine/arg_utils.py`` ``create_engine_config`` (0.6.x–0.7.x; the same rule
+    under ``_set_default_args_v0`` later): on for ``max_model_len > 32768`` on CUDA, for every
+    usage context, unless the model is multimodal, has sliding-window layers or
+    sequence-length-agnostic (Mamba) layers, or runs speculative decoding or LoRA (not modelled
+    here: the planner prices neither).
+    """
+    if max_len <= 32768 or platform != "cuda" or model.vision is not None or model.has_mamba:
+        return False
+    return not any(
+        layer.kind is AttentionKind.SLIDING or layer.sliding_window for layer in model.layers
+    )
+
+
 def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> str:
     if not model.has_mamba or not prefix_caching:
         return "none"
@@ -537,10 +553,11 @@ def predict(
         seqs = settings.max_num_seqs or 256
         if settings.max_num_batched_tokens:
             tokens = settings.max_num_batched_tokens
-        elif max_len > 32768:
-            tokens = 2048 if settings.usage_context == "server" else 8192  # V0 auto chunked prefill
+        elif _v0_auto_chunked_prefill(model, max_len, platform):
+            tokens = era.v0_chunked_prefill_tokens
         else:
-            tokens = max(max_len, 2048)
+            # SchedulerConfig without chunked prefill: the whole context in one batch
+            tokens = max(max_len, 5120 if model.vision is not None else 2048)
     else:
         defaults = batch_defaults(
             era,
@@ -621,7 +638,7 @@ def predict(
         requested = total * util  # a float before 0.14
     # the terms whose measured value replaced the estimate (and so enters the KV budget)
     measured_names: list[str] = []
-    nt = non_torch(era, tp=tp, pp=pp, platform=platform, coef=coef)
+    nt = non_torch(era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, coef=coef)
     if measured and measured.non_torch_bytes is not None and platform != "cpu":
         # the CPU backend profiles no device memory: there is no non-torch term to replace
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
@@ -983,9 +1000,7 @@ def _finish(
         after_load = ("Available KV cache memory", "No available memory", "To serve at least",
                       "Auto-fit", "Add ", "Overriding num_gpu_blocks", "Cannot auto-fit")  # fmt: skip
         logs = [
-            line
-            for line in logs
-            if not line.startswith(after_load) and "KV cache size" not in line
+            line for line in logs if not line.startswith(after_load) and "KV cache size" not in line
         ]
     return MemoryPrediction(
         model=model.name,

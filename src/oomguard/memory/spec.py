@@ -192,6 +192,12 @@ class GPUSpec:
     compute_capability: str = ""  # "9.0"; Blackwell "10.0" changes capture sizes and MLA backends
     device_name: str = ""  # torch.cuda.get_device_name(), lower-cased by vLLM for default tiers
     source: str = ""
+    # GPUs of this model in one server are linked by NVLink/NVSwitch (AMD: xGMI): vLLM's custom
+    # all-reduce (and NCCL's NVLink paths) set up their device buffers only then; PCIe-only
+    # cards skip them (vllm distributed/device_communicators/custom_all_reduce.py: world size
+    # > 2 needs full NVLink, 2 needs P2P). Default True: an unknown card is priced the
+    # conservative way (the larger non-torch term).
+    nvlink: bool = True
 
     @property
     def total_gib(self) -> float:

@@ -64,6 +64,10 @@ class VllmEra:
     cpu_block_size_128: bool = True  # §3.3: CPU 128 unconditionally from 0.12
     mla_block_blackwell: int = 128  # §3.3: CUTLASS MLA 0.11–0.14, FlashInfer MLA 64 from 0.15
     model_loading_form: str = "v14"  # §2.2: "v10" (%.4f GiB), "v12" (%.4f GiB memory), "v14"
+    # V0 engine only: max_num_batched_tokens when chunked prefill is on and the user set none.
+    # SchedulerConfig used 512 up to 0.6.4.post1 and 2048 from 0.6.5 (vllm PR #10544, merged
+    # 2024-11-21: "Update default max_num_batch_tokens for chunked prefill to 2048").
+    v0_chunked_prefill_tokens: int = 2048
 
     @property
     def version(self) -> str:
@@ -169,13 +173,26 @@ def resolve_era(version: str | None, engine: str = "v1") -> VllmEra:
                 f"vLLM {version} has no V0 engine (removed in 0.11)",
                 "drop the V0 engine setting or pass a version ≤ 0.10",
             )
-        return replace(ERAS[OLDEST_MINOR], engine="v0", label=f"0.{minor}")
+        return replace(
+            ERAS[OLDEST_MINOR],
+            engine="v0",
+            label=f"0.{minor}",
+            v0_chunked_prefill_tokens=v0_chunked_prefill_tokens(minor, _patch),
+        )
     if minor < OLDEST_MINOR or minor > NEWEST_MINOR:
         raise BadInput(
             f"vLLM version {version!r} is outside the supported range 0.{OLDEST_MINOR} … 0.{NEWEST_MINOR}",
             "pass a version in that range or 'latest'",
         )
     return ERAS[minor]
+
+
+def v0_chunked_prefill_tokens(minor: int, patch: int) -> int:
+    """V0 SchedulerConfig's default ``max_num_batched_tokens`` with chunked prefill on.
+
+    512 through 0.6.4.post1, 2048 from 0.6.5 (vllm PR #10544); V0 releases only (≤ 0.10).
+    """
+    return 512 if (minor, patch) < (6, 5) else 2048
 
 
 @dataclass(frozen=True)

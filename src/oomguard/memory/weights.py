@@ -168,6 +168,40 @@ def _elements_on_rank(group: ParamGroup, model: ModelSpec, tp: int, ep: int) -> 
     return group.count / tp
 
 
+# Model types whose dense MLP layers come first and MoE layers after (config
+# ``first_k_dense_replace``: DeepSeek V2/V3/R1, Kimi-K2/VL, GLM-4.5 MoE). Interleaved layouts
+# (Llama-4 ``interleave_moe_layer_step``, Jamba ``expert_layer_period``) spread evenly.
+FIRST_K_DENSE_MODEL_TYPES = frozenset(
+    {"deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_vl", "glm4_moe", "deepseek_vl_v2"}
+)
+_MOE_GROUPS = frozenset({"experts", "shared_experts", "router"})
+
+
+def _stage_share(model: ModelSpec, group_name: str, layers: range) -> float:
+    """Fraction of a per-layer group's elements held by the stage owning ``layers``.
+
+    Evenly spread, except for first-k-dense MoE models: their expert/router groups live on the
+    last ``num_moe_layers`` layers and their dense ``mlp`` on the first ones, so with pipeline
+    parallelism the first stage holds less and the later ones more (vLLM's ``get_pp_indices``
+    splits by layer count, not by bytes).
+    """
+    moe = model.moe
+    n = model.num_layers
+    if (
+        moe is None
+        or model.model_type not in FIRST_K_DENSE_MODEL_TYPES
+        or not 0 < moe.num_moe_layers < n
+        or (group_name not in _MOE_GROUPS and group_name != "mlp")
+        or not any(g.name == "experts" for g in model.params)  # "mlp" would hold every layer
+    ):
+        return len(layers) / n
+    first_moe = n - moe.num_moe_layers
+    moe_here = sum(1 for i in layers if i >= first_moe)
+    if group_name in _MOE_GROUPS:
+        return moe_here / moe.num_moe_layers
+    return (len(layers) - moe_here) / first_moe
+
+
 def weight_bytes_per_stage(
     model: ModelSpec,
     *,
@@ -222,7 +256,7 @@ def weight_bytes_per_stage(
                 continue
             elems = _elements_on_rank(group, model, tp, ep)
             if group.per_layer and group.stage == "layers":
-                elems *= len(layers) / model.num_layers
+                elems *= _stage_share(model, group.name, layers)
             elif group.stage == "first" and not first:
                 if not (
                     last and group.name == "embed" and model.tie_word_embeddings and not has_lm_head

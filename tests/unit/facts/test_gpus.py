@@ -71,3 +71,56 @@ def test_detect_without_driver_is_clear_error() -> None:
     else:  # a machine with a GPU: the numbers must be self-consistent
         for gpu in gpus:
             assert gpu.total_bytes >= gpu.free_bytes and gpu.spec.total_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical", "total_gib"),
+    [
+        ("Tesla V100-SXM2-32GB", "V100 32GB SXM2", 31.74),  # the log's total_gpu_memory
+        ("v100 32gb", "V100 32GB SXM2", 31.74),
+        ("v100", "V100 16GB SXM2", 15.77),
+        ("Tesla V100-PCIE-16GB", "V100 16GB PCIe", 15.77),
+        ("RTX 2060 12GB", "RTX 2060 12GB", 12.00),  # printed as 12.00GiB
+    ],
+)
+def test_volta_and_turing_cards(name: str, canonical: str, total_gib: float) -> None:
+    gpu = find_gpu(name)
+    assert gpu.name == canonical
+    assert round(gpu.total_gib, 2) == total_gib
+    assert gpu.compute_capability in ("7.0", "7.5")
+
+
+def test_plain_rtx_2060_is_not_taken_for_the_12gb_card() -> None:
+    # the common RTX 2060 has 6 GB: the 12 GB entry must not answer for it
+    with pytest.raises(UnknownGPU):
+        find_gpu("RTX 2060")
+
+
+@pytest.mark.parametrize(
+    ("name", "nvlink"),
+    [
+        ("H100 SXM", True),
+        ("H200", True),
+        ("A100 40GB SXM", True),
+        ("B200", True),
+        ("V100 32GB SXM2", True),
+        ("MI300X", True),
+        ("H100 PCIe", False),
+        ("A100 80GB PCIe", False),
+        ("L4", False),
+        ("L40S", False),
+        ("A10G", False),
+        ("T4", False),
+        ("RTX 4090", False),
+        ("RTX 5090", False),
+        ("RTX 3090", False),
+        ("V100 16GB PCIe", False),
+    ],
+)
+def test_interconnect_fact(name: str, nvlink: bool) -> None:
+    assert find_gpu(name).nvlink is nvlink
+
+
+def test_user_given_total_is_priced_as_nvlink() -> None:
+    # unknown interconnect: the conservative (larger non-torch) side
+    assert custom_gpu(24.0).nvlink is True
