@@ -391,7 +391,11 @@ def refit(
                     unrefitted.append(name)
                 continue
             implied = [delta[name] + residual(p) / sens[p.row][name] for p in informed]
-            weights = [abs(sens[p.row][name]) for p in informed]
+            raw = [abs(sens[p.row][name]) for p in informed]
+            # one row must not decide a coefficient for everyone: cap each weight at three times
+            # the median weight (a row priced at a huge batch has a huge sensitivity)
+            cap = 3 * statistics.median(raw)
+            weights = [min(w, cap) for w in raw]
             base_value = get(DEFAULT_COEFFICIENTS)
             fitted = base_value + _weighted_median(implied, weights)
             delta[name] = min(high, max(low, fitted)) - base_value
