@@ -47,6 +47,76 @@ class Pattern:
     # "activation": an op whose memory grows with the batch); the parser remembers the kinds
     # the failing traceback ran through
     frame_kind: str | None = None
+    # the tolerant form of the message (see :func:`tolerant`): tried when ``regex`` does not
+    # match, and on this record joined with the next ones when the message was wrapped
+    loose: re.Pattern[str] | None = None
+    # the words ``loose`` cannot match without (lower case): a cheap test before running it
+    loose_words: tuple[str, ...] = ()
+
+    def loose_search(self, text: str, lower: str) -> re.Match[str] | None:
+        """Search ``text`` (``lower`` its lower-case form) with the tolerant form, if any."""
+        if self.loose is None or not all(w in lower for w in self.loose_words):
+            return None
+        return self.loose.search(text)
+
+
+# --- tolerant forms of the known messages --------------------------------------------------------
+# Reporters quote vLLM's and PyTorch's messages condensed, re-wrapped, with parentheses and
+# punctuation dropped, numbers elided ("(...)", "N GiB") and connectives paraphrased ("<" for "is
+# less than"), inside Markdown quotes and backticks. A template names a message by its core words;
+# :func:`tolerant` compiles it so that anything but letters and digits may separate the words.
+#
+# Template syntax: ``word`` a literal word (case-insensitive); ``[words]`` optional words;
+# ``{field}`` an optional number (absent, or elided as ``...``/``…``/``N``/``X``/``?``);
+# ``{field:mem}`` the same with its unit (GiB, GB, MiB … into ``field_unit``); ``<less>``,
+# ``<larger>`` a comparison in words or symbols; ``*`` a short run of anything (a device name).
+_GAP = r"[\W_]{0,12}"
+_ELIDED = r"(?:\.{2,}|…|\b[NnXx]\b|\?+)"
+_LOOSE_UNIT = r"(?:[KMGT]i?B|[KMGT]\b|bytes)"
+_CONNECTIVES = {
+    "less": r"(?:(?:is|are|was)[\W_]+)?(?:less|smaller|lower|fewer)[\W_]+than|<|below",
+    "larger": r"(?:(?:is|are|was)[\W_]+)?(?:larger|greater|bigger|more)[\W_]+than|>|exceeds?|above",
+}
+_TEMPLATE_TOKEN = re.compile(r"\{(\w+)(?::(mem))?\}|<(\w+)>|\[([^\]]*)\]|(\*)|([A-Za-z0-9]+)")
+
+
+def _tolerant_parts(template: str) -> str:
+    out: list[str] = []
+    for m in _TEMPLATE_TOKEN.finditer(template):
+        field, mem, conn, optional, star, word = m.groups()
+        if field:
+            unit = rf"(?:[\W_]{{0,4}}(?P<{field}_unit>{_LOOSE_UNIT}))?" if mem else ""
+            # with a unit, the number may be gone and its unit left ("( / GiB)")
+            number = rf"(?:(?P<{field}>{NUM})|{_ELIDED})" + ("?" if mem else "")
+            out.append(rf"(?:{number}{unit}{_GAP})?")
+        elif conn:
+            out.append(rf"(?:{_CONNECTIVES[conn]}){_GAP}")
+        elif optional is not None:
+            out.append(rf"(?:{_tolerant_parts(optional)})?")
+        elif star:
+            # whole words that are not numbers ("device", "cuda:0"), or a device index ("cuda 0")
+            word_or_index = r"(?:(?![\d.…])[^\s()]{1,24}(?![^\s()])|\d{1,2}(?![\d./,]))"
+            out.append(rf"(?:{word_or_index}{_GAP}){{0,3}}")
+        else:
+            out.append(rf"{re.escape(word)}{_GAP}")
+    return "".join(out)
+
+
+def required_words(template: str) -> tuple[str, ...]:
+    """The literal words of a template outside its optional parts, lower-cased."""
+    outside = re.sub(r"\[[^\]]*\]|\{[^}]*\}|<\w+>", " ", template)
+    return tuple(dict.fromkeys(w.lower() for w in re.findall(r"[A-Za-z0-9]+", outside)))
+
+
+def tolerant(template: str) -> re.Pattern[str]:
+    """Compile a message template into a regex tolerant of quoting and paraphrase.
+
+    Words must appear in order, separated by anything but letters and digits (punctuation,
+    parentheses, backticks, Markdown ``>``, a line break joined into a space); number slots are
+    optional and take elisions; a number group is None when the text omits the number.
+    """
+    # no word boundary before the first word: a wrap joined without a space ("model'smax seq")
+    return re.compile(_tolerant_parts(template), re.IGNORECASE)
 
 
 def _p(
@@ -55,11 +125,18 @@ def _p(
     regex: str,
     *,
     flags: int = 0,
+    loose: str | None = None,
+    loose_triggers: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Pattern:
-    trig = (triggers,) if isinstance(triggers, str) else triggers
+    trig = ((triggers,) if isinstance(triggers, str) else triggers) + loose_triggers
     return Pattern(
-        name=name, triggers=tuple(t.lower() for t in trig), regex=re.compile(regex, flags), **kwargs
+        name=name,
+        triggers=tuple(dict.fromkeys(t.lower() for t in trig)),
+        regex=re.compile(regex, flags),
+        loose=tolerant(loose) if loose else None,
+        loose_words=required_words(loose) if loose else (),
+        **kwargs,
     )
 
 
@@ -196,6 +273,9 @@ PATTERNS: tuple[Pattern, ...] = (
         signature="startup_check_failed",
         phase=Phase.STARTUP,
         failure_phase=Phase.STARTUP,
+        loose="free memory on * ({startup_free_gib}/{startup_total_gib:mem}) [on startup] <less>"
+        " [the] desired [gpu] [memory] utilization ({gpu_memory_utilization}, {requested_gib:mem})",
+        loose_triggers=("free memory", "desired"),
     ),
     _p(
         "startup_check_cpu",
@@ -206,6 +286,9 @@ PATTERNS: tuple[Pattern, ...] = (
         phase=Phase.STARTUP,
         failure_phase=Phase.STARTUP,
         handler="platform_cpu",
+        loose="available memory on node {n} ({startup_free_gib}/{startup_total_gib:mem})"
+        " [on startup] <less> [the] desired cpu [memory] utilization",
+        loose_triggers=("available memory", "desired"),
     ),
     _p(
         "startup_external_weights",
@@ -272,6 +355,8 @@ PATTERNS: tuple[Pattern, ...] = (
         r"Failed to load model [-—–] not enough GPU memory",
         signature="weight_load_oom",
         failure_phase=Phase.WEIGHT_LOADING,
+        loose="failed to load model not enough gpu memory",
+        loose_triggers=("not enough", "failed to load"),
     ),
     # --- profiling (§2.3, §2.4, §11 DEBUG lines, V0) ----------------------------------------
     _p(
@@ -464,6 +549,9 @@ PATTERNS: tuple[Pattern, ...] = (
         rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) Gi?B KV cache is needed, which is larger than the available KV cache memory \((?P<kv_available_gib>{NUM}) Gi?B\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
+        loose="[max seq len ({kv_error_max_model_len})] {kv_needed_gib:mem} kv cache is needed"
+        " [which] <larger> [the] available kv cache memory ({kv_available_gib:mem})",
+        loose_triggers=("needed", "max seq len"),
     ),
     _p(
         "kv_estimated_len",
@@ -476,6 +564,9 @@ PATTERNS: tuple[Pattern, ...] = (
         r"max seq len \((?P<kv_error_max_model_len>\d+)\) is larger than the maximum number of tokens that can be stored in KV cache \((?P<kv_capacity_tokens>\d+)\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
+        loose="max seq len ({kv_error_max_model_len}) <larger> [the] maximum number of tokens"
+        " [that] can be stored in [the] kv cache ({kv_capacity_tokens})",
+        loose_triggers=("stored", "max seq len"),
     ),
     _p(
         "no_cache_blocks",
@@ -483,6 +574,8 @@ PATTERNS: tuple[Pattern, ...] = (
         r"No available memory for the cache blocks",
         signature="no_cache_blocks",
         failure_phase=Phase.KV_ALLOCATION,
+        loose="no available memory for [the] cache blocks",
+        loose_triggers=("cache blocks", "available memory", "no available"),
     ),
     _p(
         "auto_fit_failed",
@@ -505,6 +598,9 @@ PATTERNS: tuple[Pattern, ...] = (
         r"CUDA out of memory occurred when warming up sampler with (?P<sampler_warmup_oom_seqs>\d+) dummy requests",
         signature="sampler_warmup_oom",
         failure_phase=Phase.SAMPLER_WARMUP,
+        loose="out of memory occurred when warming up [the] sampler with {sampler_warmup_oom_seqs}"
+        " dummy requests",
+        loose_triggers=("warming up", "sampler", "dummy requests"),
     ),
     _p(
         "sampler_frames",
@@ -519,6 +615,8 @@ PATTERNS: tuple[Pattern, ...] = (
         r"(?:torch\.(?:cuda\.)?OutOfMemoryError|(?:CUDA|HIP|XPU) out of memory|Tried to allocate)(?! occurred when warming up sampler)",
         signature="cuda_oom",
         handler="oom_torch",
+        loose="[out of memory] tried to allocate {tried:mem}",
+        loose_triggers=("allocate",),
     ),
     _p(
         "driver_oom",
@@ -931,6 +1029,15 @@ PATTERNS: tuple[Pattern, ...] = (
             "insufficient",
             "low on memory",
             "memory pressure",
+            "exceed",
+            "balloon",
+            "keeps growing",
+            "keeps increasing",
+            "keeps rising",
+            "keeps climbing",
+            "kept growing",
+            "crash",
+            "each other",
         ),
         prose.SAID_OOM,
         handler="said",
@@ -980,6 +1087,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "ray oom",
             "container",
             "--memory",
+            "crash",
         ),
         prose.MENTIONS["said_host_ram"],
         handler="said",
@@ -1035,6 +1143,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "second llm",
             "second engine",
             "second instance",
+            "each other",
+            "replicas",
+            "engines",
+            "instances",
         ),
         prose.MENTIONS["said_other_process"],
         handler="said",
@@ -1140,6 +1252,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "need to",
             "needed to",
             "must to",
+            "unless",
+            "as long as",
+            "except with",
+            "except when",
         ),
         prose.WORKAROUND.pattern,
         handler="workaround",

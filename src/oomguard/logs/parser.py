@@ -29,6 +29,9 @@ from oomguard.logs.units import parse_int, parse_number, to_gib
 
 _SCAN = cat.TRIGGER_SCAN.findall
 _CLOSURE = cat.TRIGGER_CLOSURE
+# a message begun in one record is looked for in it joined with at most this many more records
+_PENDING_RECORDS = 3
+_PENDING_CHARS = 1024
 _PAIR = re.compile(
     r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\{[^{}]*\}|\[[^\[\]]*\]|[^,()]+?)(?=,\s*\w+=|\)?\s*$)"
 )
@@ -77,6 +80,9 @@ class _Builder:
         self.tb_kinds: dict[str, Evidence] = {}
         self.in_frame = False  # the record being fed is traceback content
         self.after_frame = False  # the previous record was a frame line
+        # (first record, joined text, patterns still waiting, records joined so far)
+        self.pending: list[tuple[Record, str, tuple[int, ...], int]] = []
+        self.recent: tuple[str, ...] = ()  # the texts of the records before the one being fed
 
     # --- fields -----------------------------------------------------------------------------
     def set_field(self, name: str, value: Any, ev: Evidence) -> None:
@@ -127,7 +133,12 @@ class _Builder:
             self.open_traceback = True
             if self.frame_evidence is None:
                 self.frame_evidence = Evidence.of(record.number, text)
-        found = _SCAN(text.lower())
+        if self.pending:
+            self._feed_pending(record)
+        recent = self.recent
+        self.recent = (*recent[1 - _PENDING_RECORDS :], text)
+        lower = text.lower()
+        found = _SCAN(lower)
         if not found:
             return
         candidates: tuple[int, ...] | list[int]
@@ -139,14 +150,57 @@ class _Builder:
                 merged.update(_CLOSURE[trigger])
             candidates = sorted(merged)
         ev: Evidence | None = None
+        waiting: list[int] = []
         for i in candidates:
             pattern = cat.PATTERNS[i]
             m = pattern.regex.search(text)
+            if m is None and pattern.loose is not None:
+                m = pattern.loose_search(text, lower)
+                if m is None and recent:
+                    # perhaps wrapped before this record: try it joined with the previous ones
+                    joined = " ".join(r[-_PENDING_CHARS:] for r in recent) + " " + text
+                    m = pattern.loose_search(joined, joined.lower())
+                    if m is not None and m.end() <= len(joined) - len(text):
+                        m = None  # a message wholly in an earlier record, already read there
+                    if m is not None:
+                        ev = Evidence.of(record.number, joined[-_PENDING_CHARS:])
+                        self._apply(pattern, m, ev, record)
+                        continue
+                if m is None:
+                    # perhaps wrapped before its end: try again with the next records joined
+                    waiting.append(i)
+                    continue
             if m is None:
                 continue
             if ev is None:
                 ev = Evidence.of(record.number, text)
             self._apply(pattern, m, ev, record)
+        if waiting and not self.pending:
+            before = " ".join(r[-_PENDING_CHARS:] for r in recent)
+            self.pending = [
+                (record, (before + " " + text)[-2 * _PENDING_CHARS :], tuple(waiting), 0)
+            ]
+
+    def _feed_pending(self, record: Record) -> None:
+        """Try the tolerant forms of messages begun in earlier records on those records joined
+        with this one (a message wrapped where a new record seemed to start)."""
+        first, joined, waiting, count = self.pending[0]
+        self.pending = []
+        read = len(joined)
+        joined = joined + " " + record.text[:_PENDING_CHARS]
+        lower = joined.lower()
+        left: list[int] = []
+        for i in waiting:
+            pattern = cat.PATTERNS[i]
+            m = pattern.loose_search(joined, lower)
+            if m is not None and m.end() <= read:
+                m = None  # a message wholly in the records already read
+            if m is None:
+                left.append(i)
+                continue
+            self._apply(pattern, m, Evidence.of(first.number, joined), first)
+        if left and count + 1 < _PENDING_RECORDS:
+            self.pending = [(first, joined, tuple(left), count + 1)]
 
     def _apply(self, pattern: cat.Pattern, m: re.Match[str], ev: Evidence, record: Record) -> None:
         groups = m.groupdict()
@@ -399,7 +453,9 @@ class _Builder:
             return
         named = False
         for found in m.re.finditer(record.text):
-            lever = found.group("a") or found.group("b") or found.group("c") or ""
+            lever = (
+                found.group("a") or found.group("b") or found.group("c") or found.group("d") or ""
+            )
             cause = prose.lever_cause(lever)
             if cause is not None:
                 self.signature("said_fix_" + cause, ev)

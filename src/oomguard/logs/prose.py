@@ -29,7 +29,16 @@ SAID_OOM = (
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
     rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
     rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"
-    r"|\blow\s+on\s+memory\b|\bmemory\s+pressure\b)"
+    r"|\blow\s+on\s+memory\b|\bmemory\s+pressure\b"
+    # a failure told as what memory did: "exceeds the memory limit", "balloons memory and then
+    # crashes the DGX", "memory keeps growing until …", "sees each other's allocations"
+    # (one branch behind a one-character look-ahead: cheap at positions that start none of them)
+    r"|\b(?=[ebcmvr])(?:"
+    rf"exceed(?:s|ed|ing)?\s+(?:the\s+|its\s+|my\s+)?{_WHERE}{_MEM_WORD}\s+(?:limit|capacity|budget)\b"
+    rf"|balloon(?:s|ed|ing)?\s+(?:the\s+)?{_WHERE}{_MEM_WORD}\b|{_MEM_WORD}\s+balloon(?:s|ed|ing)\b"
+    rf"|{_MEM_WORD}\s+(?:usage\s+)?(?:keeps|kept)\s+(?:growing|increasing|rising|climbing)\s+until\b"
+    r"|crash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|server|host|node|system|computer)\b"
+    r"|each\s+other'?s\s+(?:memory\s+)?allocations?\b))"
 )
 
 # words that make a statement conditional or advice ("to avoid OOM", "if you run out of …")
@@ -80,7 +89,10 @@ WORKAROUND = re.compile(
     r"[^.\n]{0,30}?\b(?:with|by|after|when|using|once)\b[^.\n]{0,20}?(?P<a>" + _LEVERS + r")"
     r"|\b(?:had|have|has|need(?:ed)?|must)\s+to\s+(?:reduce|lower|decrease|set|add|use|pass|disable|enable|turn\s+off|limit|cap)\b"
     r"[^.\n]{0,20}?(?P<b>" + _LEVERS + r")"
-    r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b)"
+    r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b"
+    # the failure happens "unless X" / "as long as I do not enable X": X avoids it
+    r"|\b(?:unless|as\s+long\s+as\s+(?:I|we|you)\s+(?:do\s+not|don't|dont)|except\s+(?:with|when))\b"
+    r"[^.\n]{0,25}?(?P<d>" + _LEVERS + r"))"
 )
 
 # "so decrease it from 0.7 to 0.6", "max_num_seqs 256 -> 64", "lowered --max-model-len from
@@ -157,14 +169,14 @@ MENTIONS: dict[str, str] = {
     "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
     "said_fragmentation": r"(?i:\bfragment\w*)",
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
-    "said_host_ram": r"(?i:\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
+    "said_host_ram": r"(?i:\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
     # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
     "said_gpu_not_full": r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?(?:using\s+|used\s+|at\s+)?(?:all|full)\b)",
     # sleep mode's wake-up and the caching allocator's cached blocks (torch.cuda.empty_cache)
     "said_wake_up": r"(?i:\bwake[_ -]?up\b)",
     "said_empty_cache": r"(?i:\bempty_cache\b|\bcaching\s+allocator\b)",
     "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b)",
-    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance)\b)",
+    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
     "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
     "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
     "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",
