@@ -289,3 +289,93 @@ class GuardProcess:
         return (
             self.proc is not None and self.proc.poll() is None and bool(group_pids(self.proc.pid))
         )
+
+
+@dataclass
+class CostProfile:
+    """What one engine step costs on a running server, measured from the client side.
+
+    ``decode_step_s[b]``: time per engine step of ``b`` requests decoding together: the wall
+    time of ``b`` concurrent requests generating 129 tokens minus that of ``b`` generating 1,
+    over 128 (fastest of several; non-streamed; the API server's per-step output work is included, as in a real
+    burst, without the per-token streaming that would blur the client's clock).
+    ``prefill_s``: added latency (fastest of several) of one request with a ``prefill_tokens`` prompt
+    over one with a ``base_tokens`` prompt (the cost of recomputing a preempted sequence of
+    that length).
+    """
+
+    decode_step_s: dict[int, float]
+    prefill_tokens: int
+    prefill_s: float
+
+    def recompute_in_steps(self, batch: int) -> float:
+        """The prefill's cost in decode steps at ``batch``."""
+        return self.prefill_s / self.decode_step_s[batch]
+
+    def summary(self) -> dict[str, object]:
+        """Plain-data view (milliseconds)."""
+        return {
+            "decode_step_ms": {b: round(s * 1e3, 2) for b, s in self.decode_step_s.items()},
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_ms": round(self.prefill_s * 1e3, 1),
+            "recompute_in_decode_steps": {
+                b: round(self.recompute_in_steps(b), 1) for b in self.decode_step_s
+            },
+        }
+
+
+async def _measure_costs(
+    url: str,
+    model: str,
+    model_dir: Path,
+    batches: Sequence[int],
+    prefill_tokens: int,
+    repeats: int,
+) -> CostProfile:
+    connector = aiohttp.TCPConnector(limit=0)
+    seed = 50_000
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def one(prompt_tokens: int, max_tokens: int, stream: bool) -> RequestResult:
+            nonlocal seed
+            seed += 1
+            prompt = prompt_of_tokens(model_dir, prompt_tokens, seed=seed)
+            r = await _one(session, url, model, seed, prompt, max_tokens, stream, 300.0)
+            if not r.ok:
+                raise RuntimeError(f"cost probe failed: {r.error}")
+            return r
+
+        async def batch_wall_s(b: int, max_tokens: int) -> float:
+            t0 = time.monotonic()
+            await asyncio.gather(*(one(32, max_tokens, False) for _ in range(b)))
+            return time.monotonic() - t0
+
+        await batch_wall_s(2, 8)  # warm-up
+        decode: dict[int, float] = {}
+        steps = 128
+        for b in batches:
+            short = [await batch_wall_s(b, 1) for _ in range(repeats)]
+            long = [await batch_wall_s(b, steps + 1) for _ in range(repeats)]
+            decode[b] = max(min(long) - min(short), 0.0) / steps
+        base = [(await one(16, 1, False)).e2e_s for _ in range(repeats)]
+        full = [(await one(prefill_tokens, 1, False)).e2e_s for _ in range(repeats)]
+        prefill_s = max(min(full) - min(base), 0.0)
+    return CostProfile(decode, prefill_tokens, prefill_s)
+
+
+def measure_costs(
+    url: str,
+    model: str,
+    model_dir: Path,
+    batches: Sequence[int] = (1, 3, 7),
+    prefill_tokens: int = 480,
+    repeats: int = 5,
+) -> CostProfile:
+    """Decode-step and prefill cost of the server at ``url`` (idle before and after).
+
+    Each figure is a difference of the fastest of ``repeats`` timings: on a shared machine
+    other processes only ever add time, so the minimum is the least disturbed measurement.
+    Prompts are distinct, so prefix caching does not shorten the prefill; the batches must
+    fit the KV pool (``b × 160`` tokens) so that nothing is preempted while measuring.
+    """
+    return asyncio.run(_measure_costs(url, model, model_dir, batches, prefill_tokens, repeats))

@@ -10,16 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinymodel import CPU_BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN
+from tinymodel import CPU_BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN, MEDIUM, ModelShape
 
 BLOCK_BYTES = CPU_BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN  # 65,536 B
 
 # The guard scenario of issue 4: about 2,000 tokens of KV (16 blocks = 2,048 tokens).
-GUARD_KV_BYTES = 16 * BLOCK_BYTES  # 1,048,576 B
+GUARD_POOL_BLOCKS = 16
+# The model the guard burst runs on: chosen for a decode step and a recompute that cost, relative
+# to each other and to the gateway's own per-request work, what they cost on a GPU (README.md).
+GUARD_SHAPE = MEDIUM
+GUARD_KV_BYTES = GUARD_POOL_BLOCKS * BLOCK_BYTES  # 1,048,576 B
 GUARD_MAX_MODEL_LEN = 1024
 GUARD_BURST_REQUESTS = 32
 GUARD_PROMPT_TOKENS = 180
 GUARD_MAX_TOKENS = 300
+
+
+def guard_kv_bytes(shape: ModelShape) -> int:
+    """``--kv-cache-memory-bytes`` giving ``shape`` the guard scenario's pool of 2,048 tokens."""
+    return GUARD_POOL_BLOCKS * CPU_BLOCK_SIZE_TOKENS * shape.kv_bytes_per_token
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """`oomguard guard` in front of real vLLM on CPU: the burst and the crash of issue 4.
 
-vLLM serves the tiny model with a KV pool of 2,048 tokens (16 blocks of 128) and
-``--max-model-len 1024``; 32 requests of 180 prompt tokens and ``max_tokens`` 300 arrive at
+vLLM serves the generated guard model (``scenarios.GUARD_SHAPE``) with a KV pool of 2,048
+tokens (16 blocks of 128) and ``--max-model-len 1024``; 32 requests of 180 prompt tokens and ``max_tokens`` 300 arrive at
 once. Directly, vLLM admits them all and preempts; through the guard, nothing is preempted and
 everything completes. The throughput comparison is a figure, printed by
 ``bench/guard_burst.py``, not a timed assertion.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import scenarios
 from burst import BurstResult, GuardProcess, make_prompts, run_burst
-from tinymodel import TinyModel
+from tinymodel import TinyModel, create_tiny_model
 from vllm_server import (
     ServeConfig,
     VllmServer,
@@ -28,22 +28,29 @@ from vllm_server import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
+@pytest.fixture(scope="module")
+def guard_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The generated model of the guard scenario (config + tokenizer, dummy weights)."""
+    shape = scenarios.GUARD_SHAPE
+    return create_tiny_model(tmp_path_factory.mktemp("models") / shape.name, shape)
+
+
 def _config(model: TinyModel) -> ServeConfig:
     return ServeConfig(
         model_dir=model.path,
-        kv_cache_memory_bytes=scenarios.GUARD_KV_BYTES,
+        kv_cache_memory_bytes=scenarios.guard_kv_bytes(model.shape),
         max_model_len=scenarios.GUARD_MAX_MODEL_LEN,
     )
 
 
 def test_guard_prevents_preemption_storm(
-    tiny_model: TinyModel, vllm_venv_path: Path, tmp_path: Path
+    guard_model: TinyModel, vllm_venv_path: Path, tmp_path: Path
 ) -> None:
     n = scenarios.GUARD_BURST_REQUESTS
-    direct_prompts = make_prompts(tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 0)
-    guard_prompts = make_prompts(tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, n)
-    model = str(tiny_model.path)
-    with running_vllm(_config(tiny_model), tmp_path / "vllm.log") as server:
+    direct_prompts = make_prompts(guard_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 0)
+    guard_prompts = make_prompts(guard_model.path, n, scenarios.GUARD_PROMPT_TOKENS, n)
+    model = str(guard_model.path)
+    with running_vllm(_config(guard_model), tmp_path / "vllm.log") as server:
         assert "CPU KV cache size: 2,048 tokens" in server.log_text()
         direct = run_burst(
             "direct",
@@ -70,11 +77,11 @@ def test_guard_prevents_preemption_storm(
 
 
 def test_guard_survives_backend_crash(
-    tiny_model: TinyModel, vllm_venv_path: Path, tmp_path: Path
+    guard_model: TinyModel, vllm_venv_path: Path, tmp_path: Path
 ) -> None:
     n = scenarios.GUARD_BURST_REQUESTS
-    prompts = make_prompts(tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 2 * n)
-    first = VllmServer(_config(tiny_model), tmp_path / "vllm-1.log")
+    prompts = make_prompts(guard_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 2 * n)
+    first = VllmServer(_config(guard_model), tmp_path / "vllm-1.log")
     first.start()
     second: VllmServer | None = None
     try:
@@ -90,7 +97,7 @@ def test_guard_survives_backend_crash(
                     "through guard, backend killed",
                     guard.url,
                     None,  # vLLM restarts mid-burst: its preemption counter restarts too
-                    str(tiny_model.path),
+                    str(guard_model.path),
                     prompts,
                     scenarios.GUARD_MAX_TOKENS,
                     stream=False,
@@ -109,7 +116,7 @@ def test_guard_survives_backend_crash(
                 pytest.fail("no request reached vLLM within 60 s")
             first.crash()
             second = VllmServer(
-                ServeConfig(**{**_config(tiny_model).__dict__, "port": port}),
+                ServeConfig(**{**_config(guard_model).__dict__, "port": port}),
                 tmp_path / "vllm-2.log",
             )
             second.start()

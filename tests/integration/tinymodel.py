@@ -21,7 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# Model shape. Per-token KV bytes = layers x 2 (K, V) x kv_heads x head_size x dtype bytes.
+# Model shape of the tiny model. Per-token KV bytes = layers x 2 (K, V) x kv_heads x head_size x
+# dtype bytes.
 HIDDEN_SIZE = 128
 NUM_LAYERS = 2
 NUM_ATTENTION_HEADS = 4
@@ -36,6 +37,53 @@ DTYPE_BYTES = 2
 KV_BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # 512 B
 CPU_BLOCK_SIZE_TOKENS = 128  # vLLM CPU default block size (0.12+)
 KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * CPU_BLOCK_SIZE_TOKENS  # 65,536 B
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture of a generated Llama-style model (same tokenizer for every shape)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int = VOCAB_SIZE
+    max_position_embeddings: int = MAX_POSITION_EMBEDDINGS
+
+    @property
+    def head_size(self) -> int:
+        """Size of one attention head (hidden / heads)."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes of one token over all layers (bfloat16)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_size * DTYPE_BYTES
+
+    @property
+    def params(self) -> int:
+        """Parameter count (embeddings and LM head untied)."""
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_size
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
+        return self.num_layers * per_layer + 2 * self.vocab_size * h + h
+
+
+# The model most integration tests use: every KV byte count in ``scenarios.py`` derives from it.
+TINY = ModelShape(
+    "tiny-llama",
+    HIDDEN_SIZE,
+    NUM_LAYERS,
+    NUM_ATTENTION_HEADS,
+    NUM_KV_HEADS,
+    INTERMEDIATE_SIZE,
+)
+# Less tiny shapes (GQA, head size 64), for the guard scenario's cost structure.
+MINI = ModelShape("mini-llama", 256, 4, 4, 2, 768)
+SMALL = ModelShape("small-llama", 512, 4, 8, 2, 1536)
+MEDIUM = ModelShape("medium-llama", 768, 6, 12, 4, 2048)
+SHAPES = {m.name: m for m in (TINY, MINI, SMALL, MEDIUM)}
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>")
 BOS = "<|bos|>"
@@ -64,6 +112,7 @@ class TinyModel:
     kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
     block_size_tokens: int = CPU_BLOCK_SIZE_TOKENS
     max_position_embeddings: int = MAX_POSITION_EMBEDDINGS
+    shape: ModelShape = TINY
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -102,42 +151,52 @@ def _train_tokenizer(vocab_size: int) -> object:
     return tok
 
 
-def create_tiny_model(path: Path | str) -> TinyModel:
-    """Write the tiny model directory at ``path`` (created if needed) and return its facts.
+def create_tiny_model(path: Path | str, shape: ModelShape = TINY) -> TinyModel:
+    """Write a generated model directory of ``shape`` at ``path`` and return its facts.
 
-    Idempotent: an existing complete directory written by this function is reused. Needs only
-    the ``tokenizers`` package; nothing is downloaded.
+    Idempotent: an existing complete directory written by this function for the same shape is
+    reused. Needs only the ``tokenizers`` package; nothing is downloaded.
     """
     root = Path(path)
     marker = root / ".tinymodel-complete"
+    facts = TinyModel(
+        path=root,
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+        max_position_embeddings=shape.max_position_embeddings,
+        shape=shape,
+    )
     if marker.exists():
-        return TinyModel(path=root)
+        written = marker.read_text().strip()
+        if written == f"ok {shape}" or (written == "ok" and shape == TINY):
+            return facts
     root.mkdir(parents=True, exist_ok=True)
 
-    tok = _train_tokenizer(VOCAB_SIZE)
+    tok = _train_tokenizer(shape.vocab_size)
     actual_vocab = tok.get_vocab_size()  # type: ignore[attr-defined]
-    if actual_vocab != VOCAB_SIZE:
-        raise RuntimeError(f"tokenizer trained to {actual_vocab} entries, expected {VOCAB_SIZE}")
+    if actual_vocab != shape.vocab_size:
+        raise RuntimeError(
+            f"tokenizer trained to {actual_vocab} entries, expected {shape.vocab_size}"
+        )
     tok.save(str(root / "tokenizer.json"))  # type: ignore[attr-defined]
     token_id = tok.token_to_id  # type: ignore[attr-defined]
 
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN_SIZE,
-        "intermediate_size": INTERMEDIATE_SIZE,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": NUM_ATTENTION_HEADS,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_SIZE,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_size,
         "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "vocab_size": VOCAB_SIZE,
+        "vocab_size": shape.vocab_size,
         "bos_token_id": token_id(BOS),
         "eos_token_id": token_id(EOS),
         "pad_token_id": token_id(PAD),
@@ -159,7 +218,7 @@ def create_tiny_model(path: Path | str) -> TinyModel:
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "model_max_length": shape.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
     }
@@ -171,8 +230,8 @@ def create_tiny_model(path: Path | str) -> TinyModel:
         ("special_tokens_map.json", special_tokens_map),
     ):
         (root / name).write_text(json.dumps(obj, indent=2) + "\n")
-    marker.write_text("ok\n")
-    return TinyModel(path=root)
+    marker.write_text(f"ok {shape}\n")
+    return facts
 
 
 def prompt_of_tokens(model_dir: Path | str, n_tokens: int, seed: int = 0) -> str:

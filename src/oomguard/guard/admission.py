@@ -4,17 +4,27 @@ No I/O and no clock: callers pass ``now_s`` in. One :class:`BackendAdmission` pe
 what the gateway has reserved there and what the backend last reported; :func:`pick_backend`
 chooses where a request goes.
 
-The rule (AI21's pause/resume fix, with the 90 %/80 % watermarks of the troubleshooting guide):
-admit while the *projected peak* — the most KV blocks the requests in flight plus the new one
-will hold together at any future engine step (:mod:`oomguard.guard.projection`) — stays under
-``high × effective capacity``; once a request is refused with the peak in the high band, stop
-admitting (the *pause latch*) until the projected peak falls below ``low × effective capacity``.
-A request whose progress the gateway does not read counts at its full final size until it is
-released (the plain reservation; while nothing's progress is known the projected peak is the
-sum of reservations). KV the backend reports in use (``vllm:kv_cache_usage_perc``) beyond what
-the gateway accounts for (traffic that bypasses it) is added on top. A preemption seen in
-``vllm:num_preemptions_total``, or reported usage above the high watermark, tightens the
-effective capacity; sustained calm relaxes it again.
+The rule (AI21's pause/resume fix, with the 90 %/80 % watermarks of the troubleshooting guide),
+in two parts:
+
+- **Requests of unknown progress** (not tracked, or tracked but not yet readable) count at their
+  full final size until released: the plain reservation. Their sum, plus the KV the backend
+  reports in use beyond what the gateway accounts for (``vllm:kv_cache_usage_perc``: traffic
+  that bypasses it), must stay under ``high × effective capacity``. Once a request is refused
+  with that sum in the high band, admission stops (the *pause latch*) until the projected peak
+  falls below ``low × effective capacity``.
+- **Tracked requests** are described by safe envelopes built from their observed progress
+  (:mod:`oomguard.guard.projection`). The *projected peak* — the most KV blocks everything in
+  flight plus the new request will hold together at any future engine step — must stay under
+  ``projected_watermark × effective capacity`` (default 1.0: the envelopes already carry the
+  lag allowances, so the projection is an upper bound and the whole pool may be planned for).
+  A request refused on the projection alone waits without latching: the projection only falls
+  as the requests in flight progress, so there is nothing to oscillate.
+
+While nothing's progress is known, the projected peak is the sum of reservations and only the
+first part binds. A preemption seen in ``vllm:num_preemptions_total``, or reported usage above
+what admission allows (the high watermark, or the projected watermark while tracked
+requests are in flight), tightens the effective capacity; sustained calm relaxes it again.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from oomguard.guard.projection import (
     blocks_now,
     new_request_footprints,
     projected_peak_blocks,
+    unknown_blocks,
 )
 
 __all__ = [
@@ -57,6 +68,8 @@ class AdmissionSettings:
 
     high_watermark: float = 0.90
     low_watermark: float = 0.80
+    # Ceiling of the projected peak (tracked requests: an upper bound from observed progress).
+    projected_watermark: float = 1.0
     tighten_factor: float = 0.90
     min_capacity_fraction: float = 0.50
     relax_step: float = 0.02
@@ -65,7 +78,7 @@ class AdmissionSettings:
     # Progress tracking: "always" reads every trackable request's progress, "off" none, "auto"
     # those admitted while full reservations (this one included) exceed track_above_fraction
     # of the effective capacity — below that the plain reservation fits anyway.
-    track_mode: TrackMode = "off"
+    track_mode: TrackMode = "auto"
     track_above_fraction: float = 0.25
     stagger: bool = True
     stagger_above_fraction: float = 0.5
@@ -139,6 +152,18 @@ class BackendAdmission:
         """Record the pool size as vLLM reports it (``num_gpu_blocks`` includes the null block)."""
         self.capacity_blocks = max(num_gpu_blocks - 1, 0)
         self.block_size = block_size
+
+    @property
+    def usage_ceiling(self) -> float:
+        """Reported usage above this fraction is unexpected: it tightens and latches.
+
+        While tracked requests are in flight the projected peak may fill the pool up to the
+        projected watermark, so usage up to there is what admission intends, not a warning.
+        """
+        s = self.settings
+        if s.track_mode == "off" or not any(p.tracked for p in self.inflight.values()):
+            return s.high_watermark
+        return max(s.high_watermark, s.projected_watermark)
 
     @property
     def known(self) -> bool:
@@ -238,28 +263,32 @@ class BackendAdmission:
         if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
             return eff - need
         simple = self.used_blocks + need
-        staggered = simple > self.settings.stagger_above_fraction * limit and self.should_track(
-            cost
-        )
-        if staggered and not self._stagger_ok(cost, limit, now_s):
-            return None
         if simple <= limit:
             return eff - simple
+        # Beyond the plain reservations: admission rests on the projection of tracked requests.
+        track = self.should_track(cost)
+        proj_limit = self.settings.projected_watermark * eff
+        if track and not self._stagger_ok(cost, proj_limit, now_s):
+            return None
         current = self.footprints(now_s)
         extra = new_request_footprints(
-            cost.prompt_tokens,
-            cost.max_new_tokens,
-            cost.num_sequences,
-            self.rate,
-            self.should_track(cost),
+            cost.prompt_tokens, cost.max_new_tokens, cost.num_sequences, self.rate, track
         )
-        peak = projected_peak_blocks([*current, *extra], self.block_size) + self.external_blocks
-        if peak <= limit:
-            return eff - peak
-        # The high watermark is reached. Latch only when we are in the high band; a large
-        # request that does not fit while usage is low simply waits for room.
-        base = projected_peak_blocks(current, self.block_size) + self.external_blocks
-        self.last_projected_blocks = base
+        fps = [*current, *extra]
+        bs = self.block_size
+        unknown = unknown_blocks(fps, bs) + self.external_blocks
+        if unknown <= limit:
+            peak = projected_peak_blocks(fps, bs) + self.external_blocks
+            if peak <= proj_limit:
+                return eff - peak
+            # Only the projection is over: it falls as the tracked requests progress, which
+            # re-runs admission; no latch needed (the projection does not flap).
+            self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
+            return None
+        # The requests of unknown progress reach the high watermark. Latch only when they are
+        # in the high band; a large request that does not fit while usage is low just waits.
+        base = unknown_blocks(current, bs) + self.external_blocks
+        self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
         if base >= self.settings.low_watermark * eff:
             self.paused = True
             self.pause_count += 1
@@ -395,7 +424,7 @@ class BackendAdmission:
             if self._last_preemptions is not None and preemptions_total >= self._last_preemptions:
                 new_preemptions = preemptions_total - self._last_preemptions
             self._last_preemptions = preemptions_total
-        over = kv_usage is not None and kv_usage > s.high_watermark
+        over = kv_usage is not None and kv_usage > self.usage_ceiling
         if new_preemptions > 0:
             self.preemptions_seen += int(new_preemptions)
         if new_preemptions > 0 or over:

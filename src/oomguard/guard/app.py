@@ -137,6 +137,7 @@ class GuardApp:
         self.settings = AdmissionSettings(
             high_watermark=config.high_watermark,
             low_watermark=config.low_watermark,
+            projected_watermark=config.projected_watermark,
             tighten_factor=config.tighten_factor,
             min_capacity_fraction=config.min_capacity_fraction,
             relax_step=config.relax_step,

@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
         low_watermark: Annotated[
             float | None, typer.Option(help="Resume admitting below this KV fraction (0.80).")
         ] = None,
+        projected_watermark: Annotated[
+            float | None,
+            typer.Option(help="Ceiling of the projected KV peak of tracked requests (1.0)."),
+        ] = None,
         max_queue: Annotated[
             int | None, typer.Option(help="Most requests waiting in the queue (256).")
         ] = None,
@@ -43,8 +47,8 @@ def register(app: typer.Typer) -> None:
         track_progress: Annotated[
             str | None,
             typer.Option(
-                help="Read in-flight progress for projected-peak admission: 'off' (default), "
-                "'auto' (under KV pressure) or 'always'."
+                help="Read in-flight progress for projected-peak admission: 'auto' (default: "
+                "under KV pressure), 'always' or 'off'."
             ),
         ] = None,
     ) -> None:
@@ -58,6 +62,7 @@ def register(app: typer.Typer) -> None:
             "host": host,
             "high_watermark": high_watermark,
             "low_watermark": low_watermark,
+            "projected_watermark": projected_watermark,
             "max_queue_requests": max_queue,
             "queue_timeout_s": queue_timeout,
             "tokenizer": tokenizer,

@@ -39,15 +39,26 @@ class GuardConfig(BaseModel):
     backends: list[BackendConfig] = Field(min_length=1)
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
-    # admission
+    # Admission (oomguard.guard.admission). Requests whose progress is unknown count at their
+    # full size (prompt + max_tokens) and must stay under high_watermark × capacity; refused in
+    # the high band, admission pauses until the projected peak is below low_watermark. Tracked
+    # requests (track_progress) are projected step by step from their observed progress, with
+    # lag allowances that make the projection an upper bound; the projected peak of everything
+    # in flight must stay under projected_watermark × capacity (1.0: the whole pool, because
+    # the bound is already safe; set it to high_watermark to keep the same margin for both).
     high_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
     low_watermark: float = Field(default=0.80, gt=0.0, le=1.0)
+    projected_watermark: float = Field(default=1.0, gt=0.0, le=1.0)
     tighten_factor: float = Field(default=0.90, gt=0.0, le=1.0)
     min_capacity_fraction: float = Field(default=0.50, gt=0.0, le=1.0)
     relax_step: float = Field(default=0.02, ge=0.0, le=1.0)
     calm_period_s: float = Field(default=5.0, ge=0.0)
-    # progress-aware admission (see oomguard.guard.projection)
-    track_progress: Literal["auto", "always", "off"] = "off"
+    # Progress-aware admission (oomguard.guard.projection). "auto" (default): track a request
+    # when the full reservations, it included, exceed track_above_fraction of capacity (below
+    # that plain reservations fit anyway, and streams are relayed unread); "always"; "off":
+    # plain reservations only. Tracking asks the backend for per-chunk usage (non-streamed
+    # requests are streamed upstream and assembled).
+    track_progress: Literal["auto", "always", "off"] = "auto"
     track_above_fraction: float = Field(default=0.25, ge=0.0, le=1.0)
     progress_lag_s: float = Field(default=0.02, ge=0.0, le=10.0)
     progress_lag_floor_tokens: int = Field(default=2, ge=0)
@@ -89,6 +100,11 @@ class GuardConfig(BaseModel):
             raise ValueError(
                 f"low_watermark ({self.low_watermark}) must be below high_watermark "
                 f"({self.high_watermark})"
+            )
+        if self.projected_watermark < self.high_watermark:
+            raise ValueError(
+                f"projected_watermark ({self.projected_watermark}) must not be below "
+                f"high_watermark ({self.high_watermark})"
             )
         return self
 

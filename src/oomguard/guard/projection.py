@@ -88,6 +88,15 @@ def projected_peak_blocks(footprints: Iterable[Footprint], block_size: int) -> i
     return peak
 
 
+def unknown_blocks(footprints: Iterable[Footprint], block_size: int) -> int:
+    """Blocks of the footprints whose end is unknown (requests held at their final size)."""
+    return sum(
+        f.sequences * blocks_for_tokens(f.final_tokens, block_size)
+        for f in footprints
+        if f.remaining_steps is None
+    )
+
+
 def blocks_now(footprints: Iterable[Footprint], block_size: int) -> int:
     """Blocks the footprints hold at step 0 (upper bound on what is in use now)."""
     return sum(f.blocks_at(0, block_size) for f in footprints)

@@ -45,6 +45,7 @@ footprint_st = st.builds(
 )
 
 
+@settings(deadline=None)  # the brute force is slow on a loaded machine; correctness is the point
 @given(st.lists(footprint_st, max_size=8), st.sampled_from([16, 128]))
 def test_peak_equals_brute_force_over_every_step(fps: list[Footprint], block_size: int) -> None:
     assert projected_peak_blocks(fps, block_size) == brute_peak(fps, block_size, 1400)
@@ -157,12 +158,14 @@ def simulate(
     max_steps: int = 6000,
     high_watermark: float = 0.9,
     low_watermark: float = 0.8,
+    projected_watermark: float = AdmissionSettings().projected_watermark,
 ) -> tuple[int, float, int]:
     """Run to completion; returns (peak blocks in use, mean running sequences, steps)."""
     adm = BackendAdmission(
         AdmissionSettings(
             high_watermark=high_watermark,
             low_watermark=low_watermark,
+            projected_watermark=projected_watermark,
             track_mode="always" if track else "off",
             progress=ProgressSettings(lag_s=0.05, lag_floor_tokens=2, start_allowance_s=0.5),
         )
@@ -260,17 +263,28 @@ def test_lockstep_engine_never_exceeds_the_pool(
     assert peak <= capacity_blocks
 
 
-def issue4_burst(track: bool) -> tuple[int, float, int]:
+def issue4_burst(track: bool, projected_watermark: float = 1.0) -> tuple[int, float, int]:
     burst = [Arrival(0, 180, 300, 300, start_delay=3, lag=2, every=1) for _ in range(32)]
-    return simulate(burst, capacity_blocks=15, block_size=128, track=track)
+    return simulate(
+        burst,
+        capacity_blocks=15,
+        block_size=128,
+        track=track,
+        projected_watermark=projected_watermark,
+    )
 
 
 def test_issue4_burst_runs_more_at_once_than_plain_reservations() -> None:
     peak_plain, mean_plain, steps_plain = issue4_burst(track=False)
     peak, mean, steps = issue4_burst(track=True)
     assert peak_plain <= 12 and mean_plain <= 3.0  # 3 × 4 blocks under the 13.5 watermark
-    assert peak <= 13  # the projected peak stays under 0.9 × 15 blocks
-    # Measured: 3.33 running on average instead of 2.85, the burst done in 2,871 steps
-    # instead of 3,356 (the 0.9 watermark leaves 13 blocks: 2 + 3 + 4 + 4 at best).
-    assert mean >= 1.15 * mean_plain, (mean, mean_plain)
-    assert steps <= 0.88 * steps_plain, (steps, steps_plain)
+    assert peak <= 15  # the projected peak may fill the pool (projected_watermark 1.0)
+    # Measured: 3.63 running on average instead of 2.85, the burst done in 2,639 steps
+    # instead of 3,356.
+    assert mean >= 1.2 * mean_plain, (mean, mean_plain)
+    assert steps <= 0.82 * steps_plain, (steps, steps_plain)
+    # With the projection held under the 0.9 watermark too: 13 blocks, which the fourth
+    # request reaches while the first three are at 4 blocks, so cohorts of 3 as above.
+    peak_09, _, steps_09 = issue4_burst(track=True, projected_watermark=0.9)
+    assert peak_09 <= 13
+    assert steps < steps_09 <= steps_plain, (steps, steps_09, steps_plain)
