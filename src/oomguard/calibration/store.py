@@ -187,6 +187,22 @@ def default_path() -> Path:
     return Path.home() / ".cache" / "oomguard" / "calibration.json"
 
 
+# quantization words a family name keeps, first match wins
+_FAMILY_FORMATS: Final = (
+    "awq",
+    "gptq",
+    "fp8",
+    "int4",
+    "int8",
+    "w4a16",
+    "w8a8",
+    "bnb-4bit",
+    "gguf",
+    "nvfp4",
+    "mxfp4",
+)
+
+
 def model_family(model: str) -> str:
     """A model's family and size, without org, quantization and chat suffixes.
 
@@ -195,19 +211,7 @@ def model_family(model: str) -> str:
     """
     name = model.strip().rstrip("/").split("/")[-1].lower()
     quant = ""
-    for word in (
-        "awq",
-        "gptq",
-        "fp8",
-        "int4",
-        "int8",
-        "w4a16",
-        "w8a8",
-        "bnb-4bit",
-        "gguf",
-        "nvfp4",
-        "mxfp4",
-    ):
+    for word in _FAMILY_FORMATS:
         if word in name:
             quant = word
             break
@@ -288,21 +292,6 @@ def _family_format(family: str) -> str:
         if family.endswith("-" + word):
             return word
     return ""
-
-
-_FAMILY_FORMATS: Final = (
-    "awq",
-    "gptq",
-    "fp8",
-    "int4",
-    "int8",
-    "w4a16",
-    "w8a8",
-    "bnb-4bit",
-    "gguf",
-    "nvfp4",
-    "mxfp4",
-)
 
 
 def catalogue_gpu_name(name: str, total_gib: float | None = None) -> str:

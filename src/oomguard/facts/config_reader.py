@@ -237,6 +237,15 @@ def _add_attention(
         acc.add("attn_qo", heads)
 
 
+def _add_full_attention(
+    acc: _Acc, *, hidden: int, heads: int, kv_heads: int, head_dim: int, **flags: bool
+) -> None:
+    """Count one full-attention layer's parameters (``flags`` as for ``_add_attention``) and
+    append its KV layer."""
+    _add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **flags)
+    acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, head_dim))
+
+
 def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> int:
     return 2 * _linear(hidden, inter, bias) + _linear(inter, hidden, bias)
 
@@ -666,6 +675,21 @@ def _mamba2_state(inter: int, n_groups: int, state: int, n_heads: int, head_dim:
     )  # fmt: skip
 
 
+def _gdn_state(conv_k: int, nk: int, dk: int, nv: int, dv: int) -> LayerSpec:
+    """State layer of a Gated DeltaNet (or KDA) linear-attention layer."""
+    return LayerSpec(
+        kind=AttentionKind.MAMBA,
+        mamba=MambaStateSpec(
+            variant=MambaVariant.GATED_DELTA_NET,
+            conv_kernel=conv_k,
+            num_k_heads=nk,
+            head_k_dim=dk,
+            num_v_heads=nv,
+            head_v_dim=dv,
+        ),
+    )
+
+
 def _read_jamba(c: _Cfg, acc: _Acc) -> None:
     """Jamba: Mamba1 layers with attention every ``attn_layer_period`` (at ``attn_layer_offset``)
     and MoE every ``expert_layer_period`` (at ``expert_layer_offset``)."""
@@ -696,8 +720,7 @@ def _read_jamba(c: _Cfg, acc: _Acc) -> None:
     n_moe = 0
     for i in range(n_layers):
         if i % a_period == a_off:
-            _add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd)
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+            _add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd)
         else:
             acc.add("mamba", _linear(hidden, 2 * m_inter, proj_bias) + m_inter * d_conv
                     + (m_inter if conv_bias else 0) + _linear(m_inter, dt_rank + 2 * d_state)
@@ -748,9 +771,8 @@ def _read_nemotron_h(c: _Cfg, acc: _Acc) -> None:
                                             c.get("mamba_ssm_cache_dtype") or "float32"))  # fmt: skip
         elif ch == "*":
             b = bool(c.get("attention_bias", False))
-            _add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                           q_bias=b, kv_bias=b, o_bias=b)  # fmt: skip
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+            _add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                                q_bias=b, kv_bias=b, o_bias=b)  # fmt: skip
         elif ch == "-":
             acc.add("mlp", _plain_mlp(hidden, inter, mlp_bias))
             acc.layers.append(LayerSpec(kind=AttentionKind.NONE))
@@ -833,7 +855,7 @@ def _read_granite_hybrid(c: _Cfg, acc: _Acc) -> None:
             acc.layers.append(_mamba2_state(m_inter, n_groups, d_state, m_heads, m_hd, conv_k))
         elif layer_types[i] == "attention":
             b = bool(c.get("attention_bias", False))
-            _add_attention(
+            _add_full_attention(
                 acc,
                 hidden=hidden,
                 heads=heads,
@@ -843,7 +865,6 @@ def _read_granite_hybrid(c: _Cfg, acc: _Acc) -> None:
                 kv_bias=b,
                 o_bias=b,
             )
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
         else:
             raise UnsupportedArchitecture(
                 f"{c.arch}: unknown layer type {layer_types[i]!r}", "expected mamba or attention"
@@ -902,7 +923,7 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
 
     for i in range(n_layers):
         if layer_types[i] == "full_attention":
-            _add_attention(
+            _add_full_attention(
                 acc,
                 hidden=hidden,
                 heads=heads,
@@ -911,7 +932,6 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
                 qk_norm=True,
                 q_gate=True,
             )
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
         else:
             qkvz = 2 * nk * dk + 2 * nv * dv
             conv_dim = 2 * nk * dk + nv * dv
@@ -924,19 +944,7 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
                 + dv
                 + nv * dv * hidden,
             )
-            acc.layers.append(
-                LayerSpec(
-                    kind=AttentionKind.MAMBA,
-                    mamba=MambaStateSpec(
-                        variant=MambaVariant.GATED_DELTA_NET,
-                        conv_kernel=conv_k,
-                        num_k_heads=nk,
-                        head_k_dim=dk,
-                        num_v_heads=nv,
-                        head_v_dim=dv,
-                    ),
-                )  # fmt: skip
-            )
+            acc.layers.append(_gdn_state(conv_k, nk, dk, nv, dv))
         add_ffn(i, acc)
         acc.add("norm", 2 * hidden)
     acc.add("norm", hidden)
@@ -991,19 +999,7 @@ def _read_kimi_linear(c: _Cfg, acc: _Acc) -> None:
             # q/k/v projections, their short convs, decay (f_a/f_b, A_log, dt_bias), beta, output gate
             acc.add("mamba", 3 * hidden * proj + 3 * proj * conv_k + hidden * hd + hd * proj + nh
                     + proj + hidden * nh + hidden * hd + hd * proj + hd + proj * hidden)  # fmt: skip
-            acc.layers.append(
-                LayerSpec(
-                    kind=AttentionKind.MAMBA,
-                    mamba=MambaStateSpec(
-                        variant=MambaVariant.GATED_DELTA_NET,
-                        conv_kernel=conv_k,
-                        num_k_heads=nh,
-                        head_k_dim=hd,
-                        num_v_heads=nh,
-                        head_v_dim=hd,
-                    ),
-                )  # fmt: skip
-            )
+            acc.layers.append(_gdn_state(conv_k, nh, hd, nh, hd))
         _add_deepseek_ffn(acc, c, hidden, i)
         acc.add("norm", 2 * hidden)
     acc.add("norm", hidden)

@@ -229,6 +229,29 @@ FIELD_RULES: dict[str, str] = {
 }
 
 
+# signatures of a memory failure that a log line, error or traceback shows
+_LOGGED_MEMORY_SIGNATURES = (
+    "cuda_oom",
+    "driver_oom",
+    "no_cache_blocks",
+    "kv_too_small",
+    "startup_check_failed",
+    "host_ram_kill",
+    "cpu_swap_exhausted",
+    "host_alloc_failure",
+    "mamba_blocks_exceeded",
+    "sampler_warmup_oom",
+    "weight_load_oom",
+    "profiling_free_increase",
+    "auto_fit_failed",
+    "sleep_expandable_conflict",
+    "memory_growth",
+    "cpu_kv_allocation_failed",
+    "cpu_swap_too_large",
+    "host_ram_low",
+)
+
+
 @dataclass
 class ParsedLog:
     """Everything the log states that matters for memory, with evidence.
@@ -290,24 +313,7 @@ class ParsedLog:
     def shows_failure(self) -> bool:
         """Whether the log reports a memory failure of any kind (the doctor's exit 3 test)."""
         memory_signatures = (
-            "cuda_oom",
-            "driver_oom",
-            "no_cache_blocks",
-            "kv_too_small",
-            "startup_check_failed",
-            "host_ram_kill",
-            "cpu_swap_exhausted",
-            "host_alloc_failure",
-            "mamba_blocks_exceeded",
-            "sampler_warmup_oom",
-            "weight_load_oom",
-            "profiling_free_increase",
-            "auto_fit_failed",
-            "sleep_expandable_conflict",
-            "memory_growth",
-            "cpu_kv_allocation_failed",
-            "cpu_swap_too_large",
-            "host_ram_low",
+            *_LOGGED_MEMORY_SIGNATURES,
             # a sentence that says memory ran out (an issue title, a summary): weaker
             # evidence, but a stated failure all the same
             "said_oom",
@@ -321,29 +327,7 @@ class ParsedLog:
         return (
             self.shows_failure
             and not self.ooms
-            and all(
-                s == "said_oom" or s not in self.signatures
-                for s in (
-                    "cuda_oom",
-                    "driver_oom",
-                    "no_cache_blocks",
-                    "kv_too_small",
-                    "startup_check_failed",
-                    "host_ram_kill",
-                    "cpu_swap_exhausted",
-                    "host_alloc_failure",
-                    "mamba_blocks_exceeded",
-                    "sampler_warmup_oom",
-                    "weight_load_oom",
-                    "profiling_free_increase",
-                    "auto_fit_failed",
-                    "sleep_expandable_conflict",
-                    "memory_growth",
-                    "cpu_kv_allocation_failed",
-                    "cpu_swap_too_large",
-                    "host_ram_low",
-                )
-            )
+            and all(s == "said_oom" or s not in self.signatures for s in _LOGGED_MEMORY_SIGNATURES)
         )
 
     # --- rendering ------------------------------------------------------------------------

@@ -793,6 +793,30 @@ def predict(
             )
         )
 
+    startup_ctx = _StartupContext(
+        model=model,
+        gpu=gpu,
+        settings=settings,
+        era=era,
+        util=util,
+        seqs=seqs,
+        tokens=tokens,
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        total=total,
+        free_bytes=free_bytes,
+        requested=requested,
+        w=w_est,
+        a=a_est,
+        n=nt,
+        g=g_est,
+        bpb=bpb,
+        blocks=blocks,
+        kv_per_token=kv_bytes_per_token,
+        stages=stages,
+        measured_names=measured_names,
+    )
+
     # -- V0 engine ---------------------------------------------------------------------------
     if era.engine == "v0":
         tokens_cap = blocks * block_size
@@ -814,36 +838,16 @@ def predict(
         else:
             logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
         return _finish(
-            model,
-            gpu,
-            settings,
-            era,
-            util,
-            max_len,
-            seqs,
-            tokens,
-            block_size,
-            prefix_caching,
-            total,
-            free_bytes,
-            requested,
-            w_est,
-            a_est,
-            nt,
-            g_est,
-            available,
-            bpb,
-            blocks,
-            kv_bytes_per_token,
-            tokens_cap,
-            conc,
-            max_len * kv_bytes_per_token,
-            est_len,
-            problems,
-            logs,
-            stages,
-            1,
-            measured_names,
+            startup_ctx,
+            max_len=max_len,
+            available=available,
+            tokens_cap=tokens_cap,
+            conc=conc,
+            needed=max_len * kv_bytes_per_token,
+            est_len=est_len,
+            problems=problems,
+            logs=logs,
+            num_groups=1,
         )
 
     # -- V1: available line, grouping warnings, override, auto-fit, fit check ----------------
@@ -909,36 +913,16 @@ def predict(
     if not failed and not startup and not cpu_fatal:
         logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
     return _finish(
-        model,
-        gpu,
-        settings,
-        era,
-        util,
-        max_len,
-        seqs,
-        tokens,
-        block_size,
-        prefix_caching,
-        total,
-        free_bytes,
-        requested,
-        w_est,
-        a_est,
-        nt,
-        g_est,
-        available,
-        bpb,
-        blocks,
-        kv_bytes_per_token,
-        tokens_cap,
-        conc,
-        needed,
-        est_len,
-        problems,
-        logs,
-        stages,
-        layout.num_groups,
-        measured_names,
+        startup_ctx,
+        max_len=max_len,
+        available=available,
+        tokens_cap=tokens_cap,
+        conc=conc,
+        needed=needed,
+        est_len=est_len,
+        problems=problems,
+        logs=logs,
+        num_groups=layout.num_groups,
     )
 
 
@@ -948,47 +932,56 @@ def _note(names: list[str], term: str) -> None:
         names.append(term)
 
 
+@dataclass(frozen=True)
+class _StartupContext:
+    """What both engines' outcomes share: the resolved inputs and the per-rank budget terms."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    settings: EngineSettings
+    era: VllmEra
+    util: float
+    seqs: int
+    tokens: int
+    block_size: int
+    prefix_caching: bool
+    total: int
+    free_bytes: int | None
+    requested: float
+    w: Estimate
+    a: Estimate
+    n: Estimate
+    g: Estimate
+    bpb: int
+    blocks: int
+    kv_per_token: int
+    stages: list[StageMemory]
+    measured_names: list[str]
+
+
 def _finish(
-    model: ModelSpec,
-    gpu: GPUSpec,
-    settings: EngineSettings,
-    era: VllmEra,
-    util: float,
+    ctx: _StartupContext,
+    *,
     max_len: int,
-    seqs: int,
-    tokens: int,
-    block_size: int,
-    prefix_caching: bool,
-    total: int,
-    free_bytes: int | None,
-    requested: float,
-    w: Estimate,
-    a: Estimate,
-    n: Estimate,
-    g: Estimate,
     available: int,
-    bpb: int,
-    blocks: int,
-    kv_per_token: int,
     tokens_cap: int,
     conc: float,
     needed: int,
     est_len: int | None,
     problems: list[Problem],
     logs: list[str],
-    stages: list[StageMemory],
     num_groups: int,
-    measured_names: list[str],
 ) -> MemoryPrediction:
+    """Resolve the settings, decide the verdict and assemble the prediction (shared by both engines)."""
     resolved = replace(
-        settings,
-        vllm_version=era.label,
-        gpu_memory_utilization=util,
+        ctx.settings,
+        vllm_version=ctx.era.label,
+        gpu_memory_utilization=ctx.util,
         max_model_len=max_len,
-        max_num_seqs=seqs,
-        max_num_batched_tokens=tokens,
-        block_size=block_size,
-        enable_prefix_caching=prefix_caching,
+        max_num_seqs=ctx.seqs,
+        max_num_batched_tokens=ctx.tokens,
+        block_size=ctx.block_size,
+        enable_prefix_caching=ctx.prefix_caching,
     )
     blocking = {"no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested",
                 "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived",
@@ -1003,22 +996,22 @@ def _finish(
             line for line in logs if not line.startswith(after_load) and "KV cache size" not in line
         ]
     return MemoryPrediction(
-        model=model.name,
-        gpu=gpu,
+        model=ctx.model.name,
+        gpu=ctx.gpu,
         settings=resolved,
-        vllm_version=era.label,
-        era=era,
-        total_bytes=total,
-        free_bytes=free_bytes,
-        requested_bytes=int(math.ceil(requested)),
-        weights=w,
-        activation=a,
-        non_torch=n,
-        cudagraph=g,
+        vllm_version=ctx.era.label,
+        era=ctx.era,
+        total_bytes=ctx.total,
+        free_bytes=ctx.free_bytes,
+        requested_bytes=int(math.ceil(ctx.requested)),
+        weights=ctx.w,
+        activation=ctx.a,
+        non_torch=ctx.n,
+        cudagraph=ctx.g,
         kv_cache_bytes=available,
-        bytes_per_block=bpb,
-        num_blocks=blocks,
-        kv_bytes_per_token=kv_per_token,
+        bytes_per_block=ctx.bpb,
+        num_blocks=ctx.blocks,
+        kv_bytes_per_token=ctx.kv_per_token,
         kv_cache_tokens=tokens_cap,
         max_concurrency=conc,
         needed_bytes_for_max_len=needed,
@@ -1026,8 +1019,8 @@ def _finish(
         fits=fits,
         problems=tuple(problems),
         log_lines=tuple(logs),
-        stages=tuple(stages),
-        block_size=block_size,
+        stages=tuple(ctx.stages),
+        block_size=ctx.block_size,
         num_kv_groups=num_groups,
-        measured_terms=tuple(measured_names),
+        measured_terms=tuple(ctx.measured_names),
     )
