@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from oomguard.errors import BadInput, MalformedConfig, OomguardError
 from oomguard.logs import ParsedLog, parse_file
+from oomguard.memory.engine import MeasuredTerms
 
 GIB = 2**30
 STORE_VERSION = 1
@@ -64,18 +65,6 @@ class _Unset(Enum):
 
 UNSET: Final = _Unset.UNSET
 """A :func:`lookup` filter left at this value does not filter (None means "vLLM's default")."""
-
-try:  # the memory model owns the type; keep a compatible fallback while it is absent
-    from oomguard.memory.engine import MeasuredTerms
-except ImportError:  # pragma: no cover - only before memory/engine.py exists
-
-    @dataclass(frozen=True)
-    class MeasuredTerms:  # type: ignore[no-redef]
-        weights_bytes: int | None = None
-        activation_bytes: int | None = None
-        non_torch_bytes: int | None = None
-        cudagraph_bytes: int | None = None
-        source: str = ""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomguard.logs.parsed import Evidence, ParsedLog
+from oomguard.logs.parser import ARG_FIELDS
 
 GIB = 2**30
 
@@ -184,23 +185,7 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
         from oomguard.logs.parser import command_args
 
         ctx_args = {**command_args(context.command), **ctx_args}
-    arg_map = {
-        "model": "model",
-        "tensor_parallel_size": "tensor_parallel_size",
-        "pipeline_parallel_size": "pipeline_parallel_size",
-        "gpu_memory_utilization": "gpu_memory_utilization",
-        "max_model_len": "max_model_len",
-        "max_num_seqs": "max_num_seqs",
-        "max_num_batched_tokens": "max_num_batched_tokens",
-        "block_size": "block_size",
-        "kv_cache_dtype": "kv_cache_dtype",
-        "quantization": "quantization",
-        "dtype": "dtype",
-        "enforce_eager": "enforce_eager",
-        "cpu_offload_gb": "cpu_offload_gib",
-        "swap_space": "swap_space_gib",
-        "enable_prefix_caching": "enable_prefix_caching",
-    }
+    arg_map = {**ARG_FIELDS, "enable_prefix_caching": "enable_prefix_caching"}
     for key, value in ctx_args.items():
         target = arg_map.get(key)
         if target is None or value is None:

@@ -1032,14 +1032,20 @@ def _vision_cfg(config: Mapping[str, Any], arch: str) -> _Cfg:
     return _Cfg(vc, f"{arch} vision_config", None)
 
 
-def _vision_siglip_gemma3(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
-    v = _vision_cfg(config, arch)
+def _vit_dims(v: _Cfg) -> tuple[int, int, int, int, int]:
+    """A ViT tower's hidden, intermediate, layers, patch and image sizes (all required)."""
     hv, iv, n, p, img = (
         int(x)
         for x in v.req(
             "hidden_size", "intermediate_size", "num_hidden_layers", "patch_size", "image_size"
         )
     )
+    return hv, iv, n, p, img
+
+
+def _vision_siglip_gemma3(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
+    v = _vision_cfg(config, arch)
+    hv, iv, n, p, img = _vit_dims(v)
     params = 3 * p * p * hv + hv + (img // p) ** 2 * hv + n * _vit_block(hv, iv) + 2 * hv
     params += hv * text_hidden + hv  # mm_input_projection_weight, mm_soft_emb_norm
     tokens = int(config.get("mm_tokens_per_image") or 256)
@@ -1048,12 +1054,7 @@ def _vision_siglip_gemma3(config: Mapping[str, Any], arch: str, text_hidden: int
 
 def _vision_clip_llava(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     v = _vision_cfg(config, arch)
-    hv, iv, n, p, img = (
-        int(x)
-        for x in v.req(
-            "hidden_size", "intermediate_size", "num_hidden_layers", "patch_size", "image_size"
-        )
-    )
+    hv, iv, n, p, img = _vit_dims(v)
     vtype = str(v.get("model_type", "clip_vision_model"))
     positions = (img // p) ** 2 + (1 if "clip" in vtype else 0)
     params = 3 * p * p * hv + positions * hv + n * _vit_block(hv, iv)
@@ -1101,7 +1102,7 @@ def _vision_qwen2_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> 
     )
     out = v.int("hidden_size", text_hidden)
     mh = ed * merge * merge
-    params = 3 * tp * p * p * ed + depth * _vit_block(ed, iv) - depth * 0
+    params = 3 * tp * p * p * ed + depth * _vit_block(ed, iv)
     params += 2 * ed + _linear(mh, mh, True) + _linear(mh, out, True)
     tokens = 12845056 // (p * p * merge * merge)
     return VisionSpec(params=params, max_tokens_per_item=tokens, hidden_size=ed, num_layers=depth)
@@ -1109,12 +1110,7 @@ def _vision_qwen2_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> 
 
 def _vision_pixtral(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     v = _vision_cfg(config, arch)
-    hv, iv, n, p, img = (
-        int(x)
-        for x in v.req(
-            "hidden_size", "intermediate_size", "num_hidden_layers", "patch_size", "image_size"
-        )
-    )
+    hv, iv, n, p, img = _vit_dims(v)
     merge = int(config.get("spatial_merge_size") or 2)
     params = 3 * p * p * hv + hv + n * _vit_block(hv, iv, bias=False, gated=True, layernorm=False)
     bias = bool(config.get("multimodal_projector_bias", False))
@@ -1168,12 +1164,7 @@ def _vision_mllama(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vi
 
 def _vision_llama4(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     v = _vision_cfg(config, arch)
-    hv, iv, n, p, img = (
-        int(x)
-        for x in v.req(
-            "hidden_size", "intermediate_size", "num_hidden_layers", "patch_size", "image_size"
-        )
-    )
+    hv, iv, n, p, img = _vit_dims(v)
     ratio = float(v.get("pixel_shuffle_ratio", 0.5))
     pin, pout = v.int("projector_input_dim", 4096), v.int("projector_output_dim", 4096)
     vout = v.int("vision_output_dim", pout)

@@ -38,7 +38,7 @@ _PAIR = re.compile(
 _DICT_ITEM = re.compile(r"'(\w+)':\s*('(?:[^'\\]|\\.)*'|\{[^{}]*\}|\[[^\[\]]*\]|[^,}]+)")
 
 # keys of vLLM's args / engine config → ParsedLog field names
-_ARG_FIELDS: dict[str, str] = {
+ARG_FIELDS: dict[str, str] = {
     "model": "model",
     "model_tag": "model",
     "tensor_parallel_size": "tensor_parallel_size",
@@ -595,7 +595,7 @@ class _Builder:
             key = str(key).replace("-", "_")
             if len(log.args) < 96 and key not in log.args:
                 log.args[key] = value
-            field = _ARG_FIELDS.get(key)
+            field = ARG_FIELDS.get(key)
             if field is None or value is None or value == "None":
                 if key == "enable_sleep_mode" and value in (True, "True", "true"):
                     self.signature("sleep_mode", ev)
