@@ -10,7 +10,7 @@ a request that does not fit is *preempted* (counted) and waits, like vLLM's reco
 Streams honour ``stream_options`` like vLLM: ``include_usage`` adds a final usage-only chunk,
 ``continuous_usage_stats`` puts the choice's token count so far on every chunk.
 
-Knobs: first-token delay, token rate, pool size; per request, header ``x-fake-cut-after: N``
+Knobs: first-token delay, a hold (an event admitted requests wait on), token rate, pool size; per request, header ``x-fake-cut-after: N``
 aborts the connection after N streamed tokens, ``x-fake-tokens: N`` generates N tokens instead
 of max_tokens. ``POST /_control`` with ``{"fail_next": k}`` makes the next k generation requests
 answer 503. Run as a script (``python fake_vllm.py --port N``) to have a process to SIGKILL.
@@ -36,6 +36,7 @@ class FakeState:
     num_gpu_blocks: int = 129  # 128 usable
     block_size: int = 16
     delay_s: float = 0.0
+    hold: asyncio.Event | None = None  # when given, admitted requests wait until it is set
     token_rate: float = 0.0  # tokens per second; 0 = instant
     running_blocks: int = 0
     running: int = 0
@@ -229,6 +230,8 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
         s.running_blocks += blocks
         s.peak_running_blocks = max(s.peak_running_blocks, s.running_blocks)
         try:
+            if s.hold is not None:
+                await s.hold.wait()
             if s.delay_s:
                 await asyncio.sleep(s.delay_s)
             rid = f"cmpl-{s.requests_seen}"
