@@ -32,6 +32,7 @@ from oomguard.doctor.rules import (
     budget_gib,
     default_max_num_seqs,
     fewer_seqs,
+    is_multimodal_model,
     lower_util,
     tp_step,
     weights_fixes,
@@ -591,7 +592,7 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
             "Fragmentation leaves free memory in pieces too small for the next large "
             "allocation (weight post-processing, graph capture, a trainer's reload).",
         )
-    if p.has("said_multimodal") or _multimodal_model(s):
+    if p.has("said_multimodal") or is_multimodal_model(s):
         out.add(
             "multimodal_encoder",
             CONF_MULTIMODAL,
@@ -676,16 +677,6 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
                 )
             ],
         )
-
-
-def _multimodal_model(s: Situation) -> bool:
-    model = str(s.get("model") or "").lower()
-    spec = s.model_spec
-    if spec is not None and getattr(spec, "vision", None) is not None:
-        return True
-    return any(
-        k in model for k in ("-vl", "vl-", "vision", "llava", "internvl", "minicpm-v", "pixtral")
-    )
 
 
 def _settings(s: Situation, out: Findings, said: Evidence) -> None:

@@ -698,6 +698,13 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
     low_util = s.util_stated and util is not None and util <= 0.6
     if s.get("cpu_offload_gib") and util is not None and util <= 0.6:
         low_util = True
+    if not low_util and util is not None and total and weights is not None and act is not None:
+        # the log's own numbers: weights + activations + non-torch + a little KV fit the GPU
+        # at a utilization vLLM accepts, so the budget, not the weights, is what is short
+        nt = float(s.get("non_torch_gib") or 0.0)
+        need = weights + float(act) + nt + 2 * CONTEXT_SLACK_GIB
+        if need <= 0.92 * total and util < need / total:
+            low_util = True
     if low_util and util is not None:
         fixes = []
         if total and weights is not None:
@@ -983,9 +990,14 @@ def rule_mamba(s: Situation, out: Findings) -> None:
 def rule_sampler(s: Situation, out: Findings) -> None:
     p = s.parsed
     ev = p.evidence("sampler_warmup_oom")
+    fp = p.failure_phase
+    if ev is None and p.ooms and fp is not None and fp.value == Phase.SAMPLER_WARMUP:
+        # the OOM's traceback runs through the sampler warm-up (its message may be cut)
+        ev = fp.evidence
     if ev is None:
         return
-    seqs = int(s.get("sampler_warmup_oom_seqs") or s.get("max_num_seqs") or 1024)
+    stated_seqs = s.get("sampler_warmup_oom_seqs") or s.get("max_num_seqs")
+    seqs = int(stated_seqs or 1024)
     target = fewer_seqs(seqs)
     oom = p.first_oom
     fixes = [
@@ -1006,7 +1018,10 @@ def rule_sampler(s: Situation, out: Findings) -> None:
     out.add(
         "concurrency_or_batch",
         0.9,
-        f"the sampler warm-up with {seqs} dummy requests ran out of memory",
+        f"the sampler warm-up with {seqs} dummy requests ran out of memory"
+        if stated_seqs
+        else "the sampler warm-up (one dummy request per max_num_seqs, 1024 by default on large "
+        "GPUs) ran out of memory",
         [ev, oom.evidence if oom else None],
         fixes,
         "vLLM warms up the sampler with max_num_seqs requests; their logits (sequences × vocabulary, "
@@ -2037,10 +2052,13 @@ def _unbounded_allocation(
     mm = p.has("failing_in_mm_encoder") or (
         phase == Phase.PROFILING and (p.has("mm_encoder_profile") or p.has("mm_encoder_frames"))
     )
-    if mm:
+    # a vision-language model whose failing step is not known: its unbounded input is the
+    # images (patches × images per prompt), which the encoder attends over in one batch
+    mm_model = not mm and phase in (None, Phase.PROFILING, Phase.SERVING) and is_multimodal_model(s)
+    if mm or mm_model:
         out.add(
             "multimodal_encoder",
-            0.85,
+            0.85 if mm else 0.7,
             f"the vision/audio encoder asked for {tried:.2f} GiB at once: an unbounded "
             "intermediate for an oversized input",
             [oom.evidence, p.evidence("failing_in_mm_encoder") or p.evidence("mm_encoder_frames")],
@@ -2365,6 +2383,10 @@ def is_multimodal_model(s: Situation) -> bool:
     spec = s.model_spec
     if spec is not None and getattr(spec, "vision", None) is not None:
         return True
+    for args in (s.parsed.args, s.context.args):
+        # per-prompt limits or processor settings for images are stated for a multimodal model
+        if any(args.get(k) for k in ("limit_mm_per_prompt", "mm_processor_kwargs")):
+            return True
     name = str(s.get("model") or "").lower()
     return bool(name) and any(word in name for word in _VLM_NAME_WORDS)
 

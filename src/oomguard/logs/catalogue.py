@@ -619,6 +619,15 @@ PATTERNS: tuple[Pattern, ...] = (
         loose_triggers=("allocate",),
     ),
     _p(
+        # the same error cut by the excerpt in the middle of its message ("RuntimeError: CUDA
+        # out of" as the line's end): a failure stated, with none of its numbers
+        "torch_oom_cut",
+        ("cuda out of", "hip out of", "xpu out of", "outofmemoryerror"),
+        r"(?:Error:\s*(?:CUDA|HIP|XPU) out of|OutOfMemoryError:?)\s*$",
+        signature="cuda_oom",
+        handler="oom_torch",
+    ),
+    _p(
         "driver_oom",
         (
             "error: out of memory",

@@ -683,6 +683,19 @@ class _Builder:
             self.set_field(
                 "cudagraph_estimate_gib", max(util - equiv, 0.0) * fields["gpu_total_gib"].value, ev
             )
+        if "no_cache_blocks" not in log.signatures:
+            # an empty KV pool stated by its numbers is the failure vLLM raises right after
+            # ("No available memory for the cache blocks"), even when the excerpt stops before it
+            # (a budget printed as 0.0 GiB may be a small pool rounded: counted blocks or
+            # tokens above zero say it was not empty)
+            counted = [fields[n] for n in ("gpu_blocks", "kv_tokens") if n in fields]
+            budget = fields.get("available_kv_gib")
+            empty = [o for o in counted if o.value <= 0]
+            if budget is not None and budget.value < 0:
+                empty.insert(0, budget)
+            if empty and not any(o.value > 0 for o in counted):
+                self.signature("no_cache_blocks", empty[0].evidence)
+                self.mark_failure(empty[0].evidence.line)
         if self.open_traceback and self.frame_evidence is not None:
             # a traceback that ends without its exception line (cut by the reporter)
             found = log.phases.get(self.last_frame_phase) if self.last_frame_phase else None

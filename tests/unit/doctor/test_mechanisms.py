@@ -348,3 +348,75 @@ def test_scorer_reads_common_fix_phrasings(text: str, lever: tuple[str, str]) ->
     from doctor_accuracy import worked_levers
 
     assert lever in worked_levers(text)
+
+
+# --- empty KV pool stated by numbers, cut OOM messages, unbounded allocations in a VLM --------
+
+
+def _v0_profile(total: str, util: str, weights: str, act: str, kv: str, blocks: int) -> list[str]:
+    pre = "INFO 03-02 10:11:12 worker.py:267] "
+    return [
+        f"INFO 03-02 10:11:09 model_runner.py:1115] Loading model weights took {weights} GB",
+        pre + f"the current vLLM instance can use total_gpu_memory ({total}GiB) x "
+        f"gpu_memory_utilization ({util}) = {float(total) * float(util):.2f}GiB",
+        pre + f"model weights take {weights}GiB; non_torch_memory takes 0.05GiB; PyTorch "
+        f"activation peak memory takes {act}GiB; the rest of the memory reserved for KV Cache "
+        f"is {kv}GiB.",
+        f"INFO 03-02 10:11:12 executor_base.py:111] # cuda blocks: {blocks}, # CPU blocks: 2048",
+        "[rank0]: Traceback (most recent call last):",
+    ]
+
+
+def test_negative_kv_budget_without_the_error_line_is_a_failure_a_raise_fixes() -> None:
+    # 16 GiB card at 0.6: weights 7.5 + activations 2.1 exceed 9.6 GiB, but fit well under 0.9
+    d = _diag(_v0_profile("16.00", "0.60", "7.50", "2.10", "-0.05", 0))
+    assert d.oom_found and d.top is not None
+    assert d.top.cause == "kv_too_small_for_max_len"
+    flag, value = _first(d)
+    assert flag == "--gpu-memory-utilization" and value is not None
+    assert 0.6 < float(value) <= 0.9
+    assert any("KV Cache is -0.05GiB" in e.text for e in d.top.evidence)
+
+
+def test_negative_kv_budget_at_a_high_utilization_with_heavy_weights_is_weights() -> None:
+    # 16 GiB card at 0.9: weights 14.2 leave no room at any utilization vLLM accepts
+    d = _diag(_v0_profile("16.00", "0.90", "14.20", "1.10", "-0.95", 0))
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+
+
+def test_a_positive_pool_is_not_an_empty_one() -> None:
+    d = _diag(_v0_profile("16.00", "0.90", "7.50", "2.10", "4.70", 2406)[:-1])
+    assert not d.oom_found
+
+
+def test_oom_message_cut_inside_the_sampler_warmup_traceback() -> None:
+    tag = "(Worker pid=4411) ERROR 10-02 09:00:01 [multiproc_executor.py:671] "
+    lines = [
+        tag + "Traceback (most recent call last):",
+        tag
+        + f'  File "{SITE}/vllm/v1/worker/gpu_worker.py", line 390, in compile_or_warm_up_model',
+        tag + "    self.model_runner._dummy_sampler_run(",
+        tag
+        + f'  File "{SITE}/vllm/v1/worker/gpu_model_runner.py", line 3221, in _dummy_sampler_run',
+        tag + "    raise RuntimeError(",
+        tag + "RuntimeError: CUDA out of",
+    ]
+    d = _diag(lines)
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    assert "--max-num-seqs" in [f.flag for f in d.top.ordered_fixes()]
+    assert "1024 dummy requests" not in d.top.summary  # the count was not stated
+    # the same cut message outside any traceback is still a stated failure
+    assert _diag(["RuntimeError: CUDA out of"]).oom_found
+
+
+def test_allocation_larger_than_the_gpu_in_a_vision_language_model_is_the_encoder() -> None:
+    line = "RuntimeError: Worker failed with error '" + _oom(
+        "812.00 GiB", "79.35 GiB", "19.23 GiB", "58.52 GiB"
+    )
+    text_only = _diag([line])
+    assert text_only.top is not None and text_only.top.cause == "other"
+    by_name = _diag([line], model="Qwen/Qwen2.5-VL-7B-Instruct")
+    assert by_name.top is not None and by_name.top.cause == "multimodal_encoder"
+    by_args = _diag([line], args={"limit_mm_per_prompt": {"image": 32}})
+    assert by_args.top is not None and by_args.top.cause == "multimodal_encoder"
+    assert by_args.top.ordered_fixes()[0].flag == "action"  # the attention backend first
