@@ -13,6 +13,8 @@ With none of these it says so, with a low confidence and the checklist's first q
 
 from __future__ import annotations
 
+import re
+
 from oomguard.doctor.findings import (
     STEP_ACTION,
     STEP_BATCHED_TOKENS,
@@ -55,6 +57,7 @@ CONF_CAPTURE = 0.48
 CONF_LOGPROBS = 0.46
 CONF_COLOCATED = 0.45
 CONF_WAKE_UP_CACHED = 0.5  # sleep-mode wake-up beside a trainer (its cached blocks)
+CONF_NOT_FREED = 0.5  # memory said not to be released / freed
 CONF_OTHER_PROCESS = 0.44
 CONF_UTIL_LOW = 0.42
 CONF_SINGLE_GPU = 0.4
@@ -70,9 +73,15 @@ _LOW_UTIL = 0.6
 def rule_prose(s: Situation, out: Findings) -> None:
     """A memory failure stated only in words: rank the causes the text names."""
     p = s.parsed
-    said = p.evidence("said_oom")
-    if out.by_cause or said is None:
+    said = p.evidence("said_oom") or (p.ooms[0].evidence if p.ooms else None)
+    if said is None:
         return
+    if out.by_cause:
+        # the log's own lines came first; the words weigh in only when those lines are an
+        # out-of-memory message without any figure and left the cause open
+        bare = all(o.tried_gib is None and o.free_gib is None for o in p.ooms)
+        if not bare or max(f.confidence for f in out.by_cause.values()) > CONF_RUNTIME:
+            return
     before = len(out.by_cause)
     _workarounds(s, out, said)
     _quoted_figures(s, out, said)
@@ -85,6 +94,11 @@ def rule_prose(s: Situation, out: Findings) -> None:
 
 def _ev(s: Situation, *names: str) -> list[Evidence | None]:
     return [s.parsed.evidence(n) for n in names]
+
+
+_NOT_FREED = re.compile(
+    r"(?i)\b(?:not|never)\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b"
+)
 
 
 # --- fixes per cause, when the text gives no numbers -----------------------------------------
@@ -661,9 +675,13 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
             "default 0.9 leaves the trainer almost nothing.",
         )
     if p.has("said_other_process"):
+        held = p.evidence("said_other_process")
+        # memory said not to be freed names the mechanism itself; a process merely mentioned
+        # is weaker than co-location with a trainer
+        named = held is not None and _NOT_FREED.search(held.text) is not None
         out.add(
             "leak_or_other_process",
-            CONF_OTHER_PROCESS,
+            CONF_NOT_FREED if named else CONF_OTHER_PROCESS,
             "another process or an earlier engine still holds GPU memory",
             [said, p.evidence("said_other_process")],
             [

@@ -693,12 +693,15 @@ PATTERNS: tuple[Pattern, ...] = (
             "ray oom",
             "ray-oom-prevention",
             "ray_memory_usage_threshold",
+            "ray.exceptions.outof",
         ),
         # Ray's memory monitor kills workers when the node's RAM passes its threshold:
         # "N Workers (tasks / actors) killed due to memory pressure (OOM)", "Task was killed
         # due to the node running low on memory", and its advice naming ray-oom-prevention
         r"(?i:killed due to (?:the node )?(?:memory pressure|running low on memory)|running low on memory"
-        r"|\(ray oom\)|ray-oom-prevention|RAY_memory_usage_threshold)",
+        r"|\(ray oom\)|ray-oom-prevention|RAY_memory_usage_threshold"
+        # its exception class, also when an excerpt cuts the name ("ray.exceptions.OutOfMe")
+        r"|ray\.exceptions\.OutOf(?:Memory\w*|\w*\s*$))",
         signature="host_ram_kill",
         handler="ray_oom",
     ),
@@ -1047,6 +1050,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "kept growing",
             "crash",
             "each other",
+            *prose.CJK_OOM_TRIGGERS,
         ),
         prose.SAID_OOM,
         handler="said",
@@ -1093,6 +1097,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "%mem",
             "mem(",
             "mem (",
+            "free -",
             "ray oom",
             "container",
             "--memory",
@@ -1146,9 +1151,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "zombie",
             "orphan",
             "del llm",
-            "not freed",
-            "not released",
+            "freed",
+            "released",
             "still in use",
+            "second model",
             "second llm",
             "second engine",
             "second instance",

@@ -35,6 +35,7 @@ _PENDING_CHARS = 1024
 _PAIR = re.compile(
     r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\{[^{}]*\}|\[[^\[\]]*\]|[^,()]+?)(?=,\s*\w+=|\)?\s*$)"
 )
+_LLM_CALL = re.compile(r"\bLLM\(")
 _DICT_ITEM = re.compile(r"'(\w+)':\s*('(?:[^'\\]|\\.)*'|\{[^{}]*\}|\[[^\[\]]*\]|[^,}]+)")
 
 # keys of vLLM's args / engine config → ParsedLog field names
@@ -83,6 +84,7 @@ class _Builder:
         # (first record, joined text, patterns still waiting, records joined so far)
         self.pending: list[tuple[Record, str, tuple[int, ...], int]] = []
         self.recent: tuple[str, ...] = ()  # the texts of the records before the one being fed
+        self.engines_constructed = 0  # `LLM(...)` constructions seen
 
     # --- fields -----------------------------------------------------------------------------
     def set_field(self, name: str, value: Any, ev: Evidence) -> None:
@@ -566,6 +568,13 @@ class _Builder:
         self._take_args(args, ev, user=True)
 
     def _h_args_kwargs(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        before = self.engines_constructed
+        # (a record may hold several source lines: count every construction in it)
+        self.engines_constructed += max(len(_LLM_CALL.findall(record.text)), 1)
+        if before < 2 <= self.engines_constructed:
+            # a second engine built in the same code while the first may still hold its
+            # weights and KV cache: the co-tenant is the earlier engine
+            self.signature("said_other_process", ev)
         payload = m.group("payload")
         args: dict[str, Any] = {k: _literal(v) for k, v in _PAIR.findall(payload + ")")}
         first = payload.split(",", 1)[0].strip()

@@ -24,7 +24,11 @@ _WHERE = r"(?:(?:gpu|cuda|device|cpu|host|system|node)[ -])?"
 
 # a statement that memory ran out
 SAID_OOM = (
-    r"(?i:\bOOM(?:s|ed|ing|'ed|-?kill\w*)?\b"
+    # (no \b: next to CJK text, "报OOM错误", there is no word boundary)
+    r"(?i:(?<![A-Za-z0-9_])OOM(?:s|ed|ing|'ed|-?kill\w*)?(?![A-Za-z0-9_])"
+    # the same in Chinese reports: GPU memory (显存) or memory (内存) insufficient, overflowing,
+    # full, "blown"
+    r"|(?:显存|内存)(?:不足|不够|溢出|爆了|占满|耗尽)|爆显存"
     rf"|\bout[ -]of[ -]{_WHERE}memory\b"
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
     rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
@@ -40,6 +44,9 @@ SAID_OOM = (
     r"|crash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|server|host|node|system|computer)\b"
     r"|each\s+other'?s\s+(?:memory\s+)?allocations?\b))"
 )
+
+# the Chinese phrasings above, as the catalogue's cheap triggers
+CJK_OOM_TRIGGERS = ("显存", "内存")
 
 # words that make a statement conditional or advice ("to avoid OOM", "if you run out of …")
 _HEDGE = re.compile(
@@ -169,14 +176,14 @@ MENTIONS: dict[str, str] = {
     "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
     "said_fragmentation": r"(?i:\bfragment\w*)",
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
-    "said_host_ram": r"(?i:\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
+    "said_host_ram": r"(?i:\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)\s+(?:ram|memory)\b|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
     # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
     "said_gpu_not_full": r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?(?:using\s+|used\s+|at\s+)?(?:all|full)\b)",
     # sleep mode's wake-up and the caching allocator's cached blocks (torch.cuda.empty_cache)
     "said_wake_up": r"(?i:\bwake[_ -]?up\b)",
     "said_empty_cache": r"(?i:\bempty_cache\b|\bcaching\s+allocator\b)",
     "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b)",
-    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
+    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b|\bnever\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
     "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
     "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
     "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",

@@ -419,3 +419,63 @@ def test_vlm_oom_after_kv_sizing_is_the_encoder() -> None:
     assert d.top is not None and d.top.cause == "multimodal_encoder"
     text_only = _diag(lines, model="Qwen/Qwen2-7B-Instruct")
     assert text_only.top is not None and text_only.top.cause != "multimodal_encoder"
+
+
+# --- statements in other languages, engines built twice, cut Ray errors --------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "部署 Qwen2.5-14B 时启动就报OOM错误",  # "reports an OOM error at start-up"
+        "服务跑了一天之后显存不足，进程退出",  # "after a day the GPU memory was insufficient"
+        "一开始正常，后来爆显存了",  # "fine at first, then the GPU memory blew up"
+    ],
+)
+def test_chinese_statements_of_a_memory_failure_are_failures(text: str) -> None:
+    d = _diag([text])
+    assert d.oom_found and d.top is not None
+    assert any(e.line == 1 for e in d.top.evidence)
+
+
+def test_oom_inside_a_latin_word_is_not_a_failure() -> None:
+    assert not _diag(["ZOOM meetings were recorded; the BOOMBOX model loaded fine"]).oom_found
+
+
+def test_a_second_engine_built_in_the_same_process_is_the_co_tenant() -> None:
+    d = _diag(
+        [
+            "for path in checkpoints:",
+            "    llm = LLM(model=path, tensor_parallel_size=2)",
+            "    run_eval(llm)",
+            "llm = LLM(model='final', tensor_parallel_size=2)",
+            "The last line dies with CUDA out of memory.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+    assert any("LLM(model='final'" in e.text for e in d.top.evidence)
+    # one engine only: no co-tenant is read into it
+    one = _diag(["llm = LLM(model='final', tensor_parallel_size=2)", "CUDA out of memory."])
+    assert one.top is not None and one.top.cause != "leak_or_other_process"
+
+
+def test_memory_not_properly_released_between_steps_is_a_leak() -> None:
+    d = _diag(
+        [
+            "After each PPO step the GPU memory is not properly released, so the rollout "
+            "engine hits an OOM when it wakes up for step 2."
+        ]
+    )
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+
+
+def test_ray_memory_error_cut_by_the_excerpt_is_host_memory() -> None:
+    d = _diag(
+        [
+            "Traceback (most recent call last):",
+            f'  File "{SITE}/vllm/engine/async_llm_engine.py", line 351, in run_engine_loop',
+            "    has_requests_in_progress = await self.engine_step()",
+            "ray.exceptions.OutOfMe",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "cpu_ram"
