@@ -48,6 +48,7 @@ CONF_WORKAROUND = 0.62  # "works with X", "I have to reduce X"
 CONF_SLEEP_RESIDUAL = 0.6  # the engine's memory after sleep keeps rising
 CONF_UNALLOCATED = 0.58  # GiB reserved but unallocated, quoted
 CONF_WEIGHTS = 0.56  # the named model's weights exceed the named GPU
+WEIGHTS_SHARE_NO_ROOM = 0.85  # weights per GPU above this share of it leave no room to start
 CONF_HOST = 0.52  # host RAM, swap, pinned memory named
 CONF_FRAGMENTATION = 0.52  # fragmentation named as the cause
 CONF_BOUNDARY = 0.5  # an upgrade across a release that changed where memory goes
@@ -447,7 +448,9 @@ def _weights_vs_gpu(s: Situation, out: Findings, said: Evidence) -> None:
     if w is None or not total or p.has("said_runtime"):
         return  # a server that was serving had its weights loaded
     per_gpu = float(w.value)
-    if per_gpu < 0.9 * float(total):
+    # at the default utilization (0.9) weights above 0.85 × the GPU leave under 5 % of it for
+    # the activation peak and the KV cache together: not a configuration that starts
+    if per_gpu < WEIGHTS_SHARE_NO_ROOM * float(total):
         return
     count = s.get("gpu_count")
     tp_known = s.known("tensor_parallel_size") is not None
@@ -456,7 +459,8 @@ def _weights_vs_gpu(s: Situation, out: Findings, said: Evidence) -> None:
         and int(count) > s.tp
         and not tp_known
         and not p.has("said_single_gpu")
-        and float(s.get("weights_total_gib") or per_gpu) / int(count) < 0.9 * float(total)
+        and float(s.get("weights_total_gib") or per_gpu) / int(count)
+        < WEIGHTS_SHARE_NO_ROOM * float(total)
     ):
         return  # the machine's GPUs hold it; the text does not say how many were used
     budget = budget_gib(s) or 0.9 * float(total)
@@ -465,8 +469,14 @@ def _weights_vs_gpu(s: Situation, out: Findings, said: Evidence) -> None:
     out.add(
         "weights_dont_fit",
         CONF_WEIGHTS,
-        f"the weights (~{per_gpu:.1f} GiB per GPU{origin}) do not fit in {float(total):.1f} GiB"
-        + (f" with tensor parallelism {s.tp}" if s.tp > 1 else " on one GPU"),
+        (
+            f"the weights (~{wt:.1f} GiB{origin}; {wt / int(count):.1f} GiB on each of "
+            f"{int(count)} GPUs) leave no room in {float(total):.1f} GiB per GPU"
+            if count and int(count) > s.tp and not tp_known
+            else f"the weights (~{per_gpu:.1f} GiB per GPU{origin}) do not fit in "
+            f"{float(total):.1f} GiB"
+            + (f" with tensor parallelism {s.tp}" if s.tp > 1 else " on one GPU")
+        ),
         [
             said,
             w.evidence,

@@ -186,9 +186,19 @@ _WHOLE_WORDS = frozenset(
 )
 
 
-def _join(prev: str, body: str) -> str:
+# a hard wrap cuts a line at the terminal's or the page's width: a shorter line ended where
+# its writer ended it, never inside a word
+_MIN_WRAPPED_CHARS = 50
+
+
+def _join(prev: str, body: str, prev_line_chars: int) -> str:
     # a hard wrap inside a word ("KV cach" + "e is needed") joins without a space
-    if body[:1] not in (" ", "\t") and prev[-1:].isalnum() and body[:1].isalnum():
+    if (
+        prev_line_chars >= _MIN_WRAPPED_CHARS
+        and body[:1] not in (" ", "\t")
+        and prev[-1:].isalnum()
+        and body[:1].isalnum()
+    ):
         last = prev.rsplit(None, 1)[-1].lower() if prev.strip() else ""
         first = body.split(None, 1)[0].lower()
         if body[:1].islower() and last not in _WHOLE_WORDS and first not in _WHOLE_WORDS:
@@ -199,11 +209,14 @@ def _join(prev: str, body: str) -> str:
 def iter_records(chunks: Iterable[str]) -> Iterator[Record]:
     """Yield logical records: a line plus the continuation lines that belong to it."""
     current: Record | None = None
+    prev_chars = 0  # the length of the last physical line read
     for line in iter_lines(chunks):
         if current is not None and _continues(current, line):
-            current.text = _join(current.text, line.body)
+            current.text = _join(current.text, line.body, prev_chars)
             current.lines += 1
+            prev_chars = len(line.body)
             continue
+        prev_chars = len(line.body)
         if current is not None:
             yield current
         current = Record(number=line.number, text=line.body, tag=line.tag, level=line.level)

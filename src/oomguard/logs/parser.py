@@ -505,7 +505,7 @@ class _Builder:
         if record.level in prose.QUIET_LEVELS:
             return
         try:
-            self.set_field("said_weights_gib", float(m.group("gib")), ev)
+            self.set_field("said_weights_gib", float(m.group("gib") or m.group("total")), ev)
         except ValueError:
             return
 

@@ -34,6 +34,10 @@ SAID_OOM = (
     rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
     rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"
     r"|\blow\s+on\s+memory\b|\bmemory\s+pressure\b"
+    # "cannot load Llama 3.2 3B on a 16GB GPU": a model that does not fit a stated memory size
+    r"|\b(?:can't|cannot|can\s+not|unable\s+to|fail(?:s|ed)?\s+to)\s+(?:load|run|fit|start|serve)\b"
+    r"(?:[^.\n]|\.(?=\d)){0,60}?\bon\s+(?:a\s+|an\s+|my\s+|one\s+|two\s+|\d\s?[x×*]?\s?)?"
+    r"\d+\s?(?:G|GB|GiB)\b"
     # a failure told as what memory did: "exceeds the memory limit", "balloons memory and then
     # crashes the DGX", "memory keeps growing until …", "sees each other's allocations"
     # (one branch behind a one-character look-ahead: cheap at positions that start none of them)
@@ -199,8 +203,11 @@ SAID_UTIL = re.compile(
 
 # "The model is only 1.6G", "model size is 14GB": the writer's figure for the weights
 SAID_MODEL_SIZE = re.compile(
-    r"(?i)\b(?:model|weights)\s+(?:is|are|size\s+is|weighs|takes?)\s+(?:only\s+|about\s+|around\s+|~\s?)?"
-    r"(?P<gib>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b"
+    r"(?i)\b(?:model|weights)\s+(?:is|are|size\s+is|weighs|takes?|took|taking|use[sd]?|need(?:s|ed)?"
+    r"|occup(?:y|ies|ied)|consum(?:e|es|ed))\s+(?:only\s+|about\s+|around\s+|~\s?)?"
+    # "13.4 GB", or a sum worked out per GPU: "13.37 * 2 = 27 GB" (the total is kept)
+    r"(?:(?P<gib>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b"
+    r"|\d+(?:\.\d+)?\s?(?:G|GB|GiB)?\s?[*x×]\s?\d+\s?=\s?(?P<total>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b)"
 )
 
 # "~20 GiB reserved-but-unallocated", "reserved but unallocated: 402 MiB"
@@ -212,8 +219,9 @@ SAID_UNALLOCATED = re.compile(
 # a GPU a text names: "8 A100-40Gs", "8xNVIDIA-H200", "A10*4", "RTX 4090 24GB", "dual-A100(40G)"
 SAID_GPU = re.compile(
     r"(?:(?P<count>\d{1,2})\s?[x×*]?\s?|(?P<dual>dual|two|2)[- ])?(?:NVIDIA[- ]?)?"
-    r"(?P<name>A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
-    r"|RTX\s?A6000|A6000|RTX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)"
+    # (names in any case, "a100", "v100-16G"; not run into a following word but a plural s)
+    r"(?P<name>(?i:A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
+    r"|RTX\s?A6000|A6000|RTX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)(?![a-rt-zA-RT-Z]))"
     r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
 )
 

@@ -20,8 +20,12 @@ def _diag(lines: list[str], **context: object) -> Diagnosis:
 def test_wrap_between_words_keeps_the_space_and_inside_a_word_does_not() -> None:
     between = [r.text for r in iter_records(["the check on startup is", "less than desired"])]
     assert between == ["the check on startup is less than desired"]
-    inside = [r.text for r in iter_records(["4.2 GiB KV cach", "e is needed"])]
-    assert inside == ["4.2 GiB KV cache is needed"]
+    wrapped = "ValueError: To serve at least one request with the model's max seq len (8192), (4.2 GiB KV cach"
+    inside = [r.text for r in iter_records([wrapped, "e is needed"])]
+    assert inside == [wrapped + "e is needed"]
+    # a short line ended where its writer ended it: never glued to the next one
+    short = [r.text for r in iter_records(["weights took 27.2 GB", "then got OOM"])]
+    assert short == ["weights took 27.2 GB then got OOM"]
 
 
 def test_startup_check_wrapped_by_the_reporter_is_recognised() -> None:

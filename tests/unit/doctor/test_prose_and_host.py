@@ -479,3 +479,32 @@ def test_ray_memory_error_cut_by_the_excerpt_is_host_memory() -> None:
         ]
     )
     assert d.top is not None and d.top.cause == "cpu_ram"
+
+
+def test_weights_worked_out_per_gpu_against_a_lower_case_gpu_name() -> None:
+    d = _diag(
+        [
+            "we have 2 * v100-16G and want to serve a MoE checkpoint",
+            "model weights took 13.6 * 2 = 27.2 GB",
+            "then got OOM on each gpu",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    assert "2 GPUs" in d.top.summary and "27.2 GiB" in d.top.summary
+    # the same weights over GPUs with room to spare are not the cause
+    roomy = _diag(
+        [
+            "we have 2 * a100-80G and want to serve a MoE checkpoint",
+            "model weights took 13.6 * 2 = 27.2 GB",
+            "then got OOM on each gpu",
+        ]
+    )
+    assert roomy.top is None or roomy.top.cause != "weights_dont_fit"
+
+
+def test_cannot_load_on_a_sized_gpu_at_full_utilisation_is_the_utilization() -> None:
+    d = _diag(["cannot load llama 3.2 3b on a 16gb gpu when gpu_memory_utilisation=1"])
+    assert d.oom_found and d.top is not None and d.top.cause == "util_overshoot"
+    assert _flags(d)[0] == "--gpu-memory-utilization"
+    # loading something that is not a GPU size claim is not a memory failure
+    assert not _diag(["cannot load the tokenizer on a fresh install"]).oom_found
