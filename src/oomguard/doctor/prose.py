@@ -54,6 +54,7 @@ CONF_FRAGMENTATION = 0.52  # fragmentation named as the cause
 CONF_BOUNDARY = 0.5  # an upgrade across a release that changed where memory goes
 CONF_MULTIMODAL = 0.5
 CONF_UTIL_HIGH = 0.5  # utilization ≥ 0.95 stated
+CONF_SAMPLER = 0.5  # the sampler warm-up named
 CONF_CAPTURE = 0.48
 CONF_LOGPROBS = 0.46
 CONF_COLOCATED = 0.45
@@ -627,6 +628,16 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
             "Before sizing the KV cache vLLM profiles the encoder on maximal dummy images and "
             "videos for many sequences and reserves an encoder cache, even for a checkpoint "
             "used only for text.",
+        )
+    if p.has("said_sampler"):
+        out.add(
+            "concurrency_or_batch",
+            CONF_SAMPLER,
+            "the text places the failure in the sampler warm-up",
+            [said, p.evidence("said_sampler")],
+            _batch_fixes(s),
+            "vLLM warms up the sampler with one dummy request per max_num_seqs; their logits "
+            "(sequences × vocabulary) come on top of the profiled peak.",
         )
     if p.has("said_capture"):
         out.add(

@@ -877,8 +877,10 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "memory_growth_words",
-        ("leak", "泄漏", "keeps growing", "keeps increasing", "over time"),
-        r"(?i:memory leak|leaks? memory|泄漏|keeps (?:growing|increasing)|grows? over time|increas\w* over time)",
+        ("leak", "泄漏", "泄露", "keeps growing", "keeps increasing", "over time", "显存", "内存"),
+        r"(?i:memory leak|leaks? memory|泄漏|泄露|keeps (?:growing|increasing)|grows? over time|increas\w* over time"
+        # "显存慢慢增大": GPU memory (or memory) slowly / steadily / keeps growing
+        r"|(?:显存|内存)(?:占用)?(?:会)?(?:慢慢|逐渐|不断|持续|一直|缓慢)(?:地)?(?:增大|增加|上涨|增长|升高|上升))",
         signature="memory_growth",
     ),
     # --- phase markers and traceback frames ---------------------------------------------------
@@ -1061,6 +1063,12 @@ PATTERNS: tuple[Pattern, ...] = (
         handler="said",
     ),
     _p("said_capture", ("graph", "capture"), prose.MENTIONS["said_capture"], handler="said"),
+    _p(
+        "said_sampler",
+        ("sampler", "warming up"),
+        prose.MENTIONS["said_sampler"],
+        handler="said",
+    ),
     _p(
         "said_multimodal",
         (

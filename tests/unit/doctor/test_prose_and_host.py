@@ -508,3 +508,20 @@ def test_cannot_load_on_a_sized_gpu_at_full_utilisation_is_the_utilization() -> 
     assert _flags(d)[0] == "--gpu-memory-utilization"
     # loading something that is not a GPU size claim is not a memory failure
     assert not _diag(["cannot load the tokenizer on a fresh install"]).oom_found
+
+
+def test_gpu_memory_growing_until_oom_in_chinese_is_a_leak() -> None:
+    # "as requests accumulate the GPU memory slowly grows, and in the end an OOM is reported"
+    d = _diag(["随着请求增多，显存慢慢增大，最终报OOM错误"])
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+
+
+def test_sampler_warmup_named_in_prose_is_the_number_of_sequences() -> None:
+    d = _diag(
+        [
+            "Fixes CUDA out of memory at start-up on 8x H100.",
+            "The default max_num_seqs=1024 made the sampler warmup allocate far too much.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    assert "--max-num-seqs" in _flags(d)
