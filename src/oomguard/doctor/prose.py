@@ -55,6 +55,7 @@ CONF_BOUNDARY = 0.5  # an upgrade across a release that changed where memory goe
 CONF_MULTIMODAL = 0.5
 CONF_UTIL_HIGH = 0.5  # utilization ≥ 0.95 stated
 CONF_SAMPLER = 0.5  # the sampler warm-up named
+CONF_CODE_REGRESSION = 0.52  # the failure traced to one vLLM change (bisected, "introduced by")
 CONF_CAPTURE = 0.48
 CONF_LOGPROBS = 0.46
 CONF_COLOCATED = 0.45
@@ -656,6 +657,25 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
             ],
             "Graphs are captured after the KV cache took its share; their memory must fit in "
             "what gpu_memory_utilization leaves outside vLLM's budget.",
+        )
+    if p.has("said_code_regression"):
+        out.add(
+            "other",
+            CONF_CODE_REGRESSION,
+            "the text traces the failure to one change in vLLM: a regression, not a setting",
+            [said, p.evidence("said_code_regression")],
+            [
+                Fix(
+                    "action",
+                    "pin the last vLLM release before that change (or one that carries its "
+                    "fix); lowering --gpu-memory-utilization or --max-num-seqs only works around it",
+                    "the same settings worked before the change",
+                    STEP_ACTION,
+                ),
+                _util_fix(s, 1.0, "a stop-gap until the fix is released", "0.85"),
+            ],
+            "When the failure starts with one commit at unchanged settings, the memory the new "
+            "code takes is the cause; the fix is in vLLM, the settings only buy room.",
         )
     if p.has("said_logprobs"):
         out.add(

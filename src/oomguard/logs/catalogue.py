@@ -1064,6 +1064,12 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p("said_capture", ("graph", "capture"), prose.MENTIONS["said_capture"], handler="said"),
     _p(
+        "said_code_regression",
+        ("narrowed", "bisect", "introduced", "caused by", "broken by", "regression"),
+        prose.MENTIONS["said_code_regression"],
+        handler="said",
+    ),
+    _p(
         "said_sampler",
         ("sampler", "warming up"),
         prose.MENTIONS["said_sampler"],

@@ -178,6 +178,9 @@ LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
 MENTIONS: dict[str, str] = {
     "said_capture": r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b|\bcapture[-_ ]sizes?\b)",
     "said_sampler": r"(?i:\bsampler[ _-]?warm[ _-]?up\b|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run)",
+    # a failure traced to one vLLM change: "narrowed this down to PR #19572", "bisected to
+    # commit abc123", "introduced by #18724", "a regression since 0.9.1"
+    "said_code_regression": r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)|\bregression\s+(?:from|in|since|introduced|caused)\b)",
     "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
     "said_fragmentation": r"(?i:\bfragment\w*)",
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))

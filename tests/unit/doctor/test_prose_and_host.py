@@ -525,3 +525,17 @@ def test_sampler_warmup_named_in_prose_is_the_number_of_sequences() -> None:
     )
     assert d.top is not None and d.top.cause == "concurrency_or_batch"
     assert "--max-num-seqs" in _flags(d)
+
+
+def test_a_failure_bisected_to_one_vllm_change_is_a_regression_not_a_setting() -> None:
+    d = _diag(
+        [
+            "The 2-GPU data-parallel example now fails with CUDA OOM at default settings.",
+            "I bisected it to the commit that switched the default attention backend.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "other"
+    assert _flags(d)[0] == "action"
+    # naming a PR that fixed something else is no such statement
+    plain = _diag(["CUDA OOM at start-up; PR #123 added a new flag I did not use."])
+    assert plain.top is None or plain.top.cause != "other"
