@@ -1071,7 +1071,7 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "said_sampler",
-        ("sampler", "warming up"),
+        ("sampler", "warming up", "warmup", "warm-up", "warm up"),
         prose.MENTIONS["said_sampler"],
         handler="said",
     ),

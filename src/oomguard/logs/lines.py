@@ -33,6 +33,13 @@ _LOGGER_HEADER = re.compile(
 )
 # One decoration at the start of a line; applied repeatedly until none matches.
 _PREFIXES: tuple[re.Pattern[str], ...] = (
+    # a launcher's own logger: FastChat's "2024-03-20 19:18:27 | ERROR | stderr | ", loguru's
+    # "2024-03-20 19:18:27.123 | ERROR    | module:function:42 - " (only after a timestamp: a
+    # Markdown table row starts with "|" too)
+    re.compile(
+        r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\s*\|\s*"
+        r"(?:TRACE|DEBUG|INFO|SUCCESS|WARNING|ERROR|CRITICAL)\s*\|\s*[\w.:<>-]+\s*(?:\||-)\s?"
+    ),
     # ISO / RFC3339 timestamps added by docker, kubectl, journald exports
     re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\s*"),
     # docker compose service prefix: "vllm-1  | "

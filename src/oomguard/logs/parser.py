@@ -705,6 +705,7 @@ class _Builder:
             if empty and not any(o.value > 0 for o in counted):
                 self.signature("no_cache_blocks", empty[0].evidence)
                 self.mark_failure(empty[0].evidence.line)
+        self._capacity_below_length()
         if self.open_traceback and self.frame_evidence is not None:
             # a traceback that ends without its exception line (cut by the reporter)
             found = log.phases.get(self.last_frame_phase) if self.last_frame_phase else None
@@ -713,6 +714,35 @@ class _Builder:
             self._failing_traceback()
         log.failure_phase = self._failure_phase()
         return log
+
+    def _capacity_below_length(self) -> None:
+        """The KV cache's stated size in tokens below max_model_len, followed by a traceback:
+        the fit check that raised ("max seq len … is larger than the maximum number of tokens
+        that can be stored in KV cache"), even when the excerpt stops before its message."""
+        log, fields = self.log, self.log.fields
+        if "kv_too_small" in log.signatures or "no_cache_blocks" in log.signatures:
+            return
+        length = fields.get("max_model_len")
+        if length is None:
+            return
+        capacity: tuple[int, Evidence] | None = None
+        if "kv_tokens" in fields:
+            capacity = (int(fields["kv_tokens"].value), fields["kv_tokens"].evidence)
+        elif "gpu_blocks" in fields:
+            block = int(self.log.get("block_size") or 16)
+            capacity = (int(fields["gpu_blocks"].value) * block, fields["gpu_blocks"].evidence)
+        if capacity is None or not 0 < capacity[0] < int(length.value):
+            return
+        concurrency = fields.get("max_concurrency")
+        if concurrency is not None and float(concurrency.value) >= 1.0:
+            return  # vLLM counted a whole request as fitting (a sliding-window or hybrid pool)
+        after = self.frame_evidence or (log.errors[0] if log.errors else None)
+        if after is None or after.line <= capacity[1].line:
+            return  # no failure after it: a sliding-window or hybrid pool can start like this
+        self.set_field("kv_capacity_tokens", capacity[0], capacity[1])
+        self.set_field("kv_error_max_model_len", int(length.value), length.evidence)
+        self.signature("kv_too_small", capacity[1])
+        self.mark_failure(capacity[1].line)
 
     def _failure_phase(self) -> Observed[Phase] | None:
         log = self.log

@@ -177,7 +177,9 @@ LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
 
 MENTIONS: dict[str, str] = {
     "said_capture": r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b|\bcapture[-_ ]sizes?\b)",
-    "said_sampler": r"(?i:\bsampler[ _-]?warm[ _-]?up\b|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run)",
+    "said_sampler": r"(?i:\bsampler[ _-]?warm[ _-]?up\b|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run"
+    # a warm-up that allocates logits over the vocabulary is the sampler's
+    r"|\bwarm[ _-]?up\b[^.\n]{0,100}?\b(?:logits|vocab\w*)\b|\b(?:logits|vocab\w*)\b[^.\n]{0,100}?\bwarm[ _-]?up\b)",
     # a failure traced to one vLLM change: "narrowed this down to PR #19572", "bisected to
     # commit abc123", "introduced by #18724", "a regression since 0.9.1"
     "said_code_regression": r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)|\bregression\s+(?:from|in|since|introduced|caused)\b)",

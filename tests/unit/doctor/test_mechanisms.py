@@ -420,3 +420,60 @@ def test_allocation_larger_than_the_gpu_in_a_vision_language_model_is_the_encode
     by_args = _diag([line], args={"limit_mm_per_prompt": {"image": 32}})
     assert by_args.top is not None and by_args.top.cause == "multimodal_encoder"
     assert by_args.top.ordered_fixes()[0].flag == "action"  # the attention backend first
+
+
+def _v0_blocks_then(tail: list[str]) -> list[str]:
+    return [
+        "INFO 03-20 19:18:21 llm_engine.py:72] Initializing an LLM engine with config: "
+        "model='/models/chat-4b', dtype=torch.bfloat16, max_seq_len=32768, "
+        "tensor_parallel_size=1, enforce_eager=True, kv_cache_dtype=auto, seed=0)",
+        "INFO 03-20 19:18:27 llm_engine.py:322] # GPU blocks: 1842, # CPU blocks: 655",
+        *tail,
+    ]
+
+
+def test_kv_capacity_below_max_len_then_a_traceback_is_the_fit_check() -> None:
+    # 1842 blocks × 16 = 29,472 tokens < 32,768; the launcher's logger prefixes the traceback
+    d = _diag(
+        _v0_blocks_then(
+            [
+                "2024-03-20 19:18:27 | ERROR | stderr | Traceback (most recent call last):",
+                '2024-03-20 19:18:27 | ERROR | stderr |   File "/srv/worker.py", line 290, in <module>',
+                "2024-03-20 19:18:27 | ERROR | stderr |     engine = AsyncLLMEngine.from_engine_args(a)",
+            ]
+        )
+    )
+    assert d.top is not None and d.top.cause == "kv_too_small_for_max_len"
+    assert "29,472" in d.top.summary
+    flag, value = _first(d)
+    assert flag == "--max-model-len" and value is not None and int(value) <= 29472
+
+
+def test_kv_capacity_below_max_len_without_a_failure_is_not_diagnosed() -> None:
+    assert not _diag(
+        _v0_blocks_then(["INFO 03-20 19:18:30 api_server.py:1] Started server"])
+    ).oom_found
+    # vLLM itself counting a whole request as fitting (a sliding-window pool) is no failure
+    v1 = [
+        "(EngineCore_DP0 pid=1) INFO 08-06 10:00:00 [core.py:77] Initializing a V1 LLM engine "
+        "(v0.10.1) with config: model='m', max_seq_len=131072, tensor_parallel_size=1",
+        "(EngineCore_DP0 pid=1) INFO 08-06 10:00:09 [kv_cache_utils.py:833] GPU KV cache size: "
+        "90,000 tokens",
+        "(EngineCore_DP0 pid=1) INFO 08-06 10:00:09 [kv_cache_utils.py:837] Maximum concurrency "
+        "for 131,072 tokens per request: 2.95x",
+        "(APIServer pid=1) ERROR 08-06 10:05:00 [serving_chat.py:1] Traceback (most recent call last):",
+        '(APIServer pid=1) ERROR 08-06 10:05:00 [serving_chat.py:1]   File "/x/serving_chat.py", line 9, in f',
+        "(APIServer pid=1) ERROR 08-06 10:05:00 [serving_chat.py:1] KeyError: 'tool_calls'",
+    ]
+    assert not _diag(v1).oom_found
+
+
+def test_a_warmup_over_the_vocabulary_outranks_the_change_that_introduced_it() -> None:
+    d = _diag(
+        [
+            "The warmup allocation is 4.64 GiB (max_num_seqs=1024 × 8 positions × vocab_size "
+            "151,936 × 4 bytes), introduced by the PR that added spec-decode-aware warmup.",
+            "CI fails with CUDA OOM in that step.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
