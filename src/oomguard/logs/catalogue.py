@@ -1099,6 +1099,9 @@ PATTERNS: tuple[Pattern, ...] = (
         "said_host_ram",
         (
             "host ram",
+            "host-ram",
+            "host-oom",
+            "host-memory",
             "host memory",
             "cpu ram",
             "cpu memory",
@@ -1153,6 +1156,7 @@ PATTERNS: tuple[Pattern, ...] = (
             "colocat",
             "co-locat",
             "rollout",
+            "shared",
         ),
         prose.MENTIONS["said_colocated"],
         handler="said",

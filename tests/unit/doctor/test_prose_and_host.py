@@ -539,3 +539,14 @@ def test_a_failure_bisected_to_one_vllm_change_is_a_regression_not_a_setting() -
     # naming a PR that fixed something else is no such statement
     plain = _diag(["CUDA OOM at start-up; PR #123 added a new flag I did not use."])
     assert plain.top is None or plain.top.cause != "other"
+
+
+def test_hyphenated_host_ram_and_shared_gpus_are_read() -> None:
+    host = _diag(
+        ["Each TP worker holds the whole checkpoint in host-RAM while loading; it host-OOMs."]
+    )
+    assert host.top is not None and host.top.cause == "cpu_ram"
+    shared = _diag(
+        ["The default utilization claims half of an 80GB card and causes OOM on shared GPUs."]
+    )
+    assert shared.top is not None and shared.top.cause == "util_overshoot"
