@@ -101,9 +101,7 @@ def _ev(s: Situation, *names: str) -> list[Evidence | None]:
     return [s.parsed.evidence(n) for n in names]
 
 
-_NOT_FREED = re.compile(
-    r"(?i)\b(?:not|never)\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b"
-)
+_NOT_FREED = re.compile(prose.NOT_FREED, re.IGNORECASE)
 
 
 # --- fixes per cause, when the text gives no numbers -----------------------------------------

@@ -175,6 +175,9 @@ LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?i)limit[-_ ]mm"), "multimodal_encoder"),
 )
 
+# memory said not to be given back: "not properly released", "never freed"
+NOT_FREED = r"\b(?:not|never)\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b"
+
 MENTIONS: dict[str, str] = {
     "said_capture": r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b|\bcapture[-_ ]sizes?\b)",
     "said_sampler": r"(?i:\bsampler[ _-]?warm[ _-]?up\b|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run"
@@ -193,7 +196,9 @@ MENTIONS: dict[str, str] = {
     "said_wake_up": r"(?i:\bwake[_ -]?up\b)",
     "said_empty_cache": r"(?i:\bempty_cache\b|\bcaching\s+allocator\b)",
     "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b|\bshared\s+GPUs?\b|\bGPUs?\s+(?:is\s+|are\s+)?shared\b)",
-    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|\bnot\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b|\bnever\s+(?:freed|released)\b|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
+    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|"
+    + NOT_FREED
+    + r"|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
     "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
     "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
     "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",
