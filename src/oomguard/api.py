@@ -15,7 +15,6 @@ from typing import Any
 from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
 from oomguard.memory.spec import GPUSpec, ModelSpec
-from oomguard.plan.cmdline import ParsedCommand, parse_command, parse_human_int
 from oomguard.plan.recommend import (
     SearchSpace,
     alternatives,
@@ -25,6 +24,7 @@ from oomguard.plan.recommend import (
     weights_options,
 )
 from oomguard.plan.result import Calibration, Candidate, PlanResult, Workload
+from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.10

@@ -37,7 +37,7 @@ def lint_command(
     Uses the memory model for the KV-capacity checks when the model and GPU resolve offline;
     the other checks need only the command. Raises :class:`BadInput` for an unreadable command.
     """
-    from oomguard.plan.cmdline import parse_command
+    from oomguard.vllm_args import parse_command
 
     workload = workload or Workload()
     parsed = parse_command(command)

@@ -791,7 +791,7 @@ def command_args(text: str) -> dict[str, Any]:
         text = "python " + text
     text = re.sub(r"^(python\S*)\s+(?:-u\s+)+", r"\1 ", text)
     try:
-        from oomguard.plan.cmdline import parse_command
+        from oomguard.vllm_args import parse_command
 
         command = parse_command(text)
     except Exception:  # a fragment we cannot read adds nothing

@@ -16,7 +16,7 @@ _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
 
 
 def _human(value: str | None, flag: str, *, allow_auto: bool = False) -> int | None:
-    from oomguard.plan.cmdline import parse_human_int
+    from oomguard.vllm_args import parse_human_int
 
     if value is None:
         return None
@@ -93,8 +93,8 @@ def plan_command(
     from rich.console import Console
 
     from oomguard.api import plan
-    from oomguard.plan.cmdline import _max_model_len, _parse_float
     from oomguard.plan.render import render
+    from oomguard.vllm_args import _max_model_len, _parse_float
 
     command: list[str] | None = None
     if ctx.args:
@@ -161,7 +161,7 @@ def plan_command(
 
 
 def _check_choices(settings: dict[str, Any]) -> None:
-    from oomguard.plan.cmdline import (
+    from oomguard.vllm_args import (
         DTYPE_CHOICES,
         KV_CACHE_DTYPE_CHOICES,
         QUANTIZATION_CHOICES,

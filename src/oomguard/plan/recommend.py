@@ -27,7 +27,6 @@ from oomguard.errors import OomguardError
 from oomguard.facts import known_quantized_variants, resolve_model
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
-from oomguard.plan.cmdline import render_serve
 from oomguard.plan.result import (
     Alternative,
     Candidate,
@@ -37,6 +36,7 @@ from oomguard.plan.result import (
     SizingRow,
     Workload,
 )
+from oomguard.vllm_args import render_serve
 
 GIB = 2**30
 # vLLM's own CUDA context (and NCCL communicators with TP > 1) are created before the free-memory

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from oomguard.plan.cmdline import explicit_flags, render_llm, render_serve, render_yaml
+from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_yaml
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import EngineSettings, MemoryPrediction

@@ -7,7 +7,7 @@ import yaml
 
 from oomguard.errors import BadInput, MalformedConfig
 from oomguard.memory.engine import EngineSettings
-from oomguard.plan.cmdline import (
+from oomguard.vllm_args import (
     parse_command,
     parse_human_int,
     render_llm,
