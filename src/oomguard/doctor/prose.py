@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 from oomguard.doctor.findings import (
+    CAUSES,
     STEP_ACTION,
     STEP_BATCHED_TOKENS,
     STEP_CUDAGRAPH,
@@ -51,6 +52,7 @@ CONF_WEIGHTS = 0.56  # the named model's weights exceed the named GPU
 WEIGHTS_SHARE_NO_ROOM = 0.85  # weights per GPU above this share of it leave no room to start
 CONF_HOST = 0.52  # host RAM, swap, pinned memory named
 CONF_FRAGMENTATION = 0.52  # fragmentation named as the cause
+CONF_KV_SHORT = 0.52  # the KV cache said to be too small / insufficient
 CONF_BOUNDARY = 0.5  # an upgrade across a release that changed where memory goes
 CONF_MULTIMODAL = 0.5
 CONF_UTIL_HIGH = 0.5  # utilization ≥ 0.95 stated
@@ -567,6 +569,17 @@ def _v1_default_seqs(s: Situation) -> bool:
 
 def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
     p = s.parsed
+    if p.has("said_kv_short"):
+        out.add(
+            "kv_too_small_for_max_len",
+            CONF_KV_SHORT,
+            "the text says the KV cache is too small: it cannot hold the context length asked for",
+            [said, p.evidence("said_kv_short"), p.evidence("said_max_len")],
+            _max_len_fixes(s),
+            "vLLM refuses to start unless one request of max_model_len tokens fits the KV "
+            "cache, and max_model_len defaults to the model's whole context: cap it to the "
+            "real prompt + output length, or give the KV cache more room.",
+        )
     if p.has("said_host_ram") or p.has("pinned_host_memory") or p.has("said_gpu_not_full"):
         out.add(
             "cpu_ram",
@@ -662,20 +675,23 @@ def _mechanisms(s: Situation, out: Findings, said: Evidence) -> None:
         out.add(
             "other",
             CONF_CODE_REGRESSION,
-            "the text traces the failure to one change in vLLM: a regression, not a setting",
+            "the text traces the failure to a change in the code (a regression, or a bug a "
+            "patch fixed), not to a setting",
             [said, p.evidence("said_code_regression")],
             [
                 Fix(
                     "action",
-                    "pin the last vLLM release before that change (or one that carries its "
-                    "fix); lowering --gpu-memory-utilization or --max-num-seqs only works around it",
-                    "the same settings worked before the change",
+                    "run a vLLM release that carries the fix (or pin the last one before the "
+                    "change that broke it); lowering --gpu-memory-utilization or --max-num-seqs "
+                    "only works around it",
+                    "the settings were not what changed",
                     STEP_ACTION,
                 ),
                 _util_fix(s, 1.0, "a stop-gap until the fix is released", "0.85"),
             ],
-            "When the failure starts with one commit at unchanged settings, the memory the new "
-            "code takes is the cause; the fix is in vLLM, the settings only buy room.",
+            "When the failure comes and goes with a code change at unchanged settings, the "
+            "memory the code takes is the cause; the fix is in the code, the settings only buy "
+            "room.",
         )
     if p.has("said_logprobs"):
         out.add(
@@ -834,4 +850,90 @@ def _nothing_to_go_on(s: Situation, out: Findings, said: Evidence) -> None:
         "Without the log the doctor can only offer the checklist's order: measure, then "
         "utilization, max_model_len, max_num_seqs, the batch tokens, fp8 KV, a quantized "
         "checkpoint, more GPUs.",
+    )
+
+
+# the settings the checklist turns before the weights: each addresses one cause
+_SETTING_CAUSES = (
+    "kv_too_small_for_max_len",
+    "cuda_graph",
+    "concurrency_or_batch",
+    "util_overshoot",
+)
+CONF_ELIMINATED = 0.58  # the failure outlived the settings that shrink everything but weights
+_TRIED_DEMOTION = 0.6
+
+
+def rule_tried_in_vain(s: Situation, out: Findings) -> None:
+    """Settings the text says were changed without avoiding the failure rule their causes
+    down; when two or more of the checklist's settings (context length, CUDA graphs, batch,
+    utilization) did not help, what is left is the weights themselves."""
+    p = s.parsed
+    if not (p.has("said_oom") or p.ooms) or not out.by_cause:
+        return
+    if any(p.has("said_fix_" + cause) for cause in CAUSES):
+        return  # something the writer changed did help: that names the cause
+    tried = {cause for cause in _SETTING_CAUSES if p.has("said_tried_" + cause)}
+    if p.has("said_tried_all"):
+        # "tried combinations of the above parameters, all of which fail": every setting named
+        if p.has("said_max_len"):
+            tried.add("kv_too_small_for_max_len")
+        if p.has("said_batch"):
+            tried.add("concurrency_or_batch")
+        if p.has("said_capture") or s.get("enforce_eager"):
+            tried.add("cuda_graph")
+        if p.get("said_util") is not None or s.util_stated:
+            tried.add("util_overshoot")
+    if len(tried) < 2:
+        return
+    for cause in tried:
+        finding = out.by_cause.get(cause)
+        if finding is not None:
+            finding.confidence *= _TRIED_DEMOTION
+    evidence = [
+        p.evidence("said_oom") or (p.ooms[0].evidence if p.ooms else None),
+        p.evidence("said_tried_all"),
+        *(p.evidence("said_tried_" + cause) for cause in _SETTING_CAUSES),
+    ]
+    w = s.weights_per_gpu_gib
+    budget = budget_gib(s)
+    fixes: list[Fix] = []
+    if w is not None and budget:
+        wt = float(s.get("weights_total_gib") or float(w.value) * s.tp)
+        fixes = weights_fixes(s, wt, budget)
+        evidence.append(w.evidence)
+    if not fixes:
+        fixes = [
+            Fix(
+                "action",
+                "a quantized checkpoint of the model (AWQ/GPTQ 4-bit, or --quantization fp8 on "
+                "GPUs that support it)",
+                "halves to quarters the weights on each GPU",
+                STEP_ACTION,
+            ),
+            Fix(
+                "--tensor-parallel-size",
+                str(max(s.tp * 2, 2)),
+                "splits the weights over more GPUs",
+                STEP_TP,
+            ),
+        ]
+    names = {
+        "kv_too_small_for_max_len": "the context length",
+        "cuda_graph": "CUDA graphs",
+        "concurrency_or_batch": "the batch",
+        "util_overshoot": "the utilization",
+    }
+    changed = [names[c] for c in _SETTING_CAUSES if c in tried]
+    listed = ", ".join(changed[:-1]) + " and " + changed[-1]
+    out.add(
+        "weights_dont_fit",
+        CONF_ELIMINATED,
+        f"the failure outlived changes to {listed}: the weights, which none of them shrink, "
+        "leave no room",
+        evidence,
+        fixes,
+        "Lowering max_model_len, disabling CUDA graphs and shrinking the batch each cut one "
+        "term of vLLM's memory; when the failure stays at the same point through all of them, "
+        "the weights (plus the fixed non-torch overhead) are what fills the GPU.",
     )

@@ -800,7 +800,12 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
             "sampler logits); that peak is subtracted before the KV cache gets anything.",
         )
         return
-    if s.tp > 1 and (weights is None or budget is None or weights <= 0.5 * budget):
+    # NCCL's record_stream inflating the profiled peak under TP is a V0-era mechanism (torch
+    # before 2.1.2); the V1 engine's peak is its own profiling batch
+    tp_fragmentation = (weights is not None and budget is not None and weights <= 0.5 * budget) or (
+        (weights is None or budget is None) and not engine_v1
+    )
+    if s.tp > 1 and tp_fragmentation:
         out.add(
             "fragmentation",
             0.55,
@@ -901,9 +906,14 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
                 STEP_MAX_NUM_SEQS,
             )
         )
+    # a short max_model_len and a utilization already high leave the profiling batch as the
+    # term to cut: the message is about zero blocks, not about one request's length
+    length = s.get("max_model_len") if s.known("max_model_len") else None
+    short_len = length is not None and int(length) <= 16384
+    batch_first = engine_v1 and short_len and util is not None and util >= 0.85
     out.add(
         "kv_too_small_for_max_len",
-        0.5,
+        0.35 if batch_first else 0.5,
         "no memory left for the KV cache after weights and activations",
         evid,
         fixes,
@@ -911,12 +921,35 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
         "memory is zero or negative.",
     )
     if engine_v1:
+        seqs_fix = str(fewer_seqs(int(seqs) if seqs else None)) if batch_first else "256"
         out.add(
             "concurrency_or_batch",
-            0.3,
-            "the profiling peak for many sequences may have consumed the budget",
+            0.5 if batch_first else 0.3,
+            (
+                f"max_model_len is only {int(length):,} and utilization {util:g}: the profiling "
+                "batch over max_num_seqs sequences took what the weights left"
+                if batch_first and length is not None and util is not None
+                else "the profiling peak for many sequences may have consumed the budget"
+            ),
             evid,
-            [Fix("--max-num-seqs", "256", "smaller profiling and sampler peak", STEP_MAX_NUM_SEQS)],
+            [
+                Fix(
+                    "--max-num-seqs",
+                    seqs_fix,
+                    f"a quarter of the {int(seqs) if seqs else 1024} sequences the profiling "
+                    "batch and sampler warm-up are sized for"
+                    if batch_first
+                    else "smaller profiling and sampler peak",
+                    STEP_MAX_NUM_SEQS,
+                ),
+                Fix(
+                    "--max-num-batched-tokens",
+                    "2048",
+                    "the profiling batch is max_num_batched_tokens long; its activation peak "
+                    "comes out of the KV budget",
+                    STEP_BATCHED_TOKENS,
+                ),
+            ],
         )
 
 
@@ -1790,6 +1823,11 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
         # a request of a few hundred MiB failing beside as much reserved-but-unallocated
         # memory is fragmentation too; below a quarter GiB the numbers are noise
         big = max(0.25, 0.01 * total) if total else 0.25
+        # a co-tenant holding a quarter of the GPU or more is the bigger lever: the
+        # fragmented remainder only decided which allocation failed first
+        crowded = bool(
+            total and oom.other_processes_gib and oom.other_processes_gib >= 0.25 * total
+        )
         if unalloc >= tried and unalloc >= big:
             fixes = (
                 []
@@ -1815,7 +1853,7 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
                 )
             out.add(
                 "fragmentation",
-                0.75,
+                0.45 if crowded else 0.75,
                 f"{unalloc:.2f} GiB sit reserved but unallocated while a "
                 f"{tried:.2f} GiB allocation failed",
                 [ev],
@@ -2664,9 +2702,11 @@ def apply_rules(s: Situation) -> list[Finding]:
     out = Findings()
     for rule in RULES:
         rule(s, out)
-    from oomguard.doctor.prose import rule_prose  # prose reuses this module's fix builders
+    # prose reuses this module's fix builders
+    from oomguard.doctor.prose import rule_prose, rule_tried_in_vain
 
     rule_prose(s, out)
+    rule_tried_in_vain(s, out)
     for finding in out.by_cause.values():
         finding.confidence = min(max(finding.confidence, 0.05), 0.97)
     ranked = out.ranked()

@@ -66,6 +66,8 @@ _ANY_PREFIX = re.compile(
 )
 _TAG_GROUP = f"d{_PREFIXES.index(_PROCESS_TAG)}"
 _LEVEL_GROUP = f"d{_PREFIXES.index(_LOGGER_HEADER)}"
+# the source file in a logger header: "[core.py:710]", "llm_engine.py:70]"
+_SOURCE_FILE = re.compile(r"([\w.-]+\.py):\d+\]")
 _RAY_REPEAT = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 
 # A line without decorations still starts a new record when it looks like one of these.
@@ -89,6 +91,7 @@ class Line:
     decorated: bool
     tag: str = ""  # process tag such as "EngineCore_DP0" or "RayWorkerWrapper"
     level: str = ""  # the logger header's level ("INFO", "WARNING" …) when the line had one
+    source: str = ""  # the logger header's source file ("core.py", "model_runner.py")
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Record:
     lines: int = 1
     tag: str = ""
     level: str = ""  # the first line's logger level ("" when it had no logger header)
+    source: str = ""  # the first line's logger source file ("" when it had no logger header)
 
 
 def clean(raw: str) -> str:
@@ -112,13 +116,15 @@ def clean(raw: str) -> str:
     return _CONTROL.sub("", raw).rstrip()
 
 
-def strip_decorations(text: str) -> tuple[str, bool, str, str]:
+def strip_decorations(text: str) -> tuple[str, bool, str, str, str]:
     """Return the message body of a cleaned line, whether a decoration was removed, the
-    process tag (``EngineCore_DP0``, ``Worker_TP1`` …) if the line carried one, and the logger
-    header's level (``INFO``, ``WARNING`` …; empty without a logger header)."""
+    process tag (``EngineCore_DP0``, ``Worker_TP1`` …) if the line carried one, the logger
+    header's level (``INFO``, ``WARNING`` …) and its source file (``core.py``); the last two
+    are empty without a logger header."""
     decorated = False
     tag = ""
     level = ""
+    source = ""
     for _ in range(8):
         stripped = text.lstrip() if decorated else text
         m = _ANY_PREFIX.match(stripped)
@@ -128,11 +134,13 @@ def strip_decorations(text: str) -> tuple[str, bool, str, str]:
             tag = m.group(0).lstrip("(").split(" ", 1)[0]
         elif m.lastgroup == _LEVEL_GROUP and not level:
             level = m.group(0).split(None, 1)[0]
+            found = _SOURCE_FILE.search(m.group(0))
+            source = found.group(1) if found else ""
         text = stripped[m.end() :]
         decorated = True
     if "[repeated" in text:
         text = _RAY_REPEAT.sub("", text)
-    return text, decorated, tag, level
+    return text, decorated, tag, level, source
 
 
 def split_physical(chunks: Iterable[str]) -> Iterator[str]:
@@ -160,8 +168,10 @@ def split_physical(chunks: Iterable[str]) -> Iterator[str]:
 def iter_lines(chunks: Iterable[str]) -> Iterator[Line]:
     """Number and clean physical lines."""
     for number, raw in enumerate(split_physical(chunks), start=1):
-        body, decorated, tag, level = strip_decorations(clean(raw))
-        yield Line(number=number, body=body, decorated=decorated, tag=tag, level=level)
+        body, decorated, tag, level, source = strip_decorations(clean(raw))
+        yield Line(
+            number=number, body=body, decorated=decorated, tag=tag, level=level, source=source
+        )
 
 
 def _continues(prev: Record, line: Line) -> bool:
@@ -226,7 +236,13 @@ def iter_records(chunks: Iterable[str]) -> Iterator[Record]:
         prev_chars = len(line.body)
         if current is not None:
             yield current
-        current = Record(number=line.number, text=line.body, tag=line.tag, level=line.level)
+        current = Record(
+            number=line.number,
+            text=line.body,
+            tag=line.tag,
+            level=line.level,
+            source=line.source,
+        )
     if current is not None:
         yield current
 

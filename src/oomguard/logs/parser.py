@@ -124,6 +124,10 @@ class _Builder:
                 self.set_field("engine", "v1", Evidence.of(record.number, text))
             elif record.tag == "VllmWorkerProcess":
                 self.set_field("engine", "v0", Evidence.of(record.number, text))
+        if record.source and "engine" not in self.log.fields:
+            engine = _ENGINE_OF_SOURCE.get(record.source)
+            if engine is not None:
+                self.set_field("engine", engine, Evidence.of(record.number, text))
         frame_line = text.lstrip().startswith('File "')
         # a line of traceback content: a frame, indented source, or the source line that
         # follows a frame (decorations strip its indentation)
@@ -455,9 +459,7 @@ class _Builder:
             return
         named = False
         for found in m.re.finditer(record.text):
-            lever = (
-                found.group("a") or found.group("b") or found.group("c") or found.group("d") or ""
-            )
+            lever = next((g for g in found.group("a", "b", "c", "d", "e", "f") if g), "")
             cause = prose.lever_cause(lever)
             if cause is not None:
                 self.signature("said_fix_" + cause, ev)
@@ -466,6 +468,21 @@ class _Builder:
             # "I have to lower max_num_seqs to avoid the OOM": a workaround for an OOM that
             # happened, not advice
             self.signature("said_oom", ev)
+
+    def _h_tried_in_vain(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """A setting the writer changed without avoiding the failure ("even with
+        --enforce-eager", "lowered max-model-len to 8K. OOM."): ``said_tried_<cause>``."""
+        if record.level in prose.QUIET_LEVELS:
+            return
+        for found in m.re.finditer(record.text):
+            lever = next((g for g in found.group("a", "b", "c") if g), "")
+            cause = prose.lever_cause(lever)
+            if cause is not None:
+                self.signature("said_tried_" + cause, ev)
+
+    def _h_tried_all(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        if record.level not in prose.QUIET_LEVELS:
+            self.signature("said_tried_all", ev)
 
     def _h_lever_change(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         """ "Setting X to 0.7 would cause OOM, so decrease it from 0.7 to 0.6": a setting
@@ -546,7 +563,8 @@ class _Builder:
 
     # --- arguments --------------------------------------------------------------------------
     def _h_args_dict(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
-        payload = m.group("payload")
+        # (a forum or a word processor turns the quotes curly: ‘model’ → 'model')
+        payload = m.group("payload").translate(_STRAIGHT_QUOTES)
         args: dict[str, Any]
         try:
             parsed = ast.literal_eval(payload)
@@ -767,6 +785,39 @@ class _Builder:
 
 _SAID_BY_REGEX = {p.regex.pattern: p.name for p in cat.PATTERNS if p.handler == "said"}
 _SAID_OOM = re.compile(prose.SAID_OOM)
+_STRAIGHT_QUOTES = str.maketrans({"‘": "'", "’": "'", "“": '"', "”": '"'})
+
+# vLLM source files that log under one engine only (the logger header names the file): V1's
+# engine core, GPU worker and model runner, KV-cache sizing and executor; V0's worker, model
+# runner, multiprocessing engine and executors. Files both engines have (llm_engine.py,
+# api_server.py, config.py) are absent.
+_ENGINE_OF_SOURCE: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "core.py",
+            "core_client.py",
+            "gpu_model_runner.py",
+            "gpu_worker.py",
+            "kv_cache_utils.py",
+            "multiproc_executor.py",
+            "gpu_input_batch.py",
+        ),
+        "v1",
+    ),
+    **dict.fromkeys(
+        (
+            "model_runner.py",
+            "worker.py",
+            "engine.py",
+            "multiproc_worker_utils.py",
+            "gpu_executor.py",
+            "cache_engine.py",
+            "block_manager.py",
+            "ray_gpu_executor.py",
+        ),
+        "v0",
+    ),
+}
 _FREE_AMOUNT = re.compile(r"^(\d+(?:[.,]\d+)?)([KMGTP]?)(i?)B?$")
 
 

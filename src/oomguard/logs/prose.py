@@ -22,17 +22,29 @@ QUIET_LEVELS = frozenset({"DEBUG", "INFO", "WARNING", "WARN"})
 _MEM_WORD = r"(?:memory|vram|ram)"
 _WHERE = r"(?:(?:gpu|cuda|device|cpu|host|system|node)[ -])?"
 
+# a KV cache said to be too small: "insufficient KV cache memory", "not enough KV cache",
+# "the KV cache is too small", "KV cache 不足"
+KV_SHORT = (
+    r"(?i:\binsufficient\s+(?:gpu\s+)?KV[ -]?cache\b"
+    r"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?(?:gpu\s+)?(?:memory\s+for\s+(?:the\s+)?)?KV[ -]?cache\b"
+    r"|\bKV[ -]?cache(?:\s+memory|\s+space)?\s+(?:is\s+|was\s+)?(?:too\s+small|insufficient|not\s+(?:big|large)\s+enough)\b"
+    r"|KV\s?cache\s?(?:空间|容量)?(?:不足|不够|太小))"
+)
+
 # a statement that memory ran out
 SAID_OOM = (
     # (no \b: next to CJK text, "报OOM错误", there is no word boundary)
     r"(?i:(?<![A-Za-z0-9_])OOM(?:s|ed|ing|'ed|-?kill\w*)?(?![A-Za-z0-9_])"
     # the same in Chinese reports: GPU memory (显存) or memory (内存) insufficient, overflowing,
     # full, "blown"
-    r"|(?:显存|内存)(?:不足|不够|溢出|爆了|占满|耗尽)|爆显存"
-    rf"|\bout[ -]of[ -]{_WHERE}memory\b"
+    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽)|爆显存"
+    # a KV cache too small for what was asked is the same failure, told by its consequence
+    r"|" + KV_SHORT + rf"|\bout[ -]of[ -]{_WHERE}memory\b"
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
     rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
     rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"
+    # "my memory is insufficient", "the VRAM was not enough"
+    rf"|\b{_MEM_WORD}\s+(?:is|was|are|were)\s+(?:insufficient|not\s+enough)\b"
     r"|\blow\s+on\s+memory\b|\bmemory\s+pressure\b"
     # "cannot load Llama 3.2 3B on a 16GB GPU": a model that does not fit a stated memory size
     r"|\b(?:can't|cannot|can\s+not|unable\s+to|fail(?:s|ed)?\s+to)\s+(?:load|run|fit|start|serve)\b"
@@ -89,7 +101,9 @@ def is_statement(text: str, start: int, level: str) -> bool:
 # --- mechanisms a text names (signature name → regex) --------------------------------------
 _LEVERS = (
     r"enforce[-_ ]eager|max[-_ ]num[-_ ]seqs?|batch[-_ ]size|max[-_ ]num[-_ ]batched[-_ ]tokens"
-    r"|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|context\s+length|gpu[-_ ]memory[-_ ]utili[sz]ation"
+    r"|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|context\s+length|(?:gpu[-_ ])?memory[-_ ]utili[sz]ation"
+    # the context length in Chinese: 上下文长度 (context length), token长度, 序列长度 (sequence)
+    r"|上下文长度|token\s?长度|序列长度"
     r"|tensor[-_ ]parallel[-_ ]size|tensor[-_ ]parallel\w*|swap[-_ ]space|expandable_segments"
     r"|limit[-_ ]mm[-_ ]per[-_ ]prompt|VLLM_USE_V1=0|cpu[-_ ]offload\w*|kv[-_ ]cache[-_ ]dtype"
 )
@@ -103,7 +117,13 @@ WORKAROUND = re.compile(
     r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b"
     # the failure happens "unless X" / "as long as I do not enable X": X avoids it
     r"|\b(?:unless|as\s+long\s+as\s+(?:I|we|you)\s+(?:do\s+not|don't|dont)|except\s+(?:with|when))\b"
-    r"[^.\n]{0,25}?(?P<d>" + _LEVERS + r"))"
+    r"[^.\n]{0,25}?(?P<d>" + _LEVERS + r")"
+    # in Chinese: "解决方案就是设置降低模型的token长度" (the solution: lower the token length),
+    # "通过设置 --max-model-len 16384解决" (solved by setting …)
+    r"|(?:解决|解決)[^。\n]{0,12}?(?:降低|减小|调小|减少|设置|改小|限制)[^。\n]{0,12}?(?P<e>"
+    + _LEVERS
+    + r")"
+    r"|通过[^。\n]{0,12}?(?P<f>" + _LEVERS + r")[^。\n]{0,20}?(?:解决|解決))"
 )
 
 # "so decrease it from 0.7 to 0.6", "max_num_seqs 256 -> 64", "lowered --max-model-len from
@@ -160,12 +180,39 @@ def lever_change(text: str, match: re.Match[str]) -> tuple[str, float, float] | 
         return None
 
 
+# a lever tried without avoiding the failure: "even with --enforce-eager", "I drop memory
+# utilization to 0.92, I reload. OOM.", "tried reducing max_num_seqs but still OOM"
+_STILL_FAILED = (
+    r"(?:still\s+(?:get\s+|got\s+|have\s+|had\s+|hit\s+)?(?:an?\s+|the\s+)?(?:OOM|out\s+of\s+memory|same|fail\w*|crash\w*)"
+    r"|OOM\b|same\s+(?:error|issue|problem|OOM|result)|(?:did|does|do)(?:n't|\s+not)\s+(?:help|work|fix|change|solve)"
+    r"|no\s+(?:luck|help|difference|effect|change)|to\s+no\s+avail|nothing\s+(?:changed|helped|works?))"
+)
+TRIED_IN_VAIN = re.compile(
+    r"(?i)(?:\beven\s+(?:with|after|when|though|if)\b[^.;!?\n]{0,30}?(?P<a>" + _LEVERS + r")"
+    r"|(?P<b>"
+    + _LEVERS
+    + r")(?:[^.;!?\n]|\.(?=\d)){0,60}?(?:[.;,!]\s*|\s+(?:and|but)\s+)(?:(?:it|I|we|vllm|the\s+server)\s+)?"
+    + _STILL_FAILED
+    + r"|\b(?:tried|trying|tested|testing)\b(?:[^.;!?\n]|\.(?=\d)){0,40}?(?P<c>"
+    + _LEVERS
+    + r")(?:[^.;!?\n]|\.(?=\d)){0,60}?\b"
+    + _STILL_FAILED
+    + r")"
+)
+# "I tried multiple combinations of the above parameters, all of which result in this": every
+# setting the text names was tried
+TRIED_ALL = re.compile(
+    r"(?i)\btried\s+(?:(?:many|multiple|multile|several|various|different|all(?:\s+the)?|a\s+lot\s+of)\s+)?"
+    r"(?:combinations|settings|parameters|options|values|configurations|configs|variations)\b"
+    r"[^.\n]{0,80}?\b(?:all|each|every|none|still|same)\b"
+)
+
 # lever text → the cause it addresses
 LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"(?i)enforce|VLLM_USE_V1"), "cuda_graph"),
     (re.compile(r"(?i)num[-_ ]seqs|batch"), "concurrency_or_batch"),
     (
-        re.compile(r"(?i)model[-_ ]len|seq[-_ ]len|context|kv[-_ ]cache[-_ ]dtype"),
+        re.compile(r"(?i)model[-_ ]len|seq[-_ ]len|context|kv[-_ ]cache[-_ ]dtype|长度"),
         "kv_too_small_for_max_len",
     ),
     (re.compile(r"(?i)utili"), "util_overshoot"),
@@ -185,9 +232,15 @@ MENTIONS: dict[str, str] = {
     r"|\bwarm[ _-]?up\b[^.\n]{0,100}?\b(?:logits|vocab\w*)\b|\b(?:logits|vocab\w*)\b[^.\n]{0,100}?\bwarm[ _-]?up\b)",
     # a failure traced to one vLLM change: "narrowed this down to PR #19572", "bisected to
     # commit abc123", "introduced by #18724", "a regression since 0.9.1"
-    "said_code_regression": r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)|\bregression\s+(?:from|in|since|introduced|caused)\b)",
+    "said_code_regression": r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)|\bregression\s+(?:from|in|since|introduced|caused)\b"
+    # a code change resolved it: "it works with the fixes", "the fix mentioned in his PR",
+    # "after applying the patch from #41834"
+    r"|\b(?:works?|worked|working|fixed|resolved|solved)\s+(?:now\s+)?(?:with|after)\s+(?:applying\s+)?(?:the|this|that|his|her|their|your)\s+(?:fix|fixes|patch|patches|PR|branch)\b"
+    r"|\bthe\s+fix\s+(?:mentioned\s+|described\s+)?in\s+(?:the\s+|his\s+|her\s+|their\s+|this\s+|that\s+)?(?:PR|pull\s+request|branch|commit)\b"
+    r"|\bapply(?:ing)?\s+(?:the\s+)?(?:patch|fix)\s+(?:from|in|of)\s+(?:PR\s*)?#?\d+)",
     "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
     "said_fragmentation": r"(?i:\bfragment\w*)",
+    "said_kv_short": KV_SHORT,
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
     "said_host_ram": r"(?i:\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)[\s-]+(?:ram|memory)\b|\bhost-OOM\w*|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
     # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
@@ -199,12 +252,15 @@ MENTIONS: dict[str, str] = {
     "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|"
     + NOT_FREED
     + r"|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
-    "said_max_len": r"(?i:max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
+    "said_max_len": r"(?i:上下文(?:长度|窗口)|token\s?长度|序列长度|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
     "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
     "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",
     "said_runtime": r"(?i:\bshutting\s+down\b|\bshut\s+down\b|\bduring\s+(?:inference|generation|serving|decoding)\b|\bwhile\s+(?:serving|generating|running\s+requests)\b|\bafter\s+(?:\d+\s+|a\s+few\s+|some\s+|several\s+)?(?:hours?|minutes?|requests?|steps?)\b|\bat\s+runtime\b|\bunder\s+load\b|\bat\s+step\s+\d+)",
     "said_startup": r"(?i:\b(?:right\s+)?after\s+(?:the\s+)?(?:service|server|engine)\s+(?:is\s+|was\s+)?start\w*|\b(?:at|during|on)\s+start-?up\b|\bwhen\s+(?:starting|launching|loading)\b|\bwhile\s+loading\b|\bengine\s+init\w*|\bimmediately\b)",
-    "said_single_gpu": r"(?i:\b(?:only|defaults?\s+to|just)\s+(?:uses?\s+)?(?:the\s+)?(?:first|one|a\s+single|single)\s+GPU\b|\bsingle\s+GPU\b|\bone\s+GPU\b)",
+    "said_single_gpu": r"(?i:\b(?:only|defaults?\s+to|just)\s+(?:uses?\s+)?(?:the\s+)?(?:first|one|a\s+single|single)\s+GPU\b|\bsingle\s+GPU\b|\bone\s+GPU\b"
+    # in Chinese: only one card used (只用了一张卡), the first card fills while the other
+    # cards stay unchanged (第一张卡的显存增加…其他卡的显存不变)
+    r"|只(?:用|使用|跑)了?(?:一张|第一张|单张?)(?:卡|GPU)|其他(?:卡|GPU)[^。，,.]{0,8}?(?:不变|没有变化|没变|为0|空闲))",
 }
 
 # a utilization a text states: "gpu_memory_utilization default value to 1.0", "--gpu-memory-utilization=0.95"
@@ -233,7 +289,7 @@ SAID_GPU = re.compile(
     # (names in any case, "a100", "v100-16G"; not run into a following word but a plural s)
     r"(?P<name>(?i:A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
     r"|RTX\s?A6000|A6000|RTX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)(?![a-rt-zA-RT-Z]))"
-    r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
+    r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB|g)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
 )
 
 # vLLM versions in a sentence about a regression ("works in 0.2.6 but OOMs in 0.2.7")

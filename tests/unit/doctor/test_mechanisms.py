@@ -477,3 +477,150 @@ def test_a_warmup_over_the_vocabulary_outranks_the_change_that_introduced_it() -
         ]
     )
     assert d.top is not None and d.top.cause == "concurrency_or_batch"
+
+
+# --- mechanisms read from words and from the log's own headers ---------------------------------
+
+
+def test_kv_cache_said_to_be_insufficient_is_the_length_check() -> None:
+    d = _diag(
+        [
+            "The engine crashes immediately at startup due to insufficient KV cache memory; "
+            "the server never starts.",
+        ]
+    )
+    assert d.oom_found and d.top is not None
+    assert d.top.cause == "kv_too_small_for_max_len"
+    assert _first(d)[0] == "--max-model-len"
+    # the same words in Chinese
+    d = _diag(["启动时报错, KV cache 不足, 服务起不来"])
+    assert d.top is not None and d.top.cause == "kv_too_small_for_max_len"
+
+
+def test_v1_logger_file_dates_a_bare_no_blocks_error_and_the_batch_comes_first() -> None:
+    """`[core.py:…]` is the V1 engine core: with a short max_model_len at utilization 0.9 and
+    TP 2, the profiling batch is the term to cut, not NCCL fragmentation (a V0-era mechanism)."""
+    lines = [
+        "vllm serve some/model --tensor-parallel-size 2 --gpu-memory-utilization 0.9 "
+        "--max-model-len 4096 --enforce-eager",
+        "ERROR 04-27 11:08:32 [core.py:340] ValueError: No available memory for the cache "
+        "blocks. Try increasing `gpu_memory_utilization` when initializing the engine.",
+    ]
+    d = _diag(lines)
+    assert d.parsed.get("engine") == "v1"
+    assert d.top is not None and d.top.cause == "concurrency_or_batch"
+    flag, value = _first(d)
+    assert flag == "--max-num-seqs" and value is not None and int(value) < 1024
+    assert "fragmentation" not in {f.cause for f in d.findings}
+    # the same error from V0's worker keeps the TP fragmentation reading
+    v0 = [lines[0], lines[1].replace("[core.py:340]", "[worker.py:340]")]
+    d0 = _diag(v0)
+    assert d0.parsed.get("engine") == "v0"
+    assert d0.top is not None and d0.top.cause == "fragmentation"
+
+
+def test_a_large_co_tenant_outranks_a_small_fragmented_remainder() -> None:
+    text = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 320.00 MiB. GPU 0 has a "
+        "total capacity of 22.05 GiB of which 113.62 MiB is free. Process 198 has 13.57 GiB "
+        "memory in use. Including non-PyTorch memory, this process has 7.79 GiB memory in use. "
+        "Of the allocated memory 6.79 GiB is allocated by PyTorch, and 778.05 MiB is reserved "
+        "by PyTorch but unallocated."
+    )
+    d = _diag([text])
+    causes = [f.cause for f in d.findings]
+    assert causes[0] in ("leak_or_other_process", "util_overshoot")
+    assert causes.index("fragmentation") > 0
+    # without the co-tenant the same remainder is fragmentation
+    alone = text.replace("Process 198 has 13.57 GiB memory in use. ", "").replace(
+        "this process has 7.79 GiB", "this process has 21.79 GiB"
+    )
+    assert _diag([alone]).top.cause == "fragmentation"  # type: ignore[union-attr]
+
+
+def test_a_worker_that_exits_with_minus_9_was_killed_for_host_ram() -> None:
+    d = _diag(["vLLM crashes with ChildProcessError: worker died. One worker exits with code -9."])
+    assert d.top is not None and d.top.cause == "cpu_ram"
+
+
+def test_memory_said_insufficient_beside_swap_space_is_host_ram() -> None:
+    d = _diag(
+        ["My memory is insufficient. Setting --swap-space 0 alleviates it; the host has 30GB."]
+    )
+    assert d.top is not None and d.top.cause == "cpu_ram"
+
+
+def test_chinese_overflow_on_the_first_card_only_is_weights_on_one_gpu() -> None:
+    d = _diag(
+        [
+            "机器：8*a100 40g",
+            "发现第一张卡的显存增加直到溢出，其他卡的显存不变。",
+            "INFO 12-26 08:53:29 llm_engine.py:72] Initializing an LLM engine with config: "
+            "model='Qwen/Qwen-72B-Chat-Int4', tokenizer='Qwen/Qwen-72B-Chat-Int4', "
+            "dtype=torch.float16, max_seq_len=32768, tensor_parallel_size=1, quantization=gptq",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    assert _first(d)[0] == "--tensor-parallel-size"
+
+
+def test_chinese_solution_lowering_the_token_length_is_the_context() -> None:
+    d = _diag(
+        ["运行时遇到了OOM,显存空间不够的崩溃。解决方案就是设置降低模型的token长度,就可解决。"]
+    )
+    assert d.top is not None and d.top.cause == "kv_too_small_for_max_len"
+
+
+def test_a_code_fix_that_resolved_it_is_not_a_setting() -> None:
+    d = _diag(
+        [
+            "Ran out of memory shortly after launching. Will try a shorter context length.",
+            "Edit: the branch didn't include the fix mentioned in his PR yet. It works with the "
+            "fixes!",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "other"
+
+
+def test_failure_that_outlives_every_setting_is_the_weights() -> None:
+    d = _diag(
+        [
+            "The target loads, then the drafter loads and OOM.",
+            "I drop memory utilization to 0.92, I reload. OOM. I switch to --enforce-eager to "
+            "save the CUDA graphs. OOM. I test max-model-len at 8K to shrink the buffers. OOM, "
+            "every time, at the same height.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+    # one setting that did help names its cause instead
+    helped = _diag(
+        [
+            "I drop memory utilization to 0.92, I reload. OOM. I switch to --enforce-eager. "
+            "OOM. Setting --max-model-len 8192 fixed it.",
+        ]
+    )
+    assert helped.top is not None and helped.top.cause == "kv_too_small_for_max_len"
+
+
+def test_tried_every_listed_parameter_eliminates_the_settings() -> None:
+    d = _diag(
+        [
+            'extraArgs: ["--enforce-eager", "--max_num_seqs=1", "--gpu-memory-utilization=0.99", '
+            '"--max-model-len=1000"]',
+            "I tried multiple combinations of the above parameters, all of which result in this:",
+            _oom("1.25 GiB", "93.02 GiB", "1.18 GiB", "91.82 GiB"),
+        ]
+    )
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+
+
+def test_curly_quotes_in_a_pasted_args_line_are_read() -> None:
+    d = _diag(
+        [
+            "INFO 09-13 13:31:16 [cli_args.py:261] non-default args: {‘model’: "
+            "‘mistralai/Mistral-7B-Instruct-v0.2’, ‘max_model_len’: 16384, "
+            "‘max_num_batched_tokens’: 200000}",
+        ]
+    )
+    assert d.parsed.get("max_num_batched_tokens") == 200000
+    assert d.parsed.get("max_model_len") == 16384
