@@ -380,6 +380,11 @@ _API_SERVER_MODULES = (
 )
 
 
+_CONTAINER_TOOLS = ("docker", "podman", "nerdctl")
+# vLLM's images: vllm/vllm-openai[:tag], a registry in front, and the ROCm/CPU variants
+_VLLM_IMAGE = re.compile(r"(?:[\w.:-]+/)*vllm[\w-]*/vllm[\w.-]*(?::[\w.-]+)?(?:@sha256:\w+)?")
+
+
 def _strip_launcher(tokens: list[str]) -> tuple[list[str], bool]:
     """Drop env assignments and the launcher; return the arguments and whether a positional
     model is allowed (``vllm serve``) or the model comes only from ``--model``."""
@@ -415,6 +420,19 @@ def _strip_launcher(tokens: list[str]) -> tuple[list[str], bool]:
         )
     if rest and rest[0] == "serve":
         return rest[1:], True
+    if rest and Path(rest[0]).name in _CONTAINER_TOOLS:
+        # "docker run … vllm/vllm-openai:TAG --model M …": the image's entrypoint is vLLM's
+        # server; what follows the image are its arguments
+        for i, token in enumerate(rest):
+            if _VLLM_IMAGE.fullmatch(token):
+                after = rest[i + 1 :]
+                if after and after[0] == "serve":
+                    after = after[1:]
+                return after, True
+        raise BadInput(
+            "the container command does not run a vLLM image",
+            "paste the 'docker run … vllm/vllm-openai:TAG --model MODEL …' line, or 'vllm serve …'",
+        )
     return rest, True
 
 

@@ -180,3 +180,25 @@ def test_llm_kwargs_render_is_python() -> None:
     assert text == "LLM(model='org/model', max_model_len=8192, enforce_eager=True)"
     call = text.replace("LLM(", "dict(", 1)
     assert eval(call) == {"model": "org/model", "max_model_len": 8192, "enforce_eager": True}  # noqa: S307
+
+
+def test_docker_run_of_the_vllm_image_reads_the_arguments_after_the_image() -> None:
+    cmd = parse_command(
+        "docker run --runtime nvidia --gpus all -v ~/.cache/huggingface:/root/.cache/huggingface "
+        "-p 8000:8000 --ipc=host vllm/vllm-openai:v0.8.5 --model Qwen/Qwen2.5-7B-Instruct "
+        "--max-model-len 8192 --gpu-memory-utilization 0.85"
+    )
+    assert cmd.model == "Qwen/Qwen2.5-7B-Instruct"
+    assert cmd.settings_kwargs["max_model_len"] == 8192
+    assert cmd.settings_kwargs["gpu_memory_utilization"] == 0.85
+    # a registry in front of the image, and the positional model of `vllm serve` images
+    cmd = parse_command(
+        "podman run -d docker.io/vllm/vllm-openai:latest serve org/m --max-num-seqs 64"
+    )
+    assert cmd.model == "org/m" and cmd.settings_kwargs["max_num_seqs"] == 64
+
+
+def test_docker_run_of_another_image_is_refused_with_the_fix() -> None:
+    with pytest.raises(BadInput) as err:
+        parse_command("docker run -d nginx:latest")
+    assert "vLLM image" in err.value.message and "vllm/vllm-openai" in err.value.hint

@@ -1389,6 +1389,34 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 "A CUDA driver error (not a PyTorch allocation) right after the CPU block count is the "
                 "pinned host-memory allocation of the swap space failing.",
             )
+        elif p.has("said_capture") and not s.get("enforce_eager"):
+            # the driver's own allocation failing where the text places graph capture: the
+            # graphs' pools are allocated by the driver, outside the profiled peak
+            out.add(
+                "cuda_graph",
+                0.55,
+                "the driver ran out of memory where the text places CUDA-graph capture",
+                [drv, p.evidence("said_capture")],
+                [
+                    Fix(
+                        "--enforce-eager",
+                        None,
+                        "skips graph capture; if start-up then succeeds, the capture was what "
+                        "ran out",
+                        STEP_CUDAGRAPH,
+                    ),
+                    Fix(
+                        "--max-cudagraph-capture-size",
+                        "128",
+                        "captures fewer, smaller graphs (older releases: "
+                        "--cudagraph-capture-sizes)",
+                        STEP_CUDAGRAPH + 0.1,
+                    ),
+                ],
+                "CUDA graphs are captured after the KV cache is allocated, and releases that do "
+                "not reserve their memory during profiling leave them only what utilization "
+                "left outside its budget.",
+            )
         else:
             fix_opt = lower_util(s, 1.0, "leaves room for memory allocated outside PyTorch")
             out.add(

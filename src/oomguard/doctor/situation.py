@@ -295,10 +295,40 @@ def _resolve_gpu(name: str) -> Any:
 def _resolve_model(ref: str) -> Any:
     try:
         from oomguard.facts.resolve import resolve_model
-
-        return resolve_model(ref, allow_hub=False)
-    except Exception:  # not catalogued offline: fall back to the name
+    except ImportError:
         return None
+    for name in (ref, _name_in_path(ref)):
+        if not name:
+            continue
+        try:
+            return resolve_model(name, allow_hub=False)
+        except Exception:  # not catalogued offline: try the path's model name, then the name
+            continue
+    return None
+
+
+_HEX_DIR = re.compile(r"[0-9a-f]{20,}")
+
+
+def _name_in_path(ref: str) -> str | None:
+    """The model name inside a path from another machine: the hub cache's
+    ``models--Org--Name`` directory, else the last directory that is not a snapshot hash or a
+    ``checkpoint-N`` folder (``/data/qwen2.5/Qwen2.5-VL-7B-Instruct`` → that last part)."""
+    if "/" not in ref and "\\" not in ref:
+        return None
+    parts = [p for p in re.split(r"[/\\]+", ref.strip()) if p]
+    for part in parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/")
+    for part in reversed(parts):
+        if _HEX_DIR.fullmatch(part) or re.fullmatch(
+            r"(?:checkpoint|step|global_step)[-_]?\d+", part
+        ):
+            continue
+        if part in ("snapshots", "merged", "final", "hf", "model"):
+            continue
+        return part
+    return None
 
 
 def _weights_from_spec(spec: Any, s: Situation) -> float | None:

@@ -522,8 +522,9 @@ class _Builder:
         if record.level in prose.QUIET_LEVELS:
             return
         try:
-            self.set_field("said_weights_gib", float(m.group("gib") or m.group("total")), ev)
-        except ValueError:
+            value = m.group("gib") or m.group("total") or m.group("of")
+            self.set_field("said_weights_gib", float(value), ev)
+        except (TypeError, ValueError):
             return
 
     def _h_said_unallocated(self, m: re.Match[str], ev: Evidence, record: Record) -> None:

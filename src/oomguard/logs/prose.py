@@ -37,7 +37,7 @@ SAID_OOM = (
     r"(?i:(?<![A-Za-z0-9_])OOM(?:s|ed|ing|'ed|-?kill\w*)?(?![A-Za-z0-9_])"
     # the same in Chinese reports: GPU memory (显存) or memory (内存) insufficient, overflowing,
     # full, "blown"
-    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽)|爆显存"
+    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽|用完)|爆显存|(?:超过|超出)显存"
     # a KV cache too small for what was asked is the same failure, told by its consequence
     r"|" + KV_SHORT + rf"|\bout[ -]of[ -]{_WHERE}memory\b"
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
@@ -242,7 +242,7 @@ MENTIONS: dict[str, str] = {
     "said_fragmentation": r"(?i:\bfragment\w*)",
     "said_kv_short": KV_SHORT,
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
-    "said_host_ram": r"(?i:\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)[\s-]+(?:ram|memory)\b|\bhost-OOM\w*|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
+    "said_host_ram": r"(?i:(?<!显)(?<!gpu)(?<!cuda)(?<!卡)(?<!gpu )(?<!cuda )内存|\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)[\s-]+(?:ram|memory)\b|\bhost-OOM\w*|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
     # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
     "said_gpu_not_full": r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?(?:using\s+|used\s+|at\s+)?(?:all|full)\b)",
     # sleep mode's wake-up and the caching allocator's cached blocks (torch.cuda.empty_cache)
@@ -251,6 +251,8 @@ MENTIONS: dict[str, str] = {
     "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b|\bshared\s+GPUs?\b|\bGPUs?\s+(?:is\s+|are\s+)?shared\b)",
     "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|"
     + NOT_FREED
+    # in Chinese: not released (没有释放, 并没有得到释放), still occupied (一直占用, 还在被占用)
+    + r"|(?:没有|并没有|未|没)(?:得到|被)?释放|一直占用|还在被?占用|仍(?:然)?被?占用"
     + r"|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
     "said_max_len": r"(?i:上下文(?:长度|窗口)|token\s?长度|序列长度|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
     "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
@@ -275,6 +277,8 @@ SAID_MODEL_SIZE = re.compile(
     # "13.4 GB", or a sum worked out per GPU: "13.37 * 2 = 27 GB" (the total is kept)
     r"(?:(?P<gib>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b"
     r"|\d+(?:\.\d+)?\s?(?:G|GB|GiB)?\s?[*x×]\s?\d+\s?=\s?(?P<total>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b)"
+    # "25.42 GB of weights"
+    r"|\b(?P<of>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\s+of\s+(?:model\s+)?weights\b"
 )
 
 # "~20 GiB reserved-but-unallocated", "reserved but unallocated: 402 MiB"
@@ -288,7 +292,7 @@ SAID_GPU = re.compile(
     r"(?:(?P<count>\d{1,2})\s?[x×*]?\s?|(?P<dual>dual|two|2)[- ])?(?:NVIDIA[- ]?)?"
     # (names in any case, "a100", "v100-16G"; not run into a following word but a plural s)
     r"(?P<name>(?i:A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
-    r"|RTX\s?A6000|A6000|RTX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)(?![a-rt-zA-RT-Z]))"
+    r"|RTX\s?A6000|A6000|[RG]TX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)(?![a-rt-zA-RT-Z]))"
     r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB|g)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
 )
 

@@ -624,3 +624,60 @@ def test_curly_quotes_in_a_pasted_args_line_are_read() -> None:
     )
     assert d.parsed.get("max_num_batched_tokens") == 200000
     assert d.parsed.get("max_model_len") == 16384
+
+
+def test_rocm_out_of_resources_after_graph_capture_is_cuda_graph() -> None:
+    d = _diag(
+        [
+            'The engine aborted at init with HSA_STATUS_ERROR_OUT_OF_RESOURCES ("Available Free '
+            'mem : 0 MB") right after CUDA graph capture.',
+        ]
+    )
+    assert d.top is not None and d.top.cause == "cuda_graph"
+    assert _first(d)[0] == "--enforce-eager"
+
+
+def test_chinese_gpu_memory_not_released_after_a_failed_launch_is_a_leftover() -> None:
+    d = _diag(["启动失败后发现oom了, 将后台任务杀掉之后gpu并没有得到释放, 还在被占用"])
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+
+
+def test_chinese_ram_used_up_and_killed_is_host_memory() -> None:
+    d = _diag(["推理时mem会用完，并自动kill。500G内存都不够吗？"])
+    assert d.top is not None and d.top.cause == "cpu_ram"
+    # GPU memory (显存) exceeded is not host memory
+    d = _diag(["部署7b模型总是会报超过显存的问题"])
+    assert d.oom_found and d.top is not None and d.top.cause != "cpu_ram"
+
+
+def test_docker_command_gpu_in_chinese_and_a_local_path_find_the_weights() -> None:
+    """`docker run … vllm/vllm-openai --model /data/…/Qwen2.5-VL-7B-Instruct` on a card named
+    inside Chinese text: the catalogue's 8.3B-parameter model does not fit 16 GB in fp16."""
+    d = _diag(
+        [
+            "启动vllm server 的时候显存爆了，显卡是GTX4060ti (16G)",
+            "docker run --runtime nvidia --gpus all --name v -p 8110:8000 -d "
+            "vllm/vllm-openai:latest --model /data/qwen2.5/Qwen2.5-VL-7B-Instruct --dtype "
+            "float16 --gpu-memory-utilization 0.8 --max-num-seqs 32",
+        ]
+    )
+    assert d.parsed.get("model") == "/data/qwen2.5/Qwen2.5-VL-7B-Instruct"
+    assert d.derived["weights_per_gpu_gib"]["from"] == "facts"
+    assert d.top is not None and d.top.cause == "weights_dont_fit"
+
+
+def test_weights_quoted_as_gb_of_weights_are_read() -> None:
+    d = _diag(
+        ["Init OOMs with ~400 MiB free: the draft head is 5.11 GB on top of 25.42 GB of weights."]
+    )
+    assert d.parsed.get("said_weights_gib") == 25.42
+
+
+def test_namespace_line_cut_by_the_reporter_is_still_read() -> None:
+    d = _diag(
+        [
+            "INFO 05-13 21:09:20 [api_server.py:1044] args: Namespace(host=None, port=8000, "
+            "model='/m/Qwen2.5-7B-Instruct', dtype='float16', max_model_len=None, ...",
+        ]
+    )
+    assert d.parsed.get("model") == "/m/Qwen2.5-7B-Instruct"
