@@ -1978,7 +1978,20 @@ def rule_torch_oom(s: Situation, out: Findings) -> None:
             )
 
     if phase == Phase.WEIGHT_LOADING:
-        _weights_finding(s, out, [ev, p.failure_phase.evidence if p.failure_phase else None], 0.8)
+        # loading failed while other processes held most of the GPU and this one little of
+        # it: the weights never had the GPU to themselves
+        crowded = bool(
+            total
+            and others is not None
+            and others >= 0.5 * total
+            and (oom.this_process_gib is None or oom.this_process_gib < others)
+        )
+        _weights_finding(
+            s,
+            out,
+            [ev, p.failure_phase.evidence if p.failure_phase else None],
+            0.5 if crowded else 0.8,
+        )
     elif phase == Phase.PROFILING:
         if p.has("mm_encoder_profile") or p.has("mm_encoder_frames"):
             rule_multimodal(s, out, base=0.8, evidence=[ev])

@@ -554,6 +554,16 @@ PATTERNS: tuple[Pattern, ...] = (
         loose_triggers=("needed", "max seq len"),
     ),
     _p(
+        # the same message abridged by a reporter: "1.75 GiB KV cache is needed, available
+        # 0.13 GiB"
+        "kv_needed_abridged",
+        "kv cache is needed",
+        rf"(?P<kv_needed_gib>{NUM})\s?Gi?B KV cache is needed\W{{1,4}}(?:but\s+)?(?:only\s+)?available:?\s+(?:is\s+)?(?P<kv_available_gib>{NUM})\s?Gi?B",
+        signature="kv_too_small",
+        failure_phase=Phase.KV_ALLOCATION,
+        flags=re.IGNORECASE,
+    ),
+    _p(
         "kv_estimated_len",
         "estimated maximum model length",
         r"estimated maximum model length is (?P<estimated_max_model_len>\d+)",
@@ -564,9 +574,28 @@ PATTERNS: tuple[Pattern, ...] = (
         r"max seq len \((?P<kv_error_max_model_len>\d+)\) is larger than the maximum number of tokens that can be stored in KV cache \((?P<kv_capacity_tokens>\d+)\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
-        loose="max seq len ({kv_error_max_model_len}) <larger> [the] maximum number of tokens"
+        # (the leading words may be mistyped, "max sew len": the comparison carries the message)
+        loose="[max seq len ({kv_error_max_model_len})] <larger> [the] maximum number of tokens"
         " [that] can be stored in [the] kv cache ({kv_capacity_tokens})",
         loose_triggers=("stored", "max seq len"),
+    ),
+    _p(
+        # the same message cut after its first figure (an issue title: "ValueError: The model's
+        # max seq len (32768)"): only the fit check starts this way
+        "kv_error_cut",
+        "max seq len",
+        r"model'?s max seq len \((?P<kv_error_max_model_len>\d+)\)[.,:]?\s*$",
+        signature="kv_too_small",
+        failure_phase=Phase.KV_ALLOCATION,
+    ),
+    _p(
+        # V0's scheduler refusing a prompt longer than the whole KV cache (the request is
+        # dropped; old releases did not check max_model_len against the cache at start-up)
+        "prompt_exceeds_kv",
+        "capacity of block_manager",
+        r"Input prompt \((?P<kv_refused_prompt_tokens>\d+) tokens\) is too long and exceeds (?:the )?capacity of block_manager",
+        signature="kv_too_small",
+        failure_phase=Phase.SERVING,
     ),
     _p(
         "no_cache_blocks",
@@ -859,6 +888,15 @@ PATTERNS: tuple[Pattern, ...] = (
         frame_kind="mm_encoder",
     ),
     _p(
+        "mm_remote_code_file",
+        ("encoder/", "vision", "visual", "sam_", "vit"),
+        # a model's own code (trust_remote_code, a project's fork): a folder named for its
+        # encoder or vision part, or a vision-transformer file ("deepencoder/sam_vary_sdpa.py")
+        r"/\w*(?:encoder|vision|visual)\w*/[\w.-]+\.py\b|/(?:sam|vit|siglip|clip)_\w*\.py\b",
+        signature="mm_encoder_frames",
+        frame_kind="mm_encoder",
+    ),
+    _p(
         "vision_op_frames",
         ("unfold", "im2col", "conv2d", "conv3d", "patch_embed", "patchembed", "fold.py"),
         # image ops that, in a language-model server, only a vision tower runs: patch
@@ -1036,6 +1074,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "oom",
             "out of memory",
             "out-of-memory",
+            "out of men",
+            "out of memr",
+            "out of meme",
             "out of gpu",
             "out of cuda",
             "out of device",

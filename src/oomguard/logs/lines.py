@@ -22,6 +22,7 @@ MAX_RECORD_CHARS = 8_192
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_STRAIGHT_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 
 _PROCESS_TAG = re.compile(r"^\(?[A-Za-z_][\w.-]*(?: rank=\d+)? pid=\d+(?:, ip=[\w.:-]+)?\)\s*")
 # logger header: "INFO 10-24 01:26:57 [core.py:710] ", "INFO 01-11 15:51:02 llm_engine.py:70] ",
@@ -113,6 +114,9 @@ def clean(raw: str) -> str:
     if "\x1b" in raw:
         raw = _ANSI.sub("", raw)
     raw = raw.replace("\ufffd", "")
+    if "\u2018" in raw or "\u2019" in raw or "\u201c" in raw or "\u201d" in raw:
+        # a forum or a word processor made the quotes curly: vLLM's messages use straight ones
+        raw = raw.translate(_STRAIGHT_QUOTES)
     return _CONTROL.sub("", raw).rstrip()
 
 

@@ -26,7 +26,7 @@ _WHERE = r"(?:(?:gpu|cuda|device|cpu|host|system|node)[ -])?"
 # "the KV cache is too small", "KV cache 不足"
 KV_SHORT = (
     r"(?i:\binsufficient\s+(?:gpu\s+)?KV[ -]?cache\b"
-    r"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?(?:gpu\s+)?(?:memory\s+for\s+(?:the\s+)?)?KV[ -]?cache\b"
+    r"|(?:\bnot|n't|\bnever)\s+(?:\w+\s+){0,2}?enough\s+(?:free\s+)?(?:gpu\s+)?(?:memory\s+for\s+(?:the\s+)?(?:\w+\s+)?)?KV[ -]?cache\b"
     r"|\bKV[ -]?cache(?:\s+memory|\s+space)?\s+(?:is\s+|was\s+)?(?:too\s+small|insufficient|not\s+(?:big|large)\s+enough)\b"
     r"|KV\s?cache\s?(?:空间|容量)?(?:不足|不够|太小))"
 )
@@ -37,9 +37,12 @@ SAID_OOM = (
     r"(?i:(?<![A-Za-z0-9_])OOM(?:s|ed|ing|'ed|-?kill\w*)?(?![A-Za-z0-9_])"
     # the same in Chinese reports: GPU memory (显存) or memory (内存) insufficient, overflowing,
     # full, "blown"
-    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽|用完)|爆显存|(?:超过|超出)显存"
+    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽|用完|过小|太小)|爆显存|(?:超过|超出)显存"
     # a KV cache too small for what was asked is the same failure, told by its consequence
-    r"|" + KV_SHORT + rf"|\bout[ -]of[ -]{_WHERE}memory\b"
+    r"|"
+    + KV_SHORT
+    # (with the usual typos: "out of menory")
+    + rf"|\bout[ -]of[ -]{_WHERE}(?:memory|menory|memroy|memery)\b"
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
     rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
     rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"

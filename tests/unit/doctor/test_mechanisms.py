@@ -681,3 +681,79 @@ def test_namespace_line_cut_by_the_reporter_is_still_read() -> None:
         ]
     )
     assert d.parsed.get("model") == "/m/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # curly quotes and a mistyped "seq"
+        "The model’s max sew len (32768) is larger than the maximum number of tokens that can be "
+        "stored in KV cache (18896). Try increasing ‘gpu_memory_utilization’ or decreasing "
+        "‘max_model_len’ when initializing the engine.",
+        # abridged by the reporter
+        "ValueError: 1.75 GiB KV cache is needed, available 0.13 GiB",
+        # an issue title cut after the first figure
+        "ValueError: The model's max seq len (32768)",
+        # V0's scheduler refusing a prompt longer than the whole cache
+        "Input prompt (3916 tokens) is too long and exceeds the capacity of block_manager",
+        # told in words
+        "The generated config sets max_model_len=131072 but does not allocate enough GPU memory "
+        "for the corresponding KV cache; all prefill workers crash on startup.",
+    ],
+)
+def test_forms_of_the_kv_fit_failure(text: str) -> None:
+    d = _diag([text])
+    assert d.oom_found and d.top is not None
+    assert d.top.cause == "kv_too_small_for_max_len"
+
+
+def test_kv_capacity_from_a_curly_quoted_message_gives_the_length_fix() -> None:
+    d = _diag(
+        [
+            "The model’s max seq len (32768) is larger than the maximum number of tokens that can "
+            "be stored in KV cache (18896)."
+        ]
+    )
+    flag, value = _first(d)
+    assert flag == "--max-model-len" and value is not None and int(value) <= 18896
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "总是报显存过小问题，设置了一些参数也没有用",
+        "部署时max-model-len 128k报错cuda out of menory",
+    ],
+)
+def test_more_ways_of_saying_memory_ran_out(text: str) -> None:
+    assert _diag([text]).oom_found
+
+
+def test_weight_loading_oom_on_a_gpu_another_process_fills_is_the_co_tenant() -> None:
+    d = _diag(
+        [
+            _oom("64.00 MiB", "79.20 GiB", "48.62 MiB", "2.46 GiB"),
+            "Loading safetensors checkpoint shards:  13% Completed | 2/15 [00:01<00:11,  1.12it/s]",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+    # the same failure with the GPU to itself is the weights
+    alone = _diag(
+        [
+            _oom("64.00 MiB", "79.20 GiB", "48.62 MiB", "79.10 GiB"),
+            "Loading safetensors checkpoint shards:  13% Completed | 2/15 [00:01<00:11,  1.12it/s]",
+        ]
+    )
+    assert alone.top is not None and alone.top.cause == "weights_dont_fit"
+
+
+def test_a_vision_encoder_in_the_model_s_own_code_is_the_encoder() -> None:
+    d = _diag(
+        [
+            "Traceback (most recent call last):",
+            '  File "/home/u/DeepSeek-OCR-vllm/deepencoder/sam_vary_sdpa.py", line 309, in forward',
+            "    attn_bias = (rel_h + rel_w).view(B, self.num_heads, -1)",
+            _oom("352.00 MiB", "11.75 GiB", "278.19 MiB", "10.65 GiB", unalloc="368.49 MiB"),
+        ]
+    )
+    assert d.top is not None and d.top.cause == "multimodal_encoder"
