@@ -1296,22 +1296,10 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 0.62,
                 "the process was killed while CUDA graphs were being captured",
                 [capture, kill],
-                [
-                    Fix(
-                        "--enforce-eager",
-                        None,
-                        "skips graph capture (and its compilation) entirely; if start-up then "
-                        "succeeds, the capture was the step that ran out",
-                        STEP_CUDAGRAPH,
-                    ),
-                    Fix(
-                        "--max-cudagraph-capture-size",
-                        "128",
-                        "captures fewer, smaller graphs (older releases: "
-                        "--cudagraph-capture-sizes)",
-                        STEP_CUDAGRAPH + 0.1,
-                    ),
-                ],
+                capture_fixes(
+                    "skips graph capture (and its compilation) entirely; if start-up then "
+                    "succeeds, the capture was the step that ran out"
+                ),
                 "A kill right after 'Capturing CUDA graphs' is not automatically host RAM: the V1 "
                 "engine compiles and captures many batch sizes, and the kill lands on the step "
                 "that was growing.",
@@ -1397,22 +1385,9 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 0.55,
                 "the driver ran out of memory where the text places CUDA-graph capture",
                 [drv, p.evidence("said_capture")],
-                [
-                    Fix(
-                        "--enforce-eager",
-                        None,
-                        "skips graph capture; if start-up then succeeds, the capture was what "
-                        "ran out",
-                        STEP_CUDAGRAPH,
-                    ),
-                    Fix(
-                        "--max-cudagraph-capture-size",
-                        "128",
-                        "captures fewer, smaller graphs (older releases: "
-                        "--cudagraph-capture-sizes)",
-                        STEP_CUDAGRAPH + 0.1,
-                    ),
-                ],
+                capture_fixes(
+                    "skips graph capture; if start-up then succeeds, the capture was what ran out"
+                ),
                 "CUDA graphs are captured after the KV cache is allocated, and releases that do "
                 "not reserve their memory during profiling leave them only what utilization "
                 "left outside its budget.",
@@ -1426,6 +1401,19 @@ def rule_host_memory(s: Situation, out: Findings) -> None:
                 [drv],
                 [fix_opt] if fix_opt else [],
             )
+
+
+def capture_fixes(why_eager: str) -> list[Fix]:
+    """Eager mode first (it proves the capture was the step), then fewer, smaller graphs."""
+    return [
+        Fix("--enforce-eager", None, why_eager, STEP_CUDAGRAPH),
+        Fix(
+            "--max-cudagraph-capture-size",
+            "128",
+            "captures fewer, smaller graphs (older releases: --cudagraph-capture-sizes)",
+            STEP_CUDAGRAPH + 0.1,
+        ),
+    ]
 
 
 def _killed_in_capture(s: Situation) -> Evidence | None:
