@@ -81,9 +81,16 @@ _WORKED_UTIL = re.compile(
 )
 
 
+def row_settings(row: dict[str, Any]) -> dict[str, Any]:
+    """A case's reported settings as a mapping; a case that wrote them as free text (a pasted
+    command, a remark) states none the scripts can read."""
+    settings = row.get("settings")
+    return settings if isinstance(settings, dict) else {}
+
+
 def row_util(row: dict[str, Any]) -> float | None:
     """The utilization a case's reported settings state, when it is one number."""
-    value = (row.get("settings") or {}).get("gpu_memory_utilization")
+    value = row_settings(row).get("gpu_memory_utilization")
     try:
         return float(value) if value is not None else None
     except (TypeError, ValueError):
@@ -141,7 +148,7 @@ def fix_lever(fix: Fix, current_util: float | None) -> tuple[str, str]:
 
 
 def context_of(row: dict[str, Any]) -> Context:
-    settings = {k: v for k, v in (row.get("settings") or {}).items() if v is not None}
+    settings = {k: v for k, v in row_settings(row).items() if v is not None}
     return Context(model=row.get("model"), gpu=row.get("gpu"), args=settings)
 
 
