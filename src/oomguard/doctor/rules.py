@@ -695,6 +695,34 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
             "With --kv-cache-memory-bytes vLLM skips profiling and gives the KV cache exactly that budget.",
         )
         return
+    graphs_est = s.get("cudagraph_estimate_gib")
+    if graphs_est is not None and float(graphs_est) >= (max(2.0, 0.2 * budget) if budget else 8.0):
+        # vLLM ≥ 0.21 reserves its estimate of the CUDA graphs' memory before the KV cache:
+        # an estimate this size is what left the KV cache nothing
+        est = float(graphs_est)
+        out.add(
+            "cuda_graph",
+            0.82,
+            f"vLLM reserved {est:.2f} GiB for CUDA graphs"
+            + (f", {est / budget:.0%} of the {budget:.1f} GiB budget," if budget else "")
+            + " before sizing the KV cache",
+            [ev, s.parsed.evidence("cudagraph_estimate_gib")],
+            [
+                *capture_fixes(
+                    "no graphs, so no reservation for them: if start-up then succeeds, the "
+                    "estimate was what took the KV budget"
+                ),
+                Fix(
+                    "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS",
+                    "0",
+                    "keeps the graphs but stops reserving the estimate up front (the memory "
+                    "they really use then comes out of the headroom outside the budget)",
+                    STEP_ENV,
+                ),
+            ],
+            "Since v0.21 the start-up profiler estimates the memory CUDA graph capture will take "
+            "and subtracts it from utilization × total before the KV cache gets anything.",
+        )
     low_util = s.util_stated and util is not None and util <= 0.6
     if s.get("cpu_offload_gib") and util is not None and util <= 0.6:
         low_util = True
@@ -1593,6 +1621,32 @@ def rule_profiling_free_increase(s: Situation, out: Findings) -> None:
         ],
         "Not an out-of-memory: vLLM measures its own usage as the drop in free memory, which is "
         "invalid when a co-tenant frees memory (or on unified-memory systems).",
+    )
+
+
+def rule_shm_exhausted(s: Situation, out: Findings) -> None:
+    """/dev/shm too small: host shared memory (a container's is 64 MiB unless raised) for
+    Ray's object store, NCCL's buffers and the workers' message queues."""
+    ev = s.parsed.evidence("shm_exhausted")
+    if ev is None:
+        return
+    out.add(
+        "cpu_ram",
+        0.8,
+        "host shared memory (/dev/shm) is too small for what vLLM's workers put there",
+        [ev],
+        [
+            Fix(
+                "action",
+                "give the container more shared memory: docker run --ipc=host (or "
+                "--shm-size 16g); in Kubernetes mount an emptyDir with medium: Memory at /dev/shm",
+                "/dev/shm is host RAM the container may use as files; its default size is 64 MiB",
+                STEP_ACTION,
+            )
+        ],
+        "Ray's object store, NCCL's intra-node buffers and vLLM's worker message queues live "
+        "in /dev/shm; multi-GPU and pipeline-parallel runs need far more than a container's "
+        "default.",
     )
 
 
@@ -2620,6 +2674,32 @@ def rule_truncated(s: Situation, out: Findings) -> None:
             [fp.evidence],
             [Fix("--enforce-eager", None, "skip graph capture", STEP_CUDAGRAPH)],
         )
+    elif fp.value == Phase.KV_ALLOCATION and not p.has("kv_too_small"):
+        # the traceback ends inside allocating the cache that profiling had just sized: the
+        # memory it counted on was gone by then (a trainer or another engine on the GPU), or
+        # the budget left nothing beside what runs outside it
+        out.add(
+            "util_overshoot",
+            0.45 if p.has("said_colocated") or p.has("said_other_process") else 0.35,
+            "start-up failed allocating the KV cache that profiling had sized",
+            [fp.evidence, p.evidence("said_colocated"), p.evidence("said_other_process")],
+            [
+                lower_util(
+                    s,
+                    2.0,
+                    "leaves room for what else holds the GPU when the cache is allocated",
+                )
+                or Fix(
+                    "--gpu-memory-utilization",
+                    "0.7",
+                    "a smaller budget leaves room for what else holds the GPU",
+                    STEP_UTIL,
+                )
+            ],
+            "vLLM sizes the KV cache from utilization × total minus what it measured, then "
+            "allocates it; anything that takes GPU memory in between (a trainer's step, another "
+            "engine starting) makes that allocation fail.",
+        )
 
 
 def _kv_bytes_for_max_len(s: Situation) -> int | None:
@@ -2704,6 +2784,7 @@ RULES: tuple[Callable[[Situation, Findings], None], ...] = (
     rule_weight_load_oom,
     rule_profiling_free_increase,
     rule_sleep_expandable,
+    rule_shm_exhausted,
     rule_host_memory,
     rule_leak,
     rule_listed_processes,

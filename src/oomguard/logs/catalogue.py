@@ -741,6 +741,16 @@ PATTERNS: tuple[Pattern, ...] = (
         handler="ray_oom",
     ),
     _p(
+        "shm_exhausted",
+        ("/dev/shm",),
+        # the shared-memory filesystem (a container's default is 64 MiB): Ray's object store
+        # ("System memory request exceeds memory available in /dev/shm"), NCCL's segments
+        # ("Error while creating shared memory segment /dev/shm/nccl-…"), a full device
+        r"exceeds memory available in /dev/shm|creating shared memory segment /dev/shm"
+        r"|No space left on device[^\n]{0,80}/dev/shm|/dev/shm[^\n]{0,80}No space left on device",
+        signature="shm_exhausted",
+    ),
+    _p(
         "mmap_failure",
         "unable to mmap",
         # torch.load / safetensors mapping a checkpoint file into host memory

@@ -249,6 +249,7 @@ _LOGGED_MEMORY_SIGNATURES = (
     "cpu_kv_allocation_failed",
     "cpu_swap_too_large",
     "host_ram_low",
+    "shm_exhausted",
 )
 
 

@@ -757,3 +757,57 @@ def test_a_vision_encoder_in_the_model_s_own_code_is_the_encoder() -> None:
         ]
     )
     assert d.top is not None and d.top.cause == "multimodal_encoder"
+
+
+def test_an_oversized_cuda_graph_estimate_that_left_no_blocks_is_cuda_graph() -> None:
+    d = _diag(
+        [
+            "(Worker_TP0 pid=5) INFO 08-19 05:56:57 [gpu_model_runner.py:6936] Estimated CUDA "
+            "graph memory: 118.65 GiB total",
+            "(EngineCore_DP0 pid=4) ERROR 08-19 05:56:57 [core.py:1346] ValueError: No available "
+            "memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+            "initializing the engine.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "cuda_graph"
+    flags = [f.flag for f in d.top.ordered_fixes()]
+    assert "--enforce-eager" in flags and "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS" in flags
+    # a small estimate is not blamed
+    small = _diag(
+        [
+            "(Worker_TP0 pid=5) INFO 08-19 05:56:57 [gpu_model_runner.py:6936] Estimated CUDA "
+            "graph memory: 0.40 GiB total",
+            "(EngineCore_DP0 pid=4) ERROR 08-19 05:56:57 [core.py:1346] ValueError: No available "
+            "memory for the cache blocks.",
+        ]
+    )
+    assert "cuda_graph" not in {f.cause for f in small.findings}
+
+
+def test_a_traceback_cut_inside_the_kv_cache_allocation_is_the_budget() -> None:
+    site = "/opt/conda/lib/python3.10/site-packages/vllm"
+    d = _diag(
+        [
+            "Traceback (most recent call last):",
+            f'  File "{site}/engine/llm_engine.py", line 276, in __init__',
+            "    self._initialize_kv_caches()",
+            f'  File "{site}/engine/llm_engine.py", line 429, in _initialize_kv_caches',
+            "    self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)",
+            f'  File "{site}/executor/executor_base.py", line 121, in initialize_cache',
+            "    self.coll",
+        ]
+    )
+    assert d.oom_found and d.top is not None and d.top.cause == "util_overshoot"
+    assert _first(d)[0] == "--gpu-memory-utilization"
+
+
+def test_dev_shm_too_small_is_host_memory_with_the_container_fix() -> None:
+    d = _diag(
+        [
+            "[2026-03-25 05:44:29,435 W 39 39] (raylet) store_runner.cc:83: System memory "
+            "request exceeds memory available in /dev/shm. The request is for 10200547328 bytes, "
+            "and the amount available is 9663676416 bytes.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "cpu_ram"
+    assert "--ipc=host" in (d.top.ordered_fixes()[0].value or "")
