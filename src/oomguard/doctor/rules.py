@@ -695,6 +695,51 @@ def rule_no_cache_blocks(s: Situation, out: Findings) -> None:
             "With --kv-cache-memory-bytes vLLM skips profiling and gives the KV cache exactly that budget.",
         )
         return
+    # what the GPU held before this engine started: another engine or a leftover process
+    # (the V0 0.6 profiling line, or V1's initial free memory); in those releases the budget
+    # also counted it against this engine
+    startup_total = s.get("startup_total_gib") or total
+    held_before = s.get("initial_used_gib")
+    if held_before is None and s.get("startup_free_gib") is not None and startup_total:
+        held_before = float(startup_total) - float(s.get("startup_free_gib"))
+    if (
+        held_before is not None
+        and startup_total
+        and float(held_before) >= 0.25 * float(startup_total)
+        and not s.context.expect_cotenant
+        and s.get("platform") != "cpu"  # node RAM others use is the CPU backend's normal state
+    ):
+        held, tot = float(held_before), float(startup_total)
+        counted = min(ceil2(held / tot + (util or 0.9)), 0.95) if util is not None else None
+        fixes = [
+            Fix(
+                "action",
+                "stop the other process holding the GPU (nvidia-smi), or give each engine its "
+                "own GPU (CUDA_VISIBLE_DEVICES)",
+                f"{held:.1f} GiB of {tot:.1f} GiB were in use before this engine started",
+                STEP_ACTION,
+            )
+        ]
+        if counted is not None and held / tot + (util or 0.9) <= 0.95:
+            fixes.append(
+                Fix(
+                    "--gpu-memory-utilization",
+                    f"{counted:.2f}",
+                    f"this release charges the {held:.1f} GiB already in use to this engine's "
+                    "budget: count them in the fraction",
+                    STEP_UTIL,
+                )
+            )
+        out.add(
+            "leak_or_other_process",
+            0.72,
+            f"{held:.1f} GiB ({held / tot:.0%}) of the GPU were in use before this engine "
+            "started: another engine or a leftover process",
+            [ev, s.parsed.evidence("initial_used_gib"), s.parsed.evidence("startup_free_gib")],
+            fixes,
+            "vLLM measures what it may use from the GPU's state when it starts; memory another "
+            "process holds then is gone from this engine's budget.",
+        )
     graphs_est = s.get("cudagraph_estimate_gib")
     if graphs_est is not None and float(graphs_est) >= (max(2.0, 0.2 * budget) if budget else 8.0):
         # vLLM ≥ 0.21 reserves its estimate of the CUDA graphs' memory before the KV cache:
@@ -1647,6 +1692,40 @@ def rule_shm_exhausted(s: Situation, out: Findings) -> None:
         "Ray's object store, NCCL's intra-node buffers and vLLM's worker message queues live "
         "in /dev/shm; multi-GPU and pipeline-parallel runs need far more than a container's "
         "default.",
+    )
+
+
+def rule_wsl_resident(s: Situation, out: Findings) -> None:
+    """WSL2 failing to make GPU memory resident (dxgkio_make_resident -12): the expandable
+    segments the allocator maps and remaps are what WSL's paravirtualised driver refuses."""
+    ev = s.parsed.evidence("wsl_resident_enomem")
+    if ev is None:
+        return
+    expandable = s.parsed.evidence("expandable_segments_in_use")
+    out.add(
+        "other",
+        0.75,
+        "WSL2's GPU driver refused to make memory resident (ENOMEM from dxgkio_make_resident)",
+        [ev, expandable],
+        [
+            Fix(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                "expandable_segments:False",
+                "under WSL2 the expandable segments' virtual-memory mapping is what fails; "
+                "plain cudaMalloc blocks are made resident once",
+                STEP_ACTION,  # the change that removes the cause, ahead of the headroom
+            ),
+            lower_util(s, 1.5, "WSL2 keeps part of the GPU for Windows")
+            or Fix(
+                "--gpu-memory-utilization",
+                "0.85",
+                "WSL2 keeps part of the GPU for Windows",
+                STEP_UTIL,
+            ),
+        ],
+        "On WSL2 the GPU is reached through Windows' paravirtualised driver; its ENOMEM on "
+        "making memory resident surfaces in CUDA as 'device not ready' or a kernel error, not "
+        "as PyTorch's out-of-memory message.",
     )
 
 
@@ -2785,6 +2864,7 @@ RULES: tuple[Callable[[Situation, Findings], None], ...] = (
     rule_profiling_free_increase,
     rule_sleep_expandable,
     rule_shm_exhausted,
+    rule_wsl_resident,
     rule_host_memory,
     rule_leak,
     rule_listed_processes,

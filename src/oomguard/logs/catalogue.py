@@ -326,6 +326,14 @@ PATTERNS: tuple[Pattern, ...] = (
         rf"(?P<activation_gib>{NUM}) GiB for peak activation, and (?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
     ),
     _p(
+        # V0 0.6.x: "Memory profiling results: total_gpu_memory=79.15GiB
+        # initial_memory_usage=68.01GiB peak_torch_memory=…": what the GPU held before this
+        # engine loaded anything
+        "profiling_results_v06",
+        "initial_memory_usage",
+        rf"total_gpu_memory=(?P<startup_total_gib>{NUM}) ?GiB,? initial_memory_usage=(?P<initial_used_gib>{NUM}) ?GiB",
+    ),
+    _p(
         "debug_initial_free",
         "requested memory:",
         rf"Initial free memory: (?P<startup_free_gib>{NUM}) ?GiB; Requested memory: (?P<gpu_memory_utilization>{NUM}) \(util\), (?P<requested_gib>{NUM}) ?GiB",
@@ -789,6 +797,14 @@ PATTERNS: tuple[Pattern, ...] = (
         ("/mnt/", "wsl", "microsoft-standard"),
         r"/mnt/[a-z]/|\bWSL2?\b|microsoft-standard",
         signature="wsl",
+    ),
+    _p(
+        # WSL's GPU paravirtualisation failing to make memory resident (-12 is ENOMEM); CUDA
+        # reports it as "device not ready" or a kernel's own error
+        "wsl_make_resident",
+        ("dxgkio_make_resident",),
+        r"dxgkio_make_resident\b[^\n]{0,40}?-12\b",
+        signature="wsl_resident_enomem",
     ),
     _p(
         "unified_memory",

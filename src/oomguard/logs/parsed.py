@@ -191,6 +191,7 @@ FIELD_RULES: dict[str, str] = {
     "concurrency_max_model_len": "first",
     "startup_free_gib": "first",
     "startup_total_gib": "first",
+    "initial_used_gib": "max",
     "startup_check_failed": "first",
     "kv_needed_gib": "first",
     "kv_available_gib": "first",
@@ -250,6 +251,7 @@ _LOGGED_MEMORY_SIGNATURES = (
     "cpu_swap_too_large",
     "host_ram_low",
     "shm_exhausted",
+    "wsl_resident_enomem",
 )
 
 

@@ -811,3 +811,37 @@ def test_dev_shm_too_small_is_host_memory_with_the_container_fix() -> None:
     )
     assert d.top is not None and d.top.cause == "cpu_ram"
     assert "--ipc=host" in (d.top.ordered_fixes()[0].value or "")
+
+
+def test_memory_held_before_a_second_engine_started_is_the_other_process() -> None:
+    d = _diag(
+        [
+            "INFO 11-21 10:00:00 worker.py:232] Memory profiling results: "
+            "total_gpu_memory=79.15GiB initial_memory_usage=68.01GiB peak_torch_memory=70.2GiB",
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine.",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "leak_or_other_process"
+    # a co-tenant the user says is meant to be there is not a leftover
+    meant = _diag(
+        [
+            "INFO 11-21 10:00:00 worker.py:232] Memory profiling results: "
+            "total_gpu_memory=79.15GiB initial_memory_usage=68.01GiB peak_torch_memory=70.2GiB",
+            "ValueError: No available memory for the cache blocks.",
+        ],
+        expect_cotenant=True,
+    )
+    assert "leak_or_other_process" not in {f.cause for f in meant.findings}
+
+
+def test_wsl_refusing_to_make_memory_resident_turns_expandable_segments_off() -> None:
+    d = _diag(
+        [
+            "Every failure coincides with this WSL kernel message:",
+            "dxgkio_make_resident: Ioctl failed: -12",
+            "RuntimeError: CUDA driver error: device not ready",
+        ]
+    )
+    assert d.top is not None and d.top.cause == "other"
+    assert d.top.ordered_fixes()[0].value == "expandable_segments:False"
