@@ -564,8 +564,7 @@ class _Builder:
 
     # --- arguments --------------------------------------------------------------------------
     def _h_args_dict(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
-        # (a forum or a word processor turns the quotes curly: ‘model’ → 'model')
-        payload = m.group("payload").translate(_STRAIGHT_QUOTES)
+        payload = m.group("payload")
         args: dict[str, Any]
         try:
             parsed = ast.literal_eval(payload)
@@ -786,7 +785,6 @@ class _Builder:
 
 _SAID_BY_REGEX = {p.regex.pattern: p.name for p in cat.PATTERNS if p.handler == "said"}
 _SAID_OOM = re.compile(prose.SAID_OOM)
-_STRAIGHT_QUOTES = str.maketrans({"‘": "'", "’": "'", "“": '"', "”": '"'})
 
 # vLLM source files that log under one engine only (the logger header names the file): V1's
 # engine core, GPU worker and model runner, KV-cache sizing and executor; V0's worker, model
