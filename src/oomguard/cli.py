@@ -1,7 +1,12 @@
-"""The ``oomguard`` command: thin. Each face registers its own commands."""
+"""The ``oomguard`` command: thin. Each face registers its own commands.
+
+Only the face a command belongs to is imported (``oomguard plan`` never loads the gateway's
+aiohttp stack); ``--help`` and unknown commands register them all.
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
@@ -9,38 +14,52 @@ from rich.console import Console
 
 from oomguard.errors import OomguardError
 
-app = typer.Typer(
-    name="oomguard",
-    help="Keep vLLM out of out-of-memory failures: plan, doctor, guard, calibrate.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+# command name → module whose ``register(app)`` adds it
+FACES: dict[str, str] = {
+    "plan": "oomguard.plan.cli",
+    "doctor": "oomguard.doctor.cli",
+    "calibrate": "oomguard.doctor.cli",
+    "guard": "oomguard.guard.cli",
+    "models": "oomguard.facts.cli",
+    "gpus": "oomguard.facts.cli",
+}
 
 _err = Console(stderr=True, highlight=False)
 
 
-def _register_faces() -> None:
-    from oomguard.doctor.cli import register as register_doctor
-    from oomguard.facts.cli import register as register_facts
-    from oomguard.guard.cli import register as register_guard
-    from oomguard.plan.cli import register as register_plan
+def build_app(command: str | None = None) -> typer.Typer:
+    """The CLI app with the faces ``command`` needs (all of them when None or unknown)."""
+    app = typer.Typer(
+        name="oomguard",
+        help="Keep vLLM out of out-of-memory failures: plan, serve, bench, guard, watch, doctor.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
 
-    register_plan(app)
-    register_doctor(app)
-    register_guard(app)
-    register_facts(app)
+    @app.callback()
+    def _root() -> None:
+        """Keep vLLM out of out-of-memory failures."""
+
+    @app.command("version")
+    def version() -> None:
+        """Print oomguard's version."""
+        from oomguard import __version__
+
+        typer.echo(__version__)
+
+    modules = [FACES[command]] if command in FACES else list(dict.fromkeys(FACES.values()))
+    for module in modules:
+        importlib.import_module(module).register(app)
+    return app
 
 
-@app.command("version")
-def version() -> None:
-    """Print oomguard's version."""
-    from oomguard import __version__
-
-    typer.echo(__version__)
-
-
-_register_faces()
+def _command_of(args: list[str]) -> str | None:
+    """The subcommand named in ``args`` (its first word that is not an option)."""
+    for arg in args:
+        if not arg.startswith("-"):
+            return arg
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if debug:
         args = [a for a in args if a != "--debug"]
     try:
+        app = build_app(_command_of(args))
         rv = app(args=args, prog_name="oomguard", standalone_mode=False)
         if isinstance(rv, int):
             return rv
