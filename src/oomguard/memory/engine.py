@@ -639,10 +639,12 @@ def predict(
     # the terms whose measured value replaced the estimate (and so enters the KV budget)
     measured_names: list[str] = []
     nt = non_torch(era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, coef=coef)
-    if measured and measured.non_torch_bytes is not None and platform != "cpu":
-        # the CPU backend profiles no device memory: there is no non-torch term to replace
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
         measured_names.append("non_torch")
+    cpu_runtime_bytes = nt.value_bytes if "non_torch" in measured_names else CPU_RSS_BASELINE_BYTES
     kv_override = settings.kv_cache_memory_bytes
     if platform == "cpu" and settings.cpu_kvcache_space_gib is not None:
         # 0.20+: the legacy variable becomes kv_cache_memory_bytes (platforms/cpu.py);
@@ -699,7 +701,7 @@ def predict(
             available = int(kv_override)
         elif platform == "cpu":
             if era.cpu_kv_budget == "util":
-                rss = w_est.value_bytes + a_est.value_bytes + CPU_RSS_BASELINE_BYTES
+                rss = w_est.value_bytes + a_est.value_bytes + cpu_runtime_bytes
                 available = int(requested - rss)
             elif era.cpu_kv_budget == "half_numa":
                 available = int(total * 0.5 / GIB) * GIB
