@@ -55,9 +55,10 @@ def observation_of(
         non_kv = cpu_non_kv_gib(parsed)
         if non_kv is None or prediction is None:
             return None
-        runtime = non_kv.value - (
-            prediction.weights.value_bytes + prediction.activation.value_bytes
-        ) / 2**30
+        runtime = (
+            non_kv.value
+            - (prediction.weights.value_bytes + prediction.activation.value_bytes) / 2**30
+        )
         if runtime <= 0:
             return None
         log = copy.copy(parsed)

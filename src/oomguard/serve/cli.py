@@ -22,7 +22,9 @@ from oomguard.errors import BadInput
 
 _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
 # the first word of a pasted command (``vllm serve``, ``python -m …``, ``VAR=x vllm …``)
-_COMMAND_START = re.compile(r"(?:.*/)?(?:vllm|python\d*(?:\.\d+)?|env|docker|podman|nerdctl)$|\w+=.*")
+_COMMAND_START = re.compile(
+    r"(?:.*/)?(?:vllm|python\d*(?:\.\d+)?|env|docker|podman|nerdctl)$|\w+=.*"
+)
 
 
 def serve_command(
@@ -48,11 +50,16 @@ def serve_command(
     probe: bool = typer.Option(
         None, "--probe/--no-probe", help="Probe once ready (default: on with a workload)."
     ),
-    calibrate: bool = typer.Option(
-        True, "--calibrate/--no-calibrate", help="Store the observed terms for the next plan."
+    record: bool = typer.Option(
+        True, "--record/--no-record", help="Record the observed terms for the next plan."
     ),
     no_calibration: bool = typer.Option(
         False, "--no-calibration", help="Predict without the calibration store."
+    ),
+    allow_precision_change: bool = typer.Option(
+        False,
+        "--allow-precision-change",
+        help="Let a heal change --quantization, --kv-cache-dtype or --dtype.",
     ),
     guard_port: int = typer.Option(
         None, "--guard-port", help="Start oomguard guard on this port in front of the engine."
@@ -76,8 +83,9 @@ def serve_command(
         workload=_workload(p99_tokens, concurrency),
         max_attempts=max_attempts,
         probe=probe,
-        calibrate=calibrate,
+        calibrate=record,
         use_calibration=not no_calibration,
+        allow_precision_change=allow_precision_change,
         guard_port=guard_port,
         max_restarts=max_restarts,
         restart_window_s=restart_window,
@@ -131,7 +139,10 @@ def _read_form(
     if pasted:
         words = ([model] if model else []) + rest
         if not words:
-            raise BadInput("nothing to serve", "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …")
+            raise BadInput(
+                "nothing to serve",
+                "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …",
+            )
         if given or host is not None or port is not None:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--host/--port"
             raise BadInput(f"{flags} given beside a pasted command",
@@ -150,10 +161,14 @@ def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
 
     settings = dict(given)
     if "max_model_len" in settings:
-        settings["max_model_len"] = _max_model_len(str(settings["max_model_len"]), "--max-model-len")
+        settings["max_model_len"] = _max_model_len(
+            str(settings["max_model_len"]), "--max-model-len"
+        )
     for name in ("max_num_batched_tokens", "kv_cache_memory_bytes"):
         if name in settings:
-            settings[name] = parse_human_int(str(settings[name]), flag="--" + name.replace("_", "-"))
+            settings[name] = parse_human_int(
+                str(settings[name]), flag="--" + name.replace("_", "-")
+            )
     return settings
 
 

@@ -78,7 +78,9 @@ class EngineCommand:
         """Raise :class:`BadInput` for flags vLLM does not have (it would refuse to start)."""
         parsed = self.parsed()
         if parsed.unknown:
-            names = ", ".join(n if n.startswith("-") or "/" in n else f"--{n}" for n in parsed.unknown)
+            names = ", ".join(
+                n if n.startswith("-") or "/" in n else f"--{n}" for n in parsed.unknown
+            )
             raise BadInput(
                 f"not a vLLM flag: {names}",
                 "check the spelling (vLLM's flags are listed by `vllm serve --help`)",

@@ -99,7 +99,7 @@ def cpu_node_device() -> Device | None:
         return None
     total, available, source = read
     spec = GPUSpec(
-        name=f"CPU node {node} ({total / GIB:.2f} GiB)",
+        name=f"CPU node {node}",
         total_bytes=total,
         marketing_gb=round(total / 1e9, 1),
         vendor="cpu",
@@ -151,7 +151,10 @@ def _cgroup_memory() -> tuple[int | None, int | None]:
     """The cgroup's memory limit and usage (v2, else v1), None where there is none."""
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
     ):
         try:
             text = Path(limit_file).read_text().strip()

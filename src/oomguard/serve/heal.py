@@ -9,6 +9,8 @@ order). serve runs a fix only when all of these hold:
   free − max(2 % of total, 256 MiB), never free ÷ total itself;
 - it keeps the stated workload: ``--max-model-len`` not below the P99, ``--max-num-seqs``
   not below the concurrency;
+- it keeps the model's numerics (``--quantization``, ``--kv-cache-dtype``, ``--dtype``)
+  unless the user allowed a precision change;
 - the memory model, with the terms this session measured, predicts the start succeeds.
 
 When no fix of the doctor passes, serve computes candidates itself from the log's numbers and
@@ -37,6 +39,8 @@ UTIL_MARGIN_FRACTION = 0.02
 UTIL_MARGIN_MIN_BYTES = 256 * MIB
 KV_MARGIN = 0.10  # spare KV capacity a computed pool size keeps (plan's default margin)
 _ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+# settings whose change changes the model's numbers, not only its memory
+_PRECISION_SETTINGS = ("quantization", "kv_cache_dtype", "dtype")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class HealContext:
     free_bytes: int | None  # measured after the failed engine's memory came back
     workload: Workload = field(default_factory=Workload)
     use_calibration: bool = True
+    allow_precision_change: bool = False
 
 
 def decide(ctx: HealContext) -> HealDecision:
@@ -145,7 +150,9 @@ def decide(ctx: HealContext) -> HealDecision:
 def _doctor_candidate(fix: Any) -> Candidate | None:
     flag = str(fix.flag)
     if flag.startswith("--"):
-        return Candidate({flag: None if fix.value in (None, "") else str(fix.value)}, fix.why, "doctor")
+        return Candidate(
+            {flag: None if fix.value in (None, "") else str(fix.value)}, fix.why, "doctor"
+        )
     if _ENV_NAME.fullmatch(flag) and fix.value is not None:
         return Candidate({flag: str(fix.value)}, fix.why, "doctor")
     return None
@@ -174,14 +181,21 @@ def _accept(ctx: HealContext, candidate: Candidate, decision: HealDecision) -> b
     if key in ctx.tried:
         decision.rejected.append((candidate.text, f"same configuration as launch {ctx.tried[key]}"))
         return False
-    reason = _margin_problem(ctx, new) or _workload_problem(ctx, new) or _parallel_problem(ctx, new)
+    reason = (
+        _precision_problem(ctx, new)
+        or _margin_problem(ctx, new)
+        or _workload_problem(ctx, new)
+        or _parallel_problem(ctx, new)
+    )
     if reason:
         decision.rejected.append((candidate.text, reason))
         return False
     prediction = _predict(ctx, new)
     if prediction is not None and not prediction.fits:
         problem = prediction.problems[0] if prediction.problems else "does not fit"
-        decision.rejected.append((candidate.text, f"the memory model predicts it still fails: {problem}"))
+        decision.rejected.append(
+            (candidate.text, f"the memory model predicts it still fails: {problem}")
+        )
         return False
     decision.command, decision.candidate, decision.prediction = new, candidate, prediction
     return True
@@ -242,6 +256,17 @@ def _margin_problem(ctx: HealContext, new: EngineCommand) -> str | None:
     return None
 
 
+def _precision_problem(ctx: HealContext, new: EngineCommand) -> str | None:
+    if ctx.allow_precision_change:
+        return None
+    before, after = ctx.command.parsed().settings_kwargs, new.parsed().settings_kwargs
+    changed = [n for n in _PRECISION_SETTINGS if before.get(n) != after.get(n)]
+    if changed:
+        flags = ", ".join("--" + n.replace("_", "-") for n in changed)
+        return f"{flags} changes the model's numerics (pass --allow-precision-change to allow it)"
+    return None
+
+
 def _workload_problem(ctx: HealContext, new: EngineCommand) -> str | None:
     settings = new.parsed().settings_kwargs
     length, seqs = settings.get("max_model_len"), settings.get("max_num_seqs")
@@ -274,7 +299,12 @@ def _own_candidates(ctx: HealContext) -> list[Candidate]:
     phase = ctx.parsed.failure_phase.value if ctx.parsed.failure_phase else None
     if signature == "startup_check_failed":
         return _util_to_free(ctx)
-    if signature in ("kv_too_small", "no_cache_blocks", "cpu_kv_allocation_failed", "auto_fit_failed"):
+    if signature in (
+        "kv_too_small",
+        "no_cache_blocks",
+        "cpu_kv_allocation_failed",
+        "auto_fit_failed",
+    ):
         return _kv_candidates(ctx, current)
     if phase == Phase.CUDA_GRAPH_CAPTURE:
         return [*_util_to_free(ctx, extra_bytes=_graph_bytes(ctx, current)),
@@ -348,7 +378,9 @@ def _kv_candidates(ctx: HealContext, current: Prediction | None) -> list[Candida
 def _batch_candidates(ctx: HealContext, current: Prediction | None) -> list[Candidate]:
     """An activation or sampler peak that did not fit: a smaller profiling batch."""
     out: list[Candidate] = []
-    seqs = _setting(ctx, "max_num_seqs") or (current.memory.settings.max_num_seqs if current else None)
+    seqs = _setting(ctx, "max_num_seqs") or (
+        current.memory.settings.max_num_seqs if current else None
+    )
     tokens = _setting(ctx, "max_num_batched_tokens") or (
         current.memory.settings.max_num_batched_tokens if current else None
     )

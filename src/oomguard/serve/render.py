@@ -61,7 +61,9 @@ def comparison_table(rows: list[dict[str, Any]], title: str) -> Table:
             if low_high and low_high[0] != low_high[1]
             else ""
         )
-        style = "green" if row.get("in_range") else ("yellow" if row.get("in_range") is False else "")
+        style = (
+            "green" if row.get("in_range") else ("yellow" if row.get("in_range") is False else "")
+        )
         table.add_row(row["label"], _value(row.get("predicted"), unit), span,
                       _value(row["observed"], unit), Text(_diff(row), style=style), str(row["line"]))  # fmt: skip
     return table
@@ -154,7 +156,9 @@ class HumanRenderer:
         self._stop_status()
         kind = d.get("kind")
         where = f" (line {d['line']})" if d.get("line") else ""
-        self.console.print(f"[bold red]failure[/] {kind}{where}: {d.get('text', '')}", soft_wrap=True)
+        self.console.print(
+            f"[bold red]failure[/] {kind}{where}: {d.get('text', '')}", soft_wrap=True
+        )
         if d.get("line_to_kill_s") is not None:
             self.console.print(f"  killed {d['line_to_kill_s'] * 1000:.0f} ms after the line; "
                                f"memory released: {d.get('memory_released')} "

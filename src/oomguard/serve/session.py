@@ -66,6 +66,7 @@ class ServeOptions:
     probe: bool | None = None  # None: on when a workload is given
     calibrate: bool = True
     use_calibration: bool = True
+    allow_precision_change: bool = False  # heal may change quantization / KV dtype / dtype
     guard_port: int | None = None
     max_restarts: int = 5
     restart_window_s: float = 600.0
@@ -82,7 +83,9 @@ class ServeOptions:
             raise BadInput("give either MODEL or a command after --",
                            "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …")  # fmt: skip
         if self.max_attempts < 1:
-            raise BadInput(f"--max-attempts {self.max_attempts} must be at least 1", "pass 1 or more")
+            raise BadInput(
+                f"--max-attempts {self.max_attempts} must be at least 1", "pass 1 or more"
+            )
         if self.max_restarts < 0 or self.restart_window_s <= 0:
             raise BadInput("--max-restarts must be 0 or more and --restart-window positive",
                            "e.g. --max-restarts 5 --restart-window 600")  # fmt: skip
@@ -256,7 +259,6 @@ class ServeSession:
     # --- the serve loop ------------------------------------------------------------------
     def _serve(self) -> tuple[int, str]:
         restarts: deque[float] = deque()
-        backoff_s = 1.0
         assert self.command is not None
         command = self.command
         while True:
@@ -280,8 +282,9 @@ class ServeSession:
                     f"{self.options.restart_window_s:g} s; not restarting again"
                 )
             restarts.append(now)
+            # 1, 2, 4 … 30 s: the more crashes in the window, the longer the wait
+            backoff_s = min(2.0 ** (len(restarts) - 1), 30.0)
             command = self._after_crash(command, crashed, backoff_s)
-            backoff_s = min(backoff_s * 2, 30.0) if len(restarts) > 1 else 1.0
             if self.stop_requested.is_set():
                 return EXIT_STOPPED, "stopped"
 
@@ -379,7 +382,9 @@ class ServeSession:
     def _drain(self, launch: _Launch, state: _PhaseState, timeout_s: float) -> None:
         """Turn queued line news into phase / observed / compare events."""
         try:
-            _, news = launch.news.get(timeout=timeout_s) if timeout_s > 0 else launch.news.get_nowait()
+            _, news = (
+                launch.news.get(timeout=timeout_s) if timeout_s > 0 else launch.news.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -481,6 +486,7 @@ class ServeSession:
             spec=self.spec, device=self.device, vllm_version=self.engine.version,
             session_logs=logs, free_bytes=free, workload=self.options.workload,
             use_calibration=self.options.use_calibration,
+            allow_precision_change=self.options.allow_precision_change,
         )  # fmt: skip
         decision = self.engine.heal(ctx)
         self.events.emit("heal", launch=len(self.launches), healed=decision.command is not None,
@@ -559,7 +565,9 @@ class ServeSession:
 
         base = launch.command.base_url
         settings = launch.prediction.memory.settings if launch.prediction else None
-        max_len = launch.parsed().get("max_model_len") or (settings.max_model_len if settings else None)
+        max_len = launch.parsed().get("max_model_len") or (
+            settings.max_model_len if settings else None
+        )
         vocab = self.spec.vocab_size if self.spec else 32000
         try:
             model = served_model_name(base)
@@ -618,7 +626,9 @@ class ServeSession:
             return LaunchResult("memory_failure" if failure else "exited", parsed, failure)
         return None
 
-    def _after_crash(self, command: EngineCommand, crashed: LaunchResult, backoff_s: float) -> EngineCommand:
+    def _after_crash(
+        self, command: EngineCommand, crashed: LaunchResult, backoff_s: float
+    ) -> EngineCommand:
         """Wait the backoff; heal first when the crash was a memory failure."""
         new = command
         if crashed.status == "memory_failure":
@@ -688,7 +698,9 @@ def _check_model_path(model: str) -> None:
 
     path = Path(model).expanduser()
     if not path.exists() and _looks_like_path(model):
-        raise BadInput(f"model path does not exist: {path}", "check the path to the model directory")
+        raise BadInput(
+            f"model path does not exist: {path}", "check the path to the model directory"
+        )
 
 
 def _check_port_free(host: str, port: int, what: str) -> None:

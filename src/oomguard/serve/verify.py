@@ -95,7 +95,10 @@ class Comparison:
         if self.predicted is not None:
             out.update(
                 predicted=_round(self.predicted.value, self.term),
-                range=[_round(self.predicted.low, self.term), _round(self.predicted.high, self.term)],
+                range=[
+                    _round(self.predicted.low, self.term),
+                    _round(self.predicted.high, self.term),
+                ],
                 diff=_round(self.diff or 0.0, self.term),
                 diff_pct=None if self.diff_pct is None else round(self.diff_pct, 2),
                 in_range=self.in_range,
@@ -182,6 +185,8 @@ def compare(parsed: ParsedLog, predicted: dict[str, Predicted] | None) -> list[C
         if found is None:
             continue
         rows.append(
-            Comparison(term, found[0], found[1], None if predicted is None else predicted.get(term.name))
+            Comparison(
+                term, found[0], found[1], None if predicted is None else predicted.get(term.name)
+            )
         )
     return rows
