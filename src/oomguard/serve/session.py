@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine import EngineLeftBehind, EngineProcess, http_ok, wait_memory_released
+from oomguard.engine import (
+    EngineLeftBehind,
+    EngineProcess,
+    Release,
+    gpu_memory,
+    http_ok,
+    wait_memory_released,
+)
 from oomguard.errors import BadInput, OomguardError
 from oomguard.logs import ParsedLog, Phase
 from oomguard.logs.follow import Failure, LineNews, LogFollower
@@ -118,10 +125,17 @@ class _Launch:
     lock: threading.Lock = field(default_factory=threading.Lock)
     failure_read_at: float | None = None  # monotonic time the failure line was read
     killed_at: float | None = None  # monotonic time SIGKILL was sent to the group
+    # each GPU's used memory before the launch (NVML), so the memory's return can be seen
+    # where NVML lists no process of ours (containers)
+    used_before: dict[int, int] | None = None
 
     def parsed(self) -> ParsedLog:
         with self.lock:
             return self.follower.parsed()
+
+    def wait_released(self, pids: list[int]) -> Release:
+        """Wait until the memory this launch's processes held is free again."""
+        return wait_memory_released(pids, timeout_s=60.0, used_before_start=self.used_before)
 
 
 class ServeSession:
@@ -325,6 +339,8 @@ class ServeSession:
         self.launches.append(launch)
         self.tried.setdefault(command.key(), number)
         self.current = launch
+        devices = gpu_memory()
+        launch.used_before = {d.index: d.used_bytes for d in devices} if devices else None
         launch.process.start()
         self.events.emit(
             "launch", number=number, attempt=attempt, max_attempts=self.options.max_attempts,
@@ -421,7 +437,7 @@ class ServeSession:
         except EngineLeftBehind as exc:
             self.events.emit("note", text=str(exc))
         gone_at = time.monotonic()
-        release = wait_memory_released(pids, timeout_s=60.0)
+        release = launch.wait_released(pids)
         self._drain(launch, state, timeout_s=0.0)
         parsed = launch.parsed()
         failure = launch.follower.failure
@@ -445,7 +461,7 @@ class ServeSession:
             launch.process.stop(grace_s=5.0)
         except EngineLeftBehind as exc:
             self.events.emit("note", text=str(exc))
-        wait_memory_released(pids, timeout_s=60.0)
+        launch.wait_released(pids)
         parsed = launch.parsed()
         code = launch.process.returncode
         failure = launch.follower.failure
@@ -612,7 +628,7 @@ class ServeSession:
                 launch.process.kill()
             except EngineLeftBehind as exc:
                 self.events.emit("note", text=str(exc))
-            wait_memory_released(pids + [launch.process.pid], timeout_s=60.0)
+            launch.wait_released(pids + [launch.process.pid])
             parsed = launch.parsed()
             failure = launch.follower.failure
             self.events.emit(
@@ -655,7 +671,7 @@ class ServeSession:
             pids = launch.process.group_pids()
             if pids:
                 self._stop_process(launch.process)
-                wait_memory_released(pids, timeout_s=60.0)
+                launch.wait_released(pids)
 
 
 class _PhaseState:
