@@ -25,6 +25,8 @@ def _value(value: Any, unit: str) -> str:
         return f"{int(value):,}"
     if unit == "x":
         return f"{float(value):.2f}x"
+    if 0 < abs(float(value)) < 0.1:
+        return f"{float(value) * 1024:.1f} MiB"
     return f"{float(value):.2f} GiB"
 
 
@@ -202,12 +204,11 @@ class HumanRenderer:
 
     def _on_alternatives(self, d: dict[str, Any]) -> None:
         alternatives = d.get("alternatives") or []
-        if not alternatives and not d.get("recommendation"):
-            return
-        self.console.print("[bold]plan's alternatives:[/]")
-        recommendation = d.get("recommendation")
-        if recommendation and recommendation.get("command"):
-            self.console.print(f"  recommended: {recommendation['command']}")
+        self.console.print("[bold]what plan proposes instead:[/]")
+        if d.get("recommendation") and d.get("command"):
+            self.console.print(f"  recommended: {d['command']}")
+        elif not alternatives:
+            self.console.print("  nothing on this device", style="dim")
         for alt in alternatives[:5]:
             self.console.print(f"  {alt.get('rank', '')}. {alt.get('title', alt.get('kind', ''))}")
             if alt.get("command"):

@@ -518,20 +518,25 @@ class ServeSession:
         settings: dict[str, Any] = {"platform": self.device.platform}
         if self.engine.version not in ("", "unknown"):
             settings["vllm_version"] = self.engine.version
+        w = self.options.workload
+        common = dict(gpu_count=self.device.count, concurrency=w.concurrency,
+                      allow_hub=self.options.allow_hub, use_calibration=self.options.use_calibration)  # fmt: skip
+        length = command.parsed().settings_kwargs.get("max_model_len")
         try:
-            result = plan(
-                None, self.device.spec, gpu_count=self.device.count,
-                command=["vllm", "serve", command.model, *command.args],
-                p99_tokens=self.options.workload.p99_tokens,
-                concurrency=self.options.workload.concurrency, allow_hub=self.options.allow_hub,
-                use_calibration=self.options.use_calibration, **settings,
-            )  # fmt: skip
+            # the command as given first; when its pinned settings leave plan nothing to change,
+            # the model and the workload alone (the length the command asked for as the P99)
+            data = plan(None, self.device.spec, command=["vllm", "serve", command.model, *command.args],
+                        p99_tokens=w.p99_tokens, **common, **settings).to_dict()  # type: ignore[arg-type]  # fmt: skip
+            if not data.get("recommendation") and not data.get("alternatives"):
+                p99 = w.p99_tokens or (length if length not in (None, -1) else None)
+                data = plan(command.model, self.device.spec, p99_tokens=p99,
+                            **common, **settings).to_dict()  # type: ignore[arg-type]  # fmt: skip
         except OomguardError as exc:
             self.events.emit("note", text=f"plan has no alternatives: {exc.one_line()}")
             return
-        data = result.to_dict()
         self.events.emit("alternatives", recommendation=data.get("recommendation"),
-                         alternatives=data.get("alternatives") or [])  # fmt: skip
+                         alternatives=data.get("alternatives") or [],
+                         command=data.get("command"), fits=data.get("fits"))  # fmt: skip
 
     # --- once ready ----------------------------------------------------------------------
     def _after_ready(self, command: EngineCommand) -> bool:
