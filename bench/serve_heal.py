@@ -24,7 +24,7 @@ by hand
   time to read vLLM's message, decide the flag and its value, edit and relaunch. The manual
   path is given serve's fix on its first try: a lower bound on what it costs (vLLM's message
   names a direction, "increase gpu_memory_utilization or decrease max_model_len", rarely a
-  value). ``--human-s 0`` prints the machine-only comparison.
+  value). The last column is the machine-only comparison (``human`` = 0).
 
 Run: ``.venv/bin/python bench/serve_heal.py [--repeat N] [--human-s S] [--json]``. Needs the
 vLLM venv (``scripts/setup-vllm-cpu.sh``; ``$OOMGUARD_VLLM_VENV``, default ``.venv-vllm``).
@@ -211,13 +211,14 @@ def conditions() -> dict[str, object]:
 
 def report(rounds: list[Round], human_s: float, before: dict[str, object]) -> None:
     print("conditions:", json.dumps(before))
-    print("            after:", json.dumps(conditions()))
+    if "saved" not in before:
+        print("            after:", json.dumps(conditions()))
     print(
         f"manual path = the failing run to vLLM's own exit + {human_s:g} s for a person + the "
         "fixed command to /health (given serve's fix on the first try)"
     )
-    head = (f"{'scenario':<27}{'heal':<34}{'line→kill':>10}{'line→gone':>10}{'serve→healthy':>14}"
-            f"{'line→exit':>10}{'by hand':>9}{'speed-up':>9}")  # fmt: skip
+    head = (f"{'scenario':<27}{'heal':<30}{'line→kill':>10}{'line→gone':>10}{'serve→healthy':>14}"
+            f"{'line→exit':>10}{'by hand':>9}{'speed-up':>9}{'machine only':>14}")  # fmt: skip
     print(head)
     for name in dict.fromkeys(r.scenario for r in rounds):
         mine = [r for r in rounds if r.scenario == name]
@@ -226,8 +227,10 @@ def report(rounds: list[Round], human_s: float, before: dict[str, object]) -> No
         healthy = statistics.median(r.serve_to_healthy_s for r in mine)
         exit_ = statistics.median(r.manual_line_to_exit_s for r in mine)
         manual = statistics.median(r.manual_total_s(human_s) for r in mine)
-        print(f"{name:<27}{mine[0].heal[:33]:<34}{kill * 1000:>8.1f}ms{gone * 1000:>8.0f}ms"
-              f"{healthy:>13.1f}s{exit_:>9.1f}s{manual:>8.1f}s{manual / healthy:>8.2f}x")  # fmt: skip
+        machine = statistics.median(r.manual_total_s(0.0) for r in mine)
+        print(f"{name:<27}{mine[0].heal[:29]:<30}{kill * 1000:>8.1f}ms{gone * 1000:>8.0f}ms"
+              f"{healthy:>13.1f}s{exit_:>9.1f}s{manual:>8.1f}s{manual / healthy:>8.2f}x"
+              f"{machine:>8.1f}s {machine / healthy:.2f}x")  # fmt: skip
     worst = max(r.line_to_kill_s for r in rounds)
     print(
         f"line→kill over all {len(rounds)} rounds: max {worst * 1000:.1f} ms "
@@ -243,7 +246,13 @@ def main() -> int:
     parser.add_argument("--human-s", type=float, default=60.0)
     parser.add_argument("--scenario", action="append", choices=SCENARIOS)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--rounds", type=Path, help="re-print the rounds a run wrote to stderr")
     args = parser.parse_args()
+    if args.rounds is not None:
+        saved = [Round(**json.loads(line.split("] ", 1)[1]))
+                 for line in args.rounds.read_text().splitlines() if line.startswith("[")]  # fmt: skip
+        report(saved, args.human_s, {"saved": str(args.rounds)})
+        return 0
     problem = vllm_venv_problem()
     if problem:
         print(problem, file=sys.stderr)
