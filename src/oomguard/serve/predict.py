@@ -148,35 +148,25 @@ def _session_terms(
     sources: list[str],
 ) -> MeasuredTerms | None:
     """Terms the session's earlier logs measured that hold under ``settings`` (newest first)."""
+    from oomguard.calibration.store import terms_from
     from oomguard.serve.calibrate import observation_of
 
-    found: dict[str, int] = {}
+    observations = []
     for number, (parsed, prediction) in reversed(list(enumerate(logs, start=1))):
         obs = observation_of(
-            parsed, device, spec, vllm_version, source=f"launch {number}", prediction=prediction
-        )
-        if obs is None:
-            continue
-        applicable = obs.applicable_terms(
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            enforce_eager=settings.enforce_eager,
-            quantization=settings.quantization,
-            dtype=None if settings.dtype in (None, "auto") else settings.dtype,
-        )
-        used = False
-        for term in applicable:
-            if term not in found:
-                found[term] = int(float(getattr(obs, f"{term}_gib")) * GIB)
-                used = True
-        if used:
-            sources.append(f"launch {number} of this session")
-    if not found:
-        return None
-    return MeasuredTerms(
-        weights_bytes=found.get("weights"),
-        activation_bytes=found.get("activation"),
-        non_torch_bytes=found.get("non_torch"),
-        cudagraph_bytes=found.get("cudagraph"),
-        source="measured by this session",
+            parsed, device, spec, vllm_version, source=f"launch {number} of this session",
+            prediction=prediction,
+        )  # fmt: skip
+        if obs is not None:
+            observations.append(obs)
+    found = terms_from(
+        observations,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        enforce_eager=settings.enforce_eager,
+        quantization=settings.quantization,
+        dtype=None if settings.dtype in (None, "auto") else settings.dtype,
     )
+    if found is not None:
+        sources.extend(found.source.split("; "))
+    return found
