@@ -69,6 +69,7 @@ class _MarkingBuilder(_Builder):
         self.markers: list[tuple[Phase, Evidence]] = []
 
     def phase(self, phase: Phase, ev: Evidence) -> None:
+        """Record the phase as the parser does, and note the marker."""
         super().phase(phase, ev)
         self.markers.append((phase, ev))
 

@@ -37,9 +37,13 @@ PHASE_LABELS: dict[Phase, str] = {
 class LogReader(Protocol):
     """Reads an engine's log line by line (see :class:`~oomguard.logs.follow.LogFollower`)."""
 
-    def feed(self, chunk: str) -> object: ...
+    def feed(self, chunk: str) -> object:
+        """Take one line as it is written; return what it showed."""
+        ...
 
-    def parsed(self) -> ParsedLog: ...
+    def parsed(self) -> ParsedLog:
+        """Everything read so far."""
+        ...
 
 
 class EngineKind(Protocol):
@@ -47,17 +51,27 @@ class EngineKind(Protocol):
 
     name: str
     version: str
-    cpu_build: bool
+    cpu_build: bool  # sizes its pool in host RAM
 
-    def argv(self, command: EngineCommand) -> list[str]: ...
+    def argv(self, command: EngineCommand) -> list[str]:
+        """The process to start for ``command``."""
+        ...
 
-    def environment(self, command: EngineCommand) -> dict[str, str]: ...
+    def environment(self, command: EngineCommand) -> dict[str, str]:
+        """The environment to start it with."""
+        ...
 
-    def health_url(self, command: EngineCommand) -> str: ...
+    def health_url(self, command: EngineCommand) -> str:
+        """A URL that answers 200 once the server serves."""
+        ...
 
-    def new_reader(self) -> LogFollower: ...
+    def new_reader(self) -> LogFollower:
+        """A fresh reader of this engine's log."""
+        ...
 
-    def heal(self, ctx: HealContext) -> HealDecision: ...
+    def heal(self, ctx: HealContext) -> HealDecision:
+        """The next configuration after the memory failure in ``ctx``."""
+        ...
 
 
 class VllmEngine:

@@ -130,6 +130,7 @@ class _Launch:
     used_before: dict[int, int] | None = None
 
     def parsed(self) -> ParsedLog:
+        """The launch's log so far (safe while the reader thread feeds it)."""
         with self.lock:
             return self.follower.parsed()
 
@@ -688,6 +689,7 @@ class _PhaseState:
         self.phase = start
 
     def advance(self, phase: Phase) -> bool:
+        """Move to ``phase`` if it comes later (see the class docstring); whether it moved."""
         current = self.phase
         if current is not None and phase.rank <= current.rank:
             return False
