@@ -205,9 +205,10 @@ def plan(
     fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
     base = EngineSettings(**kwargs)
 
-    from oomguard.facts.resolve import resolve_model_with_quantization
+    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
 
     spec = resolve_model_with_quantization(model, base.quantization, allow_hub=allow_hub)
+    model = serve_reference(model)
 
     # -- workload -------------------------------------------------------------------------------
     if margin < 0:

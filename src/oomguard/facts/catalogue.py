@@ -19,6 +19,11 @@ from oomguard.facts.config_reader import spec_from_config
 from oomguard.memory.spec import ModelSpec, QuantSpec
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue" / "models"
+# what to do instead of naming an unknown model (every face takes the model the same way)
+LOCAL_MODEL_HINT = (
+    "give the path of the model's local directory, its config.json or a .gguf file "
+    "in place of the name"
+)
 _REQUIRED_KEYS = ("id", "config")
 
 
@@ -306,6 +311,5 @@ def find_entry(name: str, directory: Path | None = None) -> CatalogueEntry:
     near = f"; closest catalogue names: {', '.join(close)}" if close else ""
     raise UnknownModel(
         f"model {name!r} is not in the built-in catalogue{near}",
-        "pass a local model directory or config.json (--model /path/to/dir), a .gguf file, "
-        "or a Hugging Face repo id with network access",
+        f"{LOCAL_MODEL_HINT}, or a Hugging Face repo id with network access",
     )

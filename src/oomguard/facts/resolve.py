@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from oomguard.errors import UnknownModel
-from oomguard.facts.catalogue import closest_names, lookup_entry
+from oomguard.facts.catalogue import LOCAL_MODEL_HINT, closest_names, lookup_entry
 from oomguard.facts.hub import spec_from_hub
 from oomguard.facts.local import spec_from_local
 from oomguard.facts.quant import apply_quantization_flag, quant_from_name, strip_quant_suffix
@@ -64,9 +64,22 @@ def resolve_model(ref: str, *, allow_hub: bool = True) -> ModelSpec:
     near = f"; closest catalogue names: {', '.join(close)}" if close else ""
     raise UnknownModel(
         f"model {ref!r} is not in the built-in catalogue{near}",
-        "pass a local model directory or config.json (--model /path/to/dir), a .gguf file, "
-        "or allow hub access",
+        f"{LOCAL_MODEL_HINT}, or allow hub access (drop --offline / HF_HUB_OFFLINE)",
     )
+
+
+def serve_reference(ref: str) -> str:
+    """What goes after ``vllm serve`` for the model the user named as ``ref``.
+
+    vLLM loads a model from its directory (or a ``.gguf`` file), never from a ``config.json``:
+    a path to a config file becomes its directory. Names and other paths are kept as given.
+    """
+    text = ref.strip()
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".json" and path.is_file():
+        parent = str(path.parent)
+        return parent if text.startswith(("/", "~")) or parent != "." else "./"
+    return text
 
 
 def resolve_model_with_quantization(

@@ -27,6 +27,7 @@ from oomguard.errors import OomguardError
 from oomguard.facts import known_quantized_variants, resolve_model
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
+from oomguard.memory.weights import resolve_model_dtype
 from oomguard.plan.result import (
     Alternative,
     Candidate,
@@ -200,7 +201,7 @@ class SearchSpace:
             settings=settings,
             prediction=pred,
             serve=check,
-            weights_label=weights.label,
+            weights_label=_label_on(weights, gpu or self.gpu, settings),
             weights_key=weights.key,
         )
 
@@ -222,12 +223,27 @@ def valid_tp_sizes(model: ModelSpec, max_gpus: int) -> list[int]:
     return sizes
 
 
-def _dtype_label(model: ModelSpec) -> str:
+def _dtype_label(model: ModelSpec, gpu: GPUSpec | None = None, dtype: str = "auto") -> str:
+    """How the native weights load: the checkpoint's format, or the dtype vLLM picks on ``gpu``.
+
+    GPUs without bf16 (compute capability below 8.0: V100, T4) load a bf16 checkpoint as fp16.
+    """
     if model.quant.method:
         return f"{model.quant.method} checkpoint"
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16 (fp32 checkpoint)"}.get(
-        model.dtype, model.dtype
-    )
+    loaded = resolve_model_dtype(model, dtype, gpu.compute_capability if gpu else "")
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(loaded, loaded)
+    if model.dtype == "float32" and loaded != "float32":
+        label += " (fp32 checkpoint)"
+    elif model.dtype == "bfloat16" and loaded == "float16" and dtype in ("auto", None):
+        label += " (no bf16 on this GPU)"
+    return label
+
+
+def _label_on(weights: WeightsOption, gpu: GPUSpec, settings: EngineSettings) -> str:
+    """The weights label of ``weights`` priced on ``gpu`` (native dtype follows the GPU)."""
+    if weights.key != "native" or weights.quantization or weights.model.quant.method:
+        return weights.label
+    return _dtype_label(weights.model, gpu, settings.dtype)
 
 
 # Preference among catalogued 4-bit formats: vLLM's Marlin kernels serve AWQ, GPTQ and
@@ -293,7 +309,7 @@ def weights_options(
     The int4 option is the catalogue's own quantized repo of the model, priced with that repo's
     ModelSpec; when the catalogue lists none, it is a hypothetical AWQ int4 (``known=False``).
     """
-    native = WeightsOption("native", _dtype_label(model) if not base.quantization else
+    native = WeightsOption("native", _dtype_label(model, gpu, base.dtype) if not base.quantization else
                            f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
     options = [native]
     if model.quant.method or base.quantization or "quantization" in fixed:
