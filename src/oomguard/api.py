@@ -250,14 +250,20 @@ def plan(
 
     # -- GPU ------------------------------------------------------------------------------------
     gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
-    world = base.tensor_parallel_size * base.pipeline_parallel_size
+    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
     if gpu_count is not None and gpu_count < 1:
         raise BadInput(f"--gpu-count {gpu_count} must be at least 1", "pass the number of GPUs")
     count = gpu_count or (max(world, detected_count or 1) if detected_count else world)
     if world > count:
         raise BadInput(
-            f"tensor × pipeline parallel = {world} GPUs, but only {count} available",
-            "lower --tensor-parallel-size/--pipeline-parallel-size or raise --gpu-count",
+            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
+            "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
+            "raise --gpu-count",
+        )
+    if base.enable_expert_parallel and spec.moe is None:
+        notes.append(
+            f"--enable-expert-parallel has no effect: {spec.name} has no MoE layers "
+            "(every rank holds the whole model)"
         )
 
     from oomguard.facts.gpus import list_gpus

@@ -104,11 +104,18 @@ def header(result: PlanResult) -> RenderableType:
     s = c.prediction.settings
     text = Text()
     text.append(result.model_ref, style="bold cyan")
-    text.append(f" on {c.gpu_count}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    text.append(f" on {c.gpus_used}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    if c.parallel_label:
+        text.append(f", {c.parallel_label}")
+    if c.gpu_count > c.gpus_used and result.gpu_source != "sizing":
+        text.append(f" of {c.gpu_count}", style="dim")
     text.append(f", vLLM {s.vllm_version}", style="dim")
     w = result.workload
     if w is not None and w.stated:
         line = f"\nworkload: {w.concurrency} concurrent × {w.p99_tokens:,} tokens (P99)"
+        dp = s.data_parallel_size
+        if dp > 1:
+            line += f", {-(-w.concurrency // dp)} per data-parallel rank"
         if w.shared_prefix_tokens:
             line += f", {w.shared_prefix_tokens:,}-token shared prefix"
         line += f", +{w.margin:.0%} margin"
@@ -190,10 +197,19 @@ def verdict(result: PlanResult) -> Text:
     if result.fits:
         text.append("✓ fits", style="bold green")
         if w is not None and w.stated and c.serve is not None:
-            text.append(
-                f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
-                f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
-            )
+            dp = c.settings.data_parallel_size
+            if dp > 1:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit on "
+                    f"each of {dp} data-parallel ranks ({c.serve.max_concurrency * dp:.1f} in all), "
+                    f"{-(-w.concurrency // dp)} per rank needed for {w.concurrency} "
+                    f"({c.serve.margin_achieved:+.0%} spare)"
+                )
+            else:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
+                    f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
+                )
         return text
     if not c.fits:
         text.append("✗ does not start", style="bold red")

@@ -100,6 +100,27 @@ class Candidate:
         return bool(self.prediction.fits)
 
     @property
+    def gpus_used(self) -> int:
+        """GPUs the configuration occupies: tensor × pipeline × data parallel."""
+        s = self.settings
+        return s.tensor_parallel_size * s.pipeline_parallel_size * s.data_parallel_size
+
+    @property
+    def parallel_label(self) -> str:
+        """``TP 2 × DP 8 (EP)`` style description of the layout ("" on one GPU)."""
+        s = self.settings
+        parts = [
+            f"{name} {size}"
+            for name, size in (("TP", s.tensor_parallel_size), ("PP", s.pipeline_parallel_size),
+                               ("DP", s.data_parallel_size))
+            if size > 1
+        ]  # fmt: skip
+        text = " × ".join(parts)
+        if s.enable_expert_parallel and text:
+            text += " (EP)"
+        return text
+
+    @property
     def serves(self) -> bool:
         return self.fits and (self.serve is None or self.serve.served)
 
@@ -116,7 +137,7 @@ class Candidate:
         p = self.prediction
         return {
             "gpu": self.gpu.name,
-            "gpu_count": self.gpu_count,
+            "gpu_count": self.gpus_used,
             "weights": self.weights_label,
             "settings": {name: value for name, value in explicit_flags(self.settings)},
             "fits": self.fits,
@@ -362,7 +383,8 @@ class PlanResult:
             "gpu": {
                 "name": self.plan.gpu.name,
                 "total_gib": round(self.plan.gpu.total_gib, 2),
-                "count": self.plan.gpu_count,
+                "count": self.plan.gpus_used,
+                "available": self.plan.gpu_count,
                 "free_gib": _gib(p.free_bytes) if self.gpu_source == "nvml" else None,
                 "source": self.gpu_source,
             },

@@ -88,3 +88,65 @@ def test_plan_imports_only_what_planning_needs() -> None:
     )  # fmt: skip
     line = next(x for x in out.stderr.splitlines() if x.startswith("LOADED="))
     assert line == "LOADED="
+
+
+def test_data_parallel_counts_every_gpu_and_sizes_each_rank() -> None:
+    """TP 2 × DP 8 with expert parallelism is 16 GPUs; each DP rank is its own engine and
+    holds 1/8 of the workload; experts are split over all 16 ranks."""
+    result = plan(
+        "deepseek-ai/DeepSeek-V3", "H200", p99_tokens=8192, concurrency=512,
+        tensor_parallel_size=2, data_parallel_size=8, enable_expert_parallel=True,
+        allow_hub=False,
+    )  # fmt: skip
+    c = result.plan
+    assert c.gpus_used == 16 and c.parallel_label == "TP 2 × DP 8 (EP)"
+    data = result.to_dict()
+    assert data["gpu"]["count"] == 16
+    assert c.settings.max_num_seqs == 64  # --max-num-seqs is per DP rank: 512 / 8
+    assert c.serve is not None
+    assert c.serve.required_concurrency == 64 * 1.1
+    assert "--data-parallel-size 8" in result.command
+    assert "--enable-expert-parallel" in result.command
+    assert "--tensor-parallel-size 2" in result.command
+    # experts over 16 ranks, attention over TP 2: far less than the whole checkpoint per GPU
+    tp2_only = plan("deepseek-ai/DeepSeek-V3", "H200", tensor_parallel_size=2,
+                    gpu_count=16, allow_hub=False).plan.prediction.weights.value_bytes  # fmt: skip
+    assert c.prediction.weights.value_bytes < tp2_only / 4
+
+
+def test_data_parallel_header_and_alternatives_name_all_gpus() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from oomguard.plan.render import render
+
+    result = plan(
+        "deepseek-ai/DeepSeek-V3", "H100", p99_tokens=8192, concurrency=256,
+        data_parallel_size=8, enable_expert_parallel=True, allow_hub=False,
+    )  # fmt: skip
+    out = StringIO()
+    render(result, Console(file=out, width=100, highlight=False))
+    text = out.getvalue()
+    assert "on 8× H100" in text.splitlines()[0] and "DP 8" in text.splitlines()[0]
+    assert "32 per data-parallel rank" in text
+    labels = [a.title for a in result.alternatives if a.candidate is not None]
+    for alt in result.alternatives:
+        if alt.candidate is None or alt.kind not in ("more_gpus", "larger_gpu"):
+            continue
+        c = alt.candidate
+        assert c.settings.data_parallel_size == 8
+        assert alt.title.startswith(f"{c.gpus_used}× ")
+        assert c.gpus_used == c.settings.tensor_parallel_size * 8
+    assert any(t.startswith("16× H100") and "TP 2 × DP 8" in t for t in labels)
+
+
+def test_pasted_data_parallel_command_is_read() -> None:
+    result = plan(
+        command="vllm serve deepseek-ai/DeepSeek-V3 --data-parallel-size 8 "
+        "--enable-expert-parallel",
+        gpu="H200",
+        allow_hub=False,
+    )
+    assert result.plan.gpus_used == 8
+    assert result.plan.settings.enable_expert_parallel
