@@ -327,6 +327,8 @@ def plan(
         )
     if measured is not None and measured.error:
         notes.append(measured.error)
+    if gpu_spec.unified_memory:
+        notes.append(unified_memory_note(gpu_spec, version))
     if gpu_source == "nvml" and free_bytes is not None:
         notes.append(
             f"NVML: {free_bytes / GIB:.2f} GiB free of {gpu_spec.total_gib:.2f} GiB on the fullest GPU"
@@ -343,6 +345,25 @@ def plan(
         notes=tuple(notes),
         other_flags=other_flags,
         elapsed_s=time.perf_counter() - started,
+    )
+
+
+def unified_memory_note(gpu: GPUSpec, vllm_version: str) -> str:
+    """What a GPU that shares the host's memory (GB10, Jetson) changes for the plan, in one line."""
+    from oomguard.memory.versions import resolve_era
+
+    era = resolve_era(vllm_version)
+    free_from = (
+        "what the OS reports available"
+        if era.uma_free_from_os
+        else "CUDA's free figure, which counts the page cache as used"
+    )
+    return (
+        f"{gpu.name} shares its {gpu.total_gib:.2f} GiB with the host: vLLM {era.label} compares "
+        f"gpu_memory_utilization × total with {free_from}, and the OS, the page cache of earlier "
+        "loads (vllm#48140) and every other process draw from the same pool; keep the "
+        "utilization below available ÷ total (see `free -g`) or pass --headroom-gib for what "
+        "else runs"
     )
 
 

@@ -566,6 +566,7 @@ def predict(
             device_total_bytes=gpu.total_bytes,
             device_name=gpu.device_name or gpu.name,
             world_size=world,
+            compute_capability=gpu.compute_capability,
         )
         factor = 2 if (era.performance_mode and settings.performance_mode == "throughput") else 1
         seqs = settings.max_num_seqs or defaults.max_num_seqs * factor

@@ -198,6 +198,10 @@ class GPUSpec:
     # > 2 needs full NVLink, 2 needs P2P). Default True: an unknown card is priced the
     # conservative way (the larger non-torch term).
     nvlink: bool = True
+    # Integrated GPU sharing one memory with the host (DGX Spark GB10, Jetson): CUDA's total is
+    # the system RAM, and since vLLM 0.12 the startup free memory is what the OS reports
+    # available (page cache included) instead of cudaMemGetInfo's free figure.
+    unified_memory: bool = False
 
     @property
     def total_gib(self) -> float:

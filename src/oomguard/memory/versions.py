@@ -29,6 +29,12 @@ class VllmEra:
     engine: str = "v1"  # "v1" | "v0" (legacy engine, ≤0.10)
     default_gpu_memory_utilization: float = 0.9  # §3.1: 0.92 from 0.20
     tier_160gib: bool = False  # §3.2: ≥160 GiB tier (16384/1024) from 0.28
+    # §3.2: GB10 (DGX Spark, compute capability 12.1) kept on the small tier despite its
+    # unified 121 GiB (vllm 0.33 engine/arg_utils.py get_batch_defaults ``is_gb10``)
+    gb10_small_tier: bool = False
+    # §2.1: integrated GPUs read their free memory from the OS (psutil available, page cache
+    # included) since 0.12; before, cudaMemGetInfo's free figure (page cache counted as used)
+    uma_free_from_os: bool = True
     clamp_seqs_to_tokens: bool = False  # §3.2: max_num_seqs ≤ max_num_batched_tokens from 0.12
     performance_mode: bool = False  # §3.2: --performance-mode throughput from 0.17
     requested_ceil: bool = False  # §2.1: requested = ceil(total·util) from 0.14
@@ -87,6 +93,8 @@ def _era_for_minor(minor: int) -> VllmEra:
         label=f"0.{m}",
         default_gpu_memory_utilization=0.92 if m >= 20 else 0.9,
         tier_160gib=m >= 28,
+        gb10_small_tier=m >= 33,
+        uma_free_from_os=m >= 12,
         clamp_seqs_to_tokens=m >= 12,
         performance_mode=m >= 17,
         requested_ceil=m >= 14,
@@ -212,11 +220,13 @@ def batch_defaults(
     device_total_bytes: int,
     device_name: str,
     world_size: int = 1,
+    compute_capability: str = "",
 ) -> BatchDefaults:
     """Default ``max_num_batched_tokens`` / ``max_num_seqs`` by GPU memory, name and context.
 
     ``usage_context`` is "server" (``vllm serve``), "llm" (``LLM(...)``) or "other" (engine used
     directly: SchedulerConfig defaults 2048/128). ``world_size`` = TP × PP (CPU rows scale by it).
+    ``compute_capability`` "12.1" is the GB10, which 0.33 keeps on the small tier.
     """
     if usage_context not in ("server", "llm", "other"):
         raise BadInput(
@@ -234,6 +244,7 @@ def batch_defaults(
     name = device_name.lower()
     if era.tier_160gib and memory_gib >= 160:
         return BatchDefaults(16384, 1024, ">=160GiB")
-    if memory_gib >= 70 and "a100" not in name:
+    gb10 = era.gb10_small_tier and compute_capability == "12.1"
+    if memory_gib >= 70 and "a100" not in name and not gb10:
         return BatchDefaults(8192 if server else 16384, 1024, ">=70GiB")
     return BatchDefaults(2048 if server else 8192, 256, "default")
