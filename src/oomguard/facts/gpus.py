@@ -37,6 +37,10 @@ _NVLINK = frozenset({"V100 16GB SXM2", "V100 32GB SXM2", "A100 40GB SXM", "A100 
                      "H800"})  # fmt: skip
 
 
+# NVSwitch systems of the Hopper/Blackwell generations (HGX boards; NVIDIA HGX data sheets): NCCL
+# can run NVLink SHARP (NVLS) there. A100 SXM has NVSwitch but no NVLS (third-generation
+# NVSwitch is Hopper's); NVL cards and GH200 link pairs or nothing.
+_NVLS = frozenset({"H100 SXM", "H800", "H200", "H20", "H20 141GB", "B200"})
 # Integrated GPUs that share the host's memory (torch ``is_integrated``): vLLM reads their free
 # memory from the OS (psutil) since 0.12, and everything else on the box competes for it.
 _UNIFIED = frozenset({"GB10", "Jetson AGX Thor", "Jetson AGX Orin 64GB", "Jetson AGX Orin 32GB"})
@@ -186,6 +190,7 @@ def _spec(row: _Row) -> GPUSpec:
         device_name=row.device_name,
         source=row.source,
         nvlink=row.name in _NVLINK,
+        nvls=row.name in _NVLS,
         unified_memory=row.name in _UNIFIED,
     )
 

@@ -198,6 +198,9 @@ class GPUSpec:
     # > 2 needs full NVLink, 2 needs P2P). Default True: an unknown card is priced the
     # conservative way (the larger non-torch term).
     nvlink: bool = True
+    # NVSwitch Hopper/Blackwell (HGX H100/H200/H20/H800, B200): NCCL can use NVLink SHARP (NVLS),
+    # whose buffers vLLM 0.11+ (cuMem on) measures as non-torch memory under TP.
+    nvls: bool = False
     # Integrated GPU sharing one memory with the host (DGX Spark GB10, Jetson): CUDA's total is
     # the system RAM, and since vLLM 0.12 the startup free memory is what the OS reports
     # available (page cache included) instead of cudaMemGetInfo's free figure.

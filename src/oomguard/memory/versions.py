@@ -65,7 +65,10 @@ class VllmEra:
     mamba_separate_dtypes: bool = True  # §4.6: 0.10.0 used one dtype for Mamba states
     new_kv_dtypes: bool = False  # §4.1: nvfp4, int8/fp8_per_token_head from 0.20
     int4_kv_dtype: bool = False  # §4.1: int4_per_token_head from 0.25
-    sampler_path: str = "pytorch"  # §2.3: full-sort top-k/top-p ("pytorch") vs Triton kernel
+    # §2.3: the sampler warm-up's top-k/top-p implementation: "sort_or_flashinfer" (0.10–0.11:
+    # FlashInfer when installed, else the full sort), "sort" (0.12–0.16: FlashInfer opt-in),
+    # "triton" (0.17+: apply_top_k_top_p_triton for 8 rows or more). V0 always sorts.
+    sampler_path: str = "sort"
     cpu_kv_budget: str = "util"  # §9: "space_4gib" ≤0.12, "half_numa" 0.13–0.19, "util" 0.20+
     cpu_block_size_128: bool = True  # §3.3: CPU 128 unconditionally from 0.12
     mla_block_blackwell: int = 128  # §3.3: CUTLASS MLA 0.11–0.14, FlashInfer MLA 64 from 0.15
@@ -122,9 +125,10 @@ def _era_for_minor(minor: int) -> VllmEra:
         mamba_separate_dtypes=True,
         new_kv_dtypes=m >= 20,
         int4_kv_dtype=m >= 25,
-        # Triton top-k/top-p kernel (vllm PR #33538, merged 2026-02): the 0.11 logs show the
-        # full-sort footprint (~38 B per logit), the 0.19 logs the Triton one (~15 B).
-        sampler_path="pytorch" if m <= 15 else "triton",
+        # v1/sample/ops/topk_topp_sampler.py of each wheel: FlashInfer used when importable up
+        # to 0.11 (``VLLM_USE_FLASHINFER_SAMPLER is not False``), opt-in from 0.12; the Triton
+        # kernel (``apply_top_k_top_p_triton``) first ships in 0.17.
+        sampler_path="sort_or_flashinfer" if m <= 11 else ("sort" if m <= 16 else "triton"),
         cpu_kv_budget="space_4gib" if m <= 12 else ("half_numa" if m <= 19 else "util"),
         cpu_block_size_128=m >= 12,
         mla_block_blackwell=128 if m <= 14 else 64,

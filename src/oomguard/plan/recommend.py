@@ -196,7 +196,9 @@ class SearchSpace:
                 f"{required:.2f} needed (incl. {w.margin:.0%} margin)"
             )
         achieved = conc / effective - 1 if effective else 0.0
-        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason)
+        spread = tuple(float(c) for c in check.max_concurrency_range) if pred.fits else (0.0, 0.0)
+        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason,
+                          (spread[0], spread[1]))  # fmt: skip
 
     def candidate(
         self,

@@ -168,14 +168,20 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
             "[bold]KV cache[/]", f"[bold red]{_gib(p.kv_cache_bytes)}[/]", "nothing left for it"
         )
         return table
+    low, high = p.kv_cache_bytes_range
+    spread = f"; range {_gib(low)}–{_gib(high)}" if high > low else ""
     table.add_row(
         "[bold]KV cache[/]",
         f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB",
+        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB{spread}",
     )
     table.add_section()
+    t_low, t_high = p.kv_cache_tokens_range
+    t_spread = f"; range {t_low:,}–{t_high:,}" if t_high > t_low else ""
     table.add_row(
-        "KV cache tokens", f"{p.kv_cache_tokens:,}", f"{p.kv_bytes_per_token:,} B/token per GPU"
+        "KV cache tokens",
+        f"{p.kv_cache_tokens:,}",
+        f"{p.kv_bytes_per_token:,} B/token per GPU{t_spread}",
     )
     table.add_row(
         "max concurrency",
@@ -209,6 +215,13 @@ def verdict(result: PlanResult) -> Text:
                 text.append(
                     f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
                     f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
+                )
+            low = c.serve.max_concurrency_range[0]
+            if not c.serve.served_at_low_end and low > 0:
+                text.append(
+                    f"\n  ! at the low end of the estimates' range only {low:.2f} fit: "
+                    "`oomguard calibrate` with your own startup log makes the terms exact",
+                    style="yellow",
                 )
         return text
     if not c.fits:

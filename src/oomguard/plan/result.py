@@ -69,11 +69,20 @@ class ServeCheck:
     kv_tokens_needed: int
     margin_achieved: float  # spare capacity over the effective concurrency (0.25 = 25 %)
     reason: str = ""
+    # vLLM's concurrency at the low and high ends of the KV budget's range
+    max_concurrency_range: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def served_at_low_end(self) -> bool:
+        """Still served when every estimated term takes the worst end of its range."""
+        return self.served and self.max_concurrency_range[0] >= self.required_concurrency
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "served": self.served,
+            "served_at_low_end": self.served_at_low_end,
             "max_concurrency": round(self.max_concurrency, 2),
+            "max_concurrency_range": [round(c, 2) for c in self.max_concurrency_range],
             "required_concurrency": round(self.required_concurrency, 2),
             "kv_tokens_needed": self.kv_tokens_needed,
             "margin_achieved": round(self.margin_achieved, 3),
@@ -397,9 +406,13 @@ class PlanResult:
                 "non_torch_gib": _gib(p.non_torch.value_bytes),
                 "cudagraph_gib": _gib(p.cudagraph.value_bytes),
                 "kv_cache_gib": _gib(p.kv_cache_bytes),
+                # what the estimated terms' ranges allow (equal ends when all are measured)
+                "kv_cache_gib_range": [_gib(b) for b in p.kv_cache_bytes_range],
             },
             "kv_cache_tokens": p.kv_cache_tokens,
+            "kv_cache_tokens_range": list(p.kv_cache_tokens_range),
             "max_concurrency": round(float(p.max_concurrency), 2),
+            "max_concurrency_range": [round(float(c), 2) for c in p.max_concurrency_range],
             "kv_bytes_per_token": p.kv_bytes_per_token,
             "num_blocks": p.num_blocks,
             "bytes_per_block": p.bytes_per_block,
