@@ -209,6 +209,7 @@ def plan(
 
     spec = resolve_model_with_quantization(model, base.quantization, allow_hub=allow_hub)
     model = serve_reference(model)
+    notes.extend(spec.caveats)  # generic reader, a sibling's or base model's config
 
     # -- workload -------------------------------------------------------------------------------
     if margin < 0:

@@ -427,6 +427,8 @@ def _default_block_size(
     model: ModelSpec, gpu: GPUSpec, settings: EngineSettings, era: VllmEra
 ) -> int:
     is_mla = any(layer.kind is AttentionKind.MLA for layer in model.layers)
+    if settings.platform != "cpu" and any(layer.ds_sparse for layer in model.layers):
+        return 64  # FlashMLA sparse (DeepSeek-V3.2) takes 64-token blocks on every GPU
     if settings.platform == "cpu":
         if is_mla and era.minor >= 28:
             return 16
@@ -472,6 +474,11 @@ def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> s
 # --------------------------------------------------------------------------------------------
 # the budget of one pipeline stage
 # --------------------------------------------------------------------------------------------
+
+
+# relative band on the weights of a model read by the generic reader (architecture not
+# verified): a norm, bias or projection it does not know moves the count by a few percent
+UNVERIFIED_WEIGHTS_BAND = 0.05
 
 
 @dataclass(frozen=True)
@@ -522,6 +529,10 @@ def _stage_memory(
         # unquantized: parameters × bytes, checked against the checkpoint (±0.5 % for buffers)
         w_est = replace(w_est, low_bytes=int(weights_bytes * 0.995),
                         high_bytes=int(weights_bytes * 1.005))  # fmt: skip
+    if not b.model.verified:
+        # read by the generic reader: modules it does not know may add or remove weights
+        w_est = replace(w_est, low_bytes=int(weights_bytes * (1 - UNVERIFIED_WEIGHTS_BAND)),
+                        high_bytes=int(weights_bytes * (1 + UNVERIFIED_WEIGHTS_BAND)))  # fmt: skip
     if measured and measured.weights_bytes is not None:
         w_est = Estimate.measured(measured.weights_bytes, measured.source)
         _note(measured_names, "weights")

@@ -72,6 +72,10 @@ class VllmEra:
     cpu_kv_budget: str = "util"  # §9: "space_4gib" ≤0.12, "half_numa" 0.13–0.19, "util" 0.20+
     cpu_block_size_128: bool = True  # §3.3: CPU 128 unconditionally from 0.12
     mla_block_blackwell: int = 128  # §3.3: CUTLASS MLA 0.11–0.14, FlashInfer MLA 64 from 0.15
+    # §4.2: DeepSeek-V3.2 caches its latent in the 656-byte fp8_ds_mla layout by default up to
+    # 0.13 (DeepseekV32ForCausalLM.verify_and_update_config: "auto" too); from 0.14 only when
+    # an fp8 KV cache is asked for, else in the model dtype
+    ds_mla_fp8_default: bool = False
     model_loading_form: str = "v14"  # §2.2: "v10" (%.4f GiB), "v12" (%.4f GiB memory), "v14"
     # V0 engine only: max_num_batched_tokens when chunked prefill is on and the user set none.
     # SchedulerConfig used 512 up to 0.6.4.post1 and 2048 from 0.6.5 (vllm PR #10544, merged
@@ -132,6 +136,7 @@ def _era_for_minor(minor: int) -> VllmEra:
         cpu_kv_budget="space_4gib" if m <= 12 else ("half_numa" if m <= 19 else "util"),
         cpu_block_size_128=m >= 12,
         mla_block_blackwell=128 if m <= 14 else 64,
+        ds_mla_fp8_default=m <= 13,
         model_loading_form="v10" if m <= 11 else ("v12" if m <= 13 else "v14"),
     )
 

@@ -104,6 +104,8 @@ def header(result: PlanResult) -> RenderableType:
     s = c.prediction.settings
     text = Text()
     text.append(result.model_ref, style="bold cyan")
+    if not c.model.verified:
+        text.append(" [architecture not verified]", style="bold yellow")
     text.append(f" on {c.gpus_used}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
     if c.parallel_label:
         text.append(f", {c.parallel_label}")

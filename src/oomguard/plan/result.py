@@ -282,6 +282,8 @@ def weights_known(c: Candidate) -> tuple[bool, str]:
     if est.basis.startswith("measured"):
         return False, "measured"
     quant = c.model.quant.method or c.settings.quantization
+    if not c.model.verified:
+        return True, "estimate ±5 %: architecture not verified (generic reader)"
     if quant:
         return True, f"estimate ±1.5 %: {quant} packing and scales"
     params_b = c.model.total_params / 1e9
@@ -388,6 +390,8 @@ class PlanResult:
         out: dict[str, Any] = {
             "model": self.model_ref,
             "model_name": self.plan.model.name,
+            # False: an architecture read by the generic reader (see notes; wider ranges)
+            "model_verified": self.plan.model.verified,
             "vllm_version": s.vllm_version,
             "gpu": {
                 "name": self.plan.gpu.name,
