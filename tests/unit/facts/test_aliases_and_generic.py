@@ -150,3 +150,10 @@ def test_sliding_window_without_layer_types_is_refused_generically() -> None:
     cfg = {k: v for k, v in FANCY.items() if k != "layer_types"}
     with pytest.raises(UnsupportedArchitecture, match="which layers slide"):
         spec_from_config(cfg, name="fancy", source="test")
+
+
+def test_deepseek_v4_is_refused_naming_what_is_not_modelled() -> None:
+    cfg = {**FANCY, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+           "compress_ratios": [0, 4, 128] * 2 + [0, 4]}  # fmt: skip
+    with pytest.raises(UnsupportedArchitecture, match="compressed sparse attention"):
+        spec_from_config(cfg, name="deepseek-ai/DeepSeek-V4-Flash", source="test")
