@@ -10,7 +10,6 @@ import shlex
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -426,18 +425,14 @@ def commands(result: PlanResult) -> RenderableType:
     """``vllm serve``, ``LLM(...)`` and YAML forms of the planned configuration."""
     cmds = result.commands()
     title = "Run it" if result.fits else "Your configuration (does not fit as is)"
+    # plain styled text, not rich.syntax: highlighting loads pygments' lexers, the largest
+    # import of a plan (tens of ms on every run) for a few coloured words
     return Group(
         Text(title, style="bold"),
-        Syntax(cmds["vllm_serve_multiline"], "bash", theme="ansi_dark", background_color="default"),
-        Syntax(
-            "from vllm import LLM\nllm = " + cmds["llm"],
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        ),
+        Text(cmds["vllm_serve_multiline"], style="green"),
+        Text("from vllm import LLM\nllm = " + cmds["llm"], style="green"),
         Text("# or: vllm serve --config plan.yaml", style="dim"),
-        Syntax(cmds["yaml"].rstrip(), "yaml", theme="ansi_dark", background_color="default"),
+        Text(cmds["yaml"].rstrip(), style="green"),
     )
 
 
