@@ -214,15 +214,27 @@ def read_gemma4_text(c: _Cfg, acc: _Acc, model_type: str) -> None:
         acc.moe = MoESpec(n_exp, topk, c.int("moe_intermediate_size"), num_moe_layers=n_layers)
 
 
+def _gemma4_audio_params(audio: Mapping[str, Any], text_hidden: int) -> int:
+    """Gemma 4's conformer audio tower (E2B/E4B): Gemma 3n's conformer layers, an output
+    projection to ``output_proj_dims`` with bias, and the embedder's projection into the text
+    model (transformers Gemma4AudioModel / embed_audio; clipped linears add buffers only)."""
+    h = int(audio.get("hidden_size") or 1024)
+    out = int(audio.get("output_proj_dims") or h)
+    tower = _gemma3n_audio_params({
+        "hidden_size": h,
+        "conf_num_hidden_layers": audio.get("num_hidden_layers") or 12,
+        "conf_num_attention_heads": audio.get("num_attention_heads") or 8,
+        "conf_conv_kernel_size": audio.get("conv_kernel_size") or 5,
+        "sscp_conv_channel_size": audio.get("subsampling_conv_channels") or [128, 32],
+        "input_feat_size": audio.get("num_mel_bins") or 128,
+    })  # fmt: skip
+    return tower + h * out + out + out * text_hidden
+
+
 def vision_gemma4(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     """Gemma 4's vision tower: a linear patch embedder with a 2-D position table, Gemma-style
     encoder layers (q/k/v/o, q/k norms, gated MLP, four norms), and the projection into the
-    text model. Audio towers (E2B/E4B) are not modelled: such configs are refused."""
-    if isinstance(config.get("audio_config"), Mapping):
-        raise UnsupportedArchitecture(
-            f"{arch}: Gemma 4's audio tower is not modelled",
-            "no workaround yet for the E2B/E4B models with audio",
-        )
+    text model; plus the audio tower of the E2B/E4B models when the config has one."""
     v = _vision_cfg(config, arch)
     hv, iv, n, p = (
         int(x) for x in v.req("hidden_size", "intermediate_size", "num_hidden_layers", "patch_size")
@@ -233,6 +245,9 @@ def vision_gemma4(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vis
     params = 3 * p * p * hv + 2 * positions * hv
     params += n * (4 * hv * heads * hd + 2 * hd + 3 * hv * iv + 4 * hv)
     params += hv * text_hidden
+    audio = config.get("audio_config")
+    if isinstance(audio, Mapping):
+        params += _gemma4_audio_params(audio, text_hidden)
     tokens = int(config.get("vision_soft_tokens_per_image") or v.get("default_output_length") or 280)
     return VisionSpec(params=params, max_tokens_per_item=tokens, hidden_size=hv, num_layers=n)
 
