@@ -119,7 +119,8 @@ def _round(value: float, term: Term) -> float | int:
 
 
 def predicted_terms(p: MemoryPrediction) -> dict[str, Predicted]:
-    """The prediction's value (and range) for every term of :data:`TERMS`."""
+    """The prediction's value and range for every term of :data:`TERMS` (the KV figures'
+    ranges are the memory model's own: every estimated term at either end of its range)."""
 
     def est(e: Any) -> Predicted:
         return Predicted(e.value_bytes / GIB, e.low_bytes / GIB, e.high_bytes / GIB, e.basis)
@@ -132,40 +133,29 @@ def predicted_terms(p: MemoryPrediction) -> dict[str, Predicted]:
     }
     # the KV budget before a --num-gpu-blocks-override: what vLLM prints as the available KV
     # memory (the most constrained pipeline stage)
-    budget = min((s.kv_cache_bytes for s in p.stages), default=p.kv_cache_bytes) / GIB
-    explicit = p.settings.kv_cache_memory_bytes is not None
-    terms = (p.weights, p.activation, p.non_torch, p.cudagraph)
-    spread_low = sum(t.value_bytes - t.low_bytes for t in terms) / GIB
-    spread_high = sum(t.high_bytes - t.value_bytes for t in terms) / GIB
-    if p.settings.platform == "cpu":
-        runtime = _cpu_runtime_bytes(p) / GIB
-        non_kv = p.weights.value_bytes / GIB + p.activation.value_bytes / GIB + runtime
-        measured = p.non_torch.basis.startswith("measured")
-        low_nk, high_nk = (non_kv, non_kv) if measured else (non_kv - 0.1, non_kv + 0.3)
-        out["cpu_non_kv"] = Predicted(non_kv, low_nk, high_nk, "weights + activation + runtime")
-        spread_low, spread_high = non_kv - low_nk, high_nk - non_kv
-    if explicit:
-        spread_low = spread_high = 0.0
-    out["kv_cache_gib"] = Predicted(budget, budget - spread_high, budget + spread_low, "budget")
+    budget = min((s.kv_cache_bytes for s in p.stages), default=p.kv_cache_bytes)
+    kv_low, kv_high = _range(p.kv_cache_bytes_range, budget)
+    out["kv_cache_gib"] = Predicted(budget / GIB, kv_low / GIB, kv_high / GIB, "budget")
+    if p.settings.platform == "cpu" and p.settings.kv_cache_memory_bytes is None:
+        # the worker's resident memory outside the pool: the request less the budget
+        requested = p.requested_bytes
+        out["cpu_non_kv"] = Predicted((requested - budget) / GIB, (requested - kv_high) / GIB,
+                                      (requested - kv_low) / GIB, "weights + activation + runtime")  # fmt: skip
     tokens = float(p.kv_cache_tokens)
-    override = p.settings.num_gpu_blocks_override is not None
-    if budget > 0 and not override and not explicit:
-        scale_low = max(budget - spread_high, 0.0) / budget
-        scale_high = (budget + spread_low) / budget
-    else:
-        scale_low = scale_high = 1.0
-    out["kv_cache_tokens"] = Predicted(tokens, tokens * scale_low, tokens * scale_high, "blocks")
+    t_low, t_high = _range(p.kv_cache_tokens_range, tokens)
+    out["kv_cache_tokens"] = Predicted(tokens, t_low, t_high, "blocks")
     conc = float(p.max_concurrency)
-    out["max_concurrency"] = Predicted(conc, conc * scale_low, conc * scale_high, "blocks")
+    c_low, c_high = _range(p.max_concurrency_range, conc)
+    out["max_concurrency"] = Predicted(conc, c_low, c_high, "blocks")
     return out
 
 
-def _cpu_runtime_bytes(p: MemoryPrediction) -> int:
-    from oomguard.memory.engine import CPU_RSS_BASELINE_BYTES
-
-    if p.non_torch.basis.startswith("measured"):
-        return int(p.non_torch.value_bytes)
-    return CPU_RSS_BASELINE_BYTES
+def _range(stated: tuple[float, float], value: float) -> tuple[float, float]:
+    """The model's (low, high) around ``value``; (value, value) where it states none."""
+    low, high = stated
+    if not low and not high:
+        return value, value
+    return min(low, value), max(high, value)
 
 
 def observed_value(parsed: ParsedLog, term: Term) -> tuple[float, int] | None:
