@@ -166,6 +166,7 @@ def plan(
     command: str | Sequence[str] | None = None,
     allow_hub: bool = True,
     use_calibration: bool = True,
+    host_memory_gib: float | None = None,
     **settings: Any,
 ) -> PlanResult:
     """Plan a vLLM deployment: predicted memory, the verdict, and the command that serves the workload.
@@ -176,7 +177,10 @@ def plan(
     ``tensor_parallel_size=2``…); they are constraints the search keeps. ``command`` is a pasted
     ``vllm serve …`` line (its flags are read as settings). With ``p99_tokens`` and
     ``concurrency`` the checklist search returns the cheapest configuration that serves them with
-    ``margin`` spare KV capacity. Bad input raises :class:`~oomguard.errors.BadInput` (one line).
+    ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
+    (:mod:`oomguard.tiering.chain`), whose host-memory needs are checked against
+    ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
+    :class:`~oomguard.errors.BadInput` (one line).
     """
     started = time.perf_counter()
     notes: list[str] = []
@@ -302,7 +306,10 @@ def plan(
         if recommendation is not None and workload.stated:
             result_plan = recommendation.candidate
         if recommendation is None:
-            alts = tuple(alternatives(space, outcome, given.prediction, catalogue))
+            from oomguard.tiering.chain import fallback_chain
+
+            host = _host_memory_bytes(host_memory_gib, gpu_source)
+            alts = tuple(fallback_chain(space, given, alternatives(space, outcome, given.prediction, catalogue), host))
     calibration = Calibration(used=False)
     terms = [
         t
@@ -337,6 +344,19 @@ def plan(
         other_flags=other_flags,
         elapsed_s=time.perf_counter() - started,
     )
+
+
+def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
+    """Host RAM to check the chain's host needs against: as given, or this machine's with NVML GPUs."""
+    if host_memory_gib is not None:
+        if not host_memory_gib > 0:
+            raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
+        return int(host_memory_gib * GIB)
+    if gpu_source == "nvml":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return None
 
 
 def _sizing_plan(

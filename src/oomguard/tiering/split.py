@@ -1,0 +1,120 @@
+"""The largest llama.cpp split that fits a GPU budget with a margin, and what it costs.
+
+The budget of each GPU is its total less ``CUDA_CONTEXT_BYTES`` (the CUDA context and cuBLAS
+workspace llama.cpp does not print; an estimate) and ``MARGIN_BYTES`` (the free margin
+llama.cpp's own ``--fit`` keeps by default, ``common.h`` ``fit_params_target`` = 1024 MiB), less
+any headroom for co-tenants. A split fits when every GPU's predicted buffers, compute at the
+top of its range, stay inside it. Dense models put whole layers on the GPU (``-ngl``, the last
+layers first); MoE models first keep every layer's attention on the GPU and move the experts
+of the first layers to the CPU (``--n-cpu-moe``), the usual fastest layout, and fall back to a
+layer split with all experts on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from oomguard.tiering.bandwidth import HOST_RAM_GBPS
+from oomguard.tiering.memory import LlamaCppMemory, predict_llama_cpp
+from oomguard.tiering.model import GGUFModel
+from oomguard.tiering.placement import CPU
+from oomguard.tiering.settings import LlamaCppSettings
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace per GPU (estimate)
+MARGIN_BYTES = 1024 * 2**20  # llama.cpp --fit-target default
+HOST_MARGIN_BYTES = 2 * GIB  # the OS and the server process itself
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One llama.cpp configuration and its prediction against the GPU and host budgets."""
+
+    memory: LlamaCppMemory
+    gpu_budget_bytes: int  # per GPU
+    gpu_need_bytes: int  # the fullest GPU, compute at the top of its range
+    host_need_bytes: int
+    host_budget_bytes: int | None
+
+    @property
+    def settings(self) -> LlamaCppSettings:
+        return self.memory.settings
+
+    @property
+    def fits_gpu(self) -> bool:
+        """Every GPU's predicted buffers fit its budget."""
+        return self.gpu_need_bytes <= self.gpu_budget_bytes
+
+    @property
+    def fits_host(self) -> bool | None:
+        """Host memory suffices (None: the host's memory is not known)."""
+        return None if self.host_budget_bytes is None else self.host_need_bytes <= self.host_budget_bytes
+
+    @property
+    def gpu_weight_bytes(self) -> int:
+        return sum({p.tensor.name: p.tensor.nbytes for p in self.memory.placement.tensors if p.device != CPU}.values())
+
+    def decode_tokens_per_s(self, gpu_gbps: float | None, host_gbps: float = HOST_RAM_GBPS) -> float | None:
+        """Single-sequence decode bound: every weight read once per token (estimate)."""
+        if gpu_gbps is None and self.gpu_weight_bytes:
+            return None
+        seconds = self.memory.host_weight_bytes / (host_gbps * 1e9)
+        if self.gpu_weight_bytes and gpu_gbps:
+            seconds += self.gpu_weight_bytes / (gpu_gbps * 1e9)
+        return 1 / seconds if seconds else None
+
+
+def price_split(model: GGUFModel, settings: LlamaCppSettings, gpu_total_bytes: int,
+                headroom_bytes: int = 0, host_total_bytes: int | None = None) -> SplitPlan:  # fmt: skip
+    """Predict ``settings`` and compare it with the budgets."""
+    memory = predict_llama_cpp(model, settings)
+    budget = max(0, gpu_total_bytes - CUDA_CONTEXT_BYTES - MARGIN_BYTES - headroom_bytes)
+    gpu_need = max((memory.device_bytes(d, "high") for d in memory.gpu_devices()), default=0)
+    host_need = memory.device_bytes(CPU, "high")
+    host_budget = None if host_total_bytes is None else max(0, host_total_bytes - HOST_MARGIN_BYTES)
+    return SplitPlan(memory, budget, gpu_need, host_need, host_budget)
+
+
+def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The largest n in [lo, hi] with ``fits(n)``, ``fits`` true up to a point."""
+    if not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _smallest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest n in [lo, hi] with ``fits(n)``, ``fits`` true from a point on."""
+    if not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
+               headroom_bytes: int = 0, host_total_bytes: int | None = None) -> SplitPlan:  # fmt: skip
+    """The split that keeps the most on the GPUs and fits (``-ngl 0`` when nothing does)."""
+
+    def plan(s: LlamaCppSettings) -> SplitPlan:
+        return price_split(model, s, gpu_total_bytes, headroom_bytes, host_total_bytes)
+
+    n = model.n_layer
+    if model.n_expert:
+        all_gpu = replace(base, n_gpu_layers=n + 1, cpu_moe=False)
+        moe = _smallest(0, n, lambda m: plan(replace(all_gpu, n_cpu_moe=m)).fits_gpu)
+        if moe is not None:
+            return plan(replace(all_gpu, n_cpu_moe=moe))
+        base = replace(base, cpu_moe=True)
+    ngl = _largest(0, n + 1, lambda m: plan(replace(base, n_gpu_layers=m)).fits_gpu)
+    return plan(replace(base, n_gpu_layers=ngl or 0))
