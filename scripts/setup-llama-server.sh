@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds llama-server from the llama.cpp sources
+# Builds llama-server (and rpc-server: a second ggml device on the CPU, on which the tests check
+# the GPU/CPU split for real) from the llama.cpp sources
 # that the llama-cpp-python sdist on PyPI ships (MIT), once: the binaries are cached under
 #   ${OOMGUARD_CACHE:-~/.cache/oomguard}/llama.cpp/<sdist version>/bin/
-# and reused while it runs. A portable CPU build: no native CPU flags, no OpenSSL, no web UI
+# and reused while they run. A portable CPU build: no native CPU flags, no OpenSSL, no web UI
 # download, only the two targets. Prints the path of llama-server on its last line.
 #   OOMGUARD_LLAMA_CPP_SDIST=0.3.36   the llama-cpp-python version whose sources to build
 set -euo pipefail
@@ -14,7 +15,7 @@ BIN="$CACHE/bin"
 PY="${OOMGUARD_VENV:-.venv}/bin/python"
 [ -x "$PY" ] || PY=python3
 
-if [ -x "$BIN/llama-server" ] && "$BIN/llama-server" --version >/dev/null 2>&1; then
+if [ -x "$BIN/llama-server" ] && [ -x "$BIN/rpc-server" ] && "$BIN/llama-server" --version >/dev/null 2>&1; then
   echo "llama-server $VERSION already built (cached)" >&2
   echo "$BIN/llama-server"
   exit 0
@@ -37,17 +38,18 @@ SDIST="$(ls "$WORK"/llama_cpp_python-*.tar.gz)"
 tar -xzf "$SDIST" -C "$WORK"
 SRC="$(ls -d "$WORK"/llama_cpp_python-*/vendor/llama.cpp)"
 
-echo "building llama-server with $JOBS jobs (a clean build takes minutes)" >&2
+echo "building llama-server and rpc-server with $JOBS jobs (a clean build takes minutes)" >&2
 cmake -S "$SRC" -B "$WORK/build" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
+  -DGGML_NATIVE=OFF -DGGML_RPC=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$WORK/configure.log" 2>&1 \
   || { tail -30 "$WORK/configure.log" >&2; exit 1; }
-nice cmake --build "$WORK/build" --target llama-server -j "$JOBS" >"$WORK/build.log" 2>&1 \
+nice cmake --build "$WORK/build" --target llama-server ggml-rpc-server -j "$JOBS" >"$WORK/build.log" 2>&1 \
   || { tail -40 "$WORK/build.log" >&2; exit 1; }
 
 mkdir -p "$BIN"
 cp "$WORK/build/bin/llama-server" "$BIN/"
+cp "$WORK/build/bin/ggml-rpc-server" "$BIN/rpc-server"
 cp "$SRC/LICENSE" "$CACHE/LICENSE-llama.cpp"
 echo "llama-cpp-python $VERSION sdist, built $(date -u +%FT%TZ) in $(( $(date +%s) - start )) s" > "$CACHE/BUILD_INFO"
 cat "$CACHE/BUILD_INFO" >&2

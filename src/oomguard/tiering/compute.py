@@ -1,28 +1,28 @@
-"""An estimate of llama.cpp's compute buffers: the worst-case graph's live tensors at their peak.
+"""An estimate of llama.cpp's compute buffers, as a range that brackets the true size.
 
 At load, ``llama_context::sched_reserve`` builds the prompt-processing graph for one
 micro-batch of ``T = min(n_ctx, n_ubatch)`` tokens over the full KV cache, and ggml's graph
 allocator (``ggml-alloc.c``) gives each backend one buffer as large as the most bytes its
-tensors hold at once (freed tensors are reused; unary ops work in place). What is live at the
-peak, from the graph a llama-style layer builds (``llama-graph.cpp``):
+tensors hold at once: a tensor's memory is reused once its last consumer ran, unary ops work
+in place, and fragmentation adds what the best-fit search cannot reuse. oomguard does not
+replay that allocator; it brackets its result from the graph a llama-style layer builds
+(``llama-graph.cpp``, ``models/llama.cpp``):
 
-- the inputs, alive for the whole graph: the attention mask ``[n_kv, T]`` (f16 with flash
-  attention, f32 without; one per cache, sliding-window layers have their own), token ids,
-  positions, output ids;
-- the feed-forward phase: the residual stream and its norm ``[n_embd, T]``, gate and up
-  projections and their product ``[n_ff, T]`` each (MoE: ``[n_ff_exp, n_used, T]`` each, the
-  expert outputs ``[n_embd, n_used, T]``, router logits), f32;
-- the attention phase: residual, norm, Q/K/V projections and the attention output; without
-  flash attention also the scores ``[n_kv, T, n_head]`` f32 (softmax works in place);
-- the output phase: logits ``[n_vocab, min(T, outputs)]`` f32 (llama-server reserves one
-  output per slot).
+- both bounds hold the inputs, alive for the whole graph: the attention mask ``[n_kv, T]``
+  (f16 with flash attention, f32 without; sliding-window layers have their own), token ids,
+  positions, output ids, and the logits ``[n_vocab, min(T, slots)]`` (llama-server reserves
+  one output per slot);
+- low: the tensors that must be alive together at the feed-forward peak (the residual and the
+  gate, up and gated-product ``[n_ff, T]`` tensors; MoE: per used expert), or, without flash
+  attention, the scores ``[n_kv, T, n_head]`` f32;
+- high: every tensor one layer creates, kept (no reuse inside a layer), and the input
+  embeddings.
 
-On the CPU the measured buffers (tests against a real llama-server) lie between this sum and
-the sum plus one more ``[n_embd, T]`` f32 tensor, which is the stated range. With layers on a
-GPU, the GPU holds the same working set for its layers and, when layers also stay on the
+The estimate's value is the middle of the range; the split search plans with the top. With
+layers on a GPU, the GPU holds the same graph for its layers and, when layers also stay on the
 CPU, the batched matrix products of those layers run on the GPU on copies of their weights
-(``op_offload``, batches of 32 tokens or more): between the largest CPU weight and one CPU
-layer's weights more, an estimate not checked against a GPU here.
+(``op_offload``, batches of 32 tokens or more): the range widens by the largest CPU weight
+(low) to one CPU layer's weights (high), which is not checked against a GPU here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from oomguard.tiering.memory import ContextSize
 
 F32 = 4
-SMALL_FLOATS_PER_TOKEN = 32  # token ids, positions, output ids, conversions: a few values per token
+SMALL_FLOATS_PER_TOKEN = 8  # token ids, positions, output ids, KV row indices
 
 
 @dataclass(frozen=True)
@@ -62,20 +62,36 @@ def _shared_ff(model: GGUFModel) -> int:
     return t.shape[1] if t is not None and len(t.shape) > 1 else 0
 
 
-def ffn_floats_per_token(model: GGUFModel) -> int:
-    """f32 values per token live at the feed-forward peak (residual, norm, projections)."""
+def peak_floats_per_token(model: GGUFModel) -> int:
+    """f32 values per token live at the feed-forward peak with perfect reuse (the lower bound):
+    the residual stream and the three ``[n_ff]`` tensors around the gated product (MoE: per used
+    expert)."""
     if model.n_expert:
         ff = _expert_ff(model)
-        used = max(1, model.n_expert_used)
-        return 2 * model.n_embd + used * (3 * ff + model.n_embd) + 3 * _shared_ff(model)
-    return 2 * model.n_embd + 3 * model.n_ff
+        return model.n_embd + 3 * max(1, model.n_expert_used) * ff + 3 * _shared_ff(model)
+    return model.n_embd + 3 * model.n_ff
 
 
-def attention_floats_per_token(model: GGUFModel) -> int:
-    """f32 values per token live in the attention phase, scores excluded."""
+def layer_floats_per_token(model: GGUFModel, flash_attn: bool, n_kv: int) -> int:
+    """f32 values per token of every intermediate tensor one layer creates (no reuse inside the
+    layer: the upper bound). Attention: two norm outputs, Q/K/V, roped Q/K, the attention
+    output, the output projection and the residual sum; without flash attention the scores
+    ``[n_kv, n_head]`` (softmax in place) and the merged heads. Feed-forward: two norm outputs,
+    gate, up, their product, down and the residual sum; MoE: router logits, probabilities and
+    order, weights, per-expert gate/up/product, down and weighted outputs, their sum."""
+    e = model.n_embd
     q = model.n_head * model.head_dim_k
-    kv = max(model.n_head_kv) * (model.head_dim_k + model.head_dim_v)
-    return 2 * model.n_embd + 2 * q + kv
+    k = max(model.n_head_kv) * model.head_dim_k
+    v = max(model.n_head_kv) * model.head_dim_v
+    attn = 4 * e + 3 * q + 2 * k + v
+    if not flash_attn:
+        attn += n_kv * model.n_head + q
+    if model.n_expert:
+        used, ff = max(1, model.n_expert_used), _expert_ff(model)
+        ffn = 4 * e + 3 * model.n_expert + used + 3 * used * ff + 2 * used * e + 3 * _shared_ff(model) + e
+    else:
+        ffn = 4 * e + 3 * model.n_ff
+    return attn + ffn
 
 
 def _mask_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int, tokens: int) -> int:
@@ -87,15 +103,20 @@ def _mask_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_sw
 
 def graph_peak_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int,
                      tokens: int, outputs: int) -> tuple[int, int]:  # fmt: skip
-    """(low, high) bytes of one backend's buffer for the whole graph of ``tokens`` tokens."""
+    """(low, high) bytes of one backend's buffer for the whole graph of ``tokens`` tokens.
+
+    Low: the inputs plus the largest set of tensors that must be alive at once (feed-forward
+    peak, or the attention scores without flash attention). High: the inputs plus every tensor
+    one layer creates, the input embeddings and the logits, as if nothing inside a layer were
+    reused (the allocator frees a layer's tensors before the next layer's need the memory)."""
     mask = _mask_bytes(model, settings, n_kv, n_kv_swa, tokens)
-    ffn = ffn_floats_per_token(model) * tokens * F32
-    attn = attention_floats_per_token(model) * tokens * F32
+    low_floats = peak_floats_per_token(model)
     if not settings.flash_attn:
-        attn += n_kv * tokens * model.n_head * F32
-    logits = model.n_vocab * outputs * F32 + model.n_embd * tokens * F32
-    low = mask + max(ffn, attn, logits)
-    high = low + (model.n_embd + SMALL_FLOATS_PER_TOKEN) * tokens * F32
+        low_floats = max(low_floats, n_kv * model.n_head + model.n_embd + model.n_head * model.head_dim_k)
+    logits = model.n_vocab * outputs * F32
+    low = mask + max(low_floats * tokens * F32, logits)
+    layer = layer_floats_per_token(model, settings.flash_attn, n_kv)
+    high = mask + (layer + model.n_embd + SMALL_FLOATS_PER_TOKEN) * tokens * F32 + logits
     return low, high
 
 
