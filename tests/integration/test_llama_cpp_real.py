@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,56 @@ def test_the_planned_command_form_runs_and_answers(llama_server_binary: Path, mo
         answer = json.load(urllib.request.urlopen(req, timeout=60))
         assert answer["tokens_predicted"] == 4
         assert "--n-gpu-layers" in server.argv and "--fit" in server.argv
+
+
+@pytest.fixture(scope="module")
+def rpc_device(llama_server_binary: Path) -> Iterator[str]:
+    """A second ggml device on this CPU: rpc-server on loopback (what -ngl offloads to here)."""
+    from oomguard.engine import EngineProcess
+    from oomguard.tiering.server import free_port
+
+    try:
+        binary = find_llama_server("rpc-server")
+    except LlamaServerNotFound as exc:
+        require_or_skip(f"{exc.message} ({exc.hint})")
+        raise
+    port = free_port()
+    proc = EngineProcess([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"])
+    proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+SPLIT_CASES = [
+    ("q8_0", dict(n_gpu_layers=3, ctx_size=2048)),  # layers 2, 3 and the output on the device
+    ("q4_k", dict(n_gpu_layers=1, ctx_size=2048, parallel=2)),  # only the output layer
+    ("q5_k", dict(n_gpu_layers=-1, ctx_size=1024)),  # everything, the tied head loaded twice
+    ("moe_q4_k", dict(n_gpu_layers=-1, n_cpu_moe=2, ctx_size=2048)),  # experts of layers 0-1 stay
+    ("q6_k", dict(n_gpu_layers=4, ctx_size=1024, kv_offload=False)),  # KV kept on the CPU
+]
+
+
+@pytest.mark.parametrize(("name", "settings"), SPLIT_CASES, ids=[f"{n}-split{i}" for i, (n, _) in enumerate(SPLIT_CASES)])
+def test_split_across_two_devices_equals_the_prediction(
+    llama_server_binary: Path, rpc_device: str, models: dict[str, Path], name: str, settings: dict[str, object]
+) -> None:
+    """-ngl / --n-cpu-moe / --no-kv-offload against a real second device (rpc-server on this CPU)."""
+    s = LlamaCppSettings(gpu_count=1, gpu_backend="rpc", **settings)  # type: ignore[arg-type]
+    prediction = predict_llama_cpp(read_gguf(models[name]), s)
+    with running_llama_server(models[name], s, binary=llama_server_binary, timeout_s=90,
+                              extra=("--rpc", rpc_device)) as server:  # fmt: skip
+        log = server.load_log
+    assert log.gpu_names and log.gpu_names[0].startswith("RPC0[")
+    checks = compare_load(prediction, log)
+    on_device = {c.kind for c in checks if c.device == "GPU0" and c.observed_bytes}
+    assert "model" in on_device
+    bad = [c.line() for c in checks if not c.agrees]
+    assert not bad, "\n".join(bad)
