@@ -28,7 +28,6 @@ from oomguard.tiering.memory import predict_llama_cpp  # noqa: E402
 from oomguard.tiering.server import find_llama_server, running_llama_server  # noqa: E402
 from oomguard.tiering.settings import LlamaCppSettings  # noqa: E402
 
-
 # Shapes and settings the compute estimate was not developed on (scored once, 2026-11-25)
 HOLDOUT_SHAPES = {
     "h1": GGUFShape("h1-q8_0", "Q8_0", n_embd=512, n_ff=1408, n_layer=3, n_head=8, n_head_kv=4, n_vocab=3000),

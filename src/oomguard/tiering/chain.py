@@ -25,6 +25,7 @@ from oomguard.tiering.settings import LlamaCppSettings
 from oomguard.tiering.split import SplitPlan, best_split, price_split
 
 if TYPE_CHECKING:
+    from oomguard.memory.spec import ModelSpec
     from oomguard.plan.recommend import SearchSpace
     from oomguard.plan.result import Alternative, Candidate
 
@@ -58,14 +59,26 @@ def gguf_for(space: SearchSpace, recipe: str = "Q4_K_M") -> GGUFModel:
     return synthesize_gguf(space.model, recipe)
 
 
+def active_share(model: ModelSpec) -> float:
+    """The share of the weights one token reads: all dense weights, the used experts' share of
+    the expert weights (MoE decode reads ``experts_per_token`` of ``num_experts``)."""
+    total = sum(g.count for g in model.params)
+    if model.moe is None or not total:
+        return 1.0
+    experts = sum(g.count for g in model.params if g.name == "experts")
+    unused = experts * (1 - model.moe.experts_per_token / model.moe.num_experts)
+    return (total - unused) / total
+
+
 def _vllm_price(alt: Alternative, ref_s: float | None) -> dict[str, Any]:
     c = alt.candidate
     if c is None:
         return {}
     pred = c.prediction
     gbps = gpu_bandwidth_gbps(c.gpu.name)
-    offload = float(c.settings.cpu_offload_gb or 0) * GIB
-    on_gpu = max(0.0, pred.weights.value_bytes - offload)
+    share = active_share(c.model)
+    offload = float(c.settings.cpu_offload_gb or 0) * GIB * share
+    on_gpu = max(0.0, pred.weights.value_bytes * share - offload)
     seconds = (on_gpu / (gbps * 1e9) if gbps else 0.0) + offload / (PCIE_GBPS * 1e9)
     tokens = 1 / seconds if seconds and (gbps or not on_gpu) else None
     return {
@@ -135,7 +148,7 @@ def fallback_chain(space: SearchSpace, given: Candidate, alternatives: list[Alte
     from oomguard.plan.result import Alternative
 
     gbps = gpu_bandwidth_gbps(space.gpu.name)
-    native_bytes = given.prediction.weights.value_bytes * given.settings.tensor_parallel_size
+    native_bytes = given.prediction.weights.value_bytes * given.settings.tensor_parallel_size * active_share(space.model)
     ref_s = native_bytes / (gbps * 1e9) if gbps else None
     problem = given.prediction.problems[0].message if given.prediction.problems else (
         given.serve.reason if given.serve and given.serve.reason else "does not serve the workload")  # fmt: skip
@@ -168,8 +181,9 @@ def _llama_cpp_tiers(space: SearchSpace, host_memory_bytes: int | None, ref_s: f
     base = LlamaCppSettings(ctx_size=per_slot * w.concurrency, parallel=w.concurrency, gpu_count=space.gpu_count)
     total = space.gpu.total_bytes if space.free_bytes is None else space.free_bytes
     split = best_split(model, base, total, w.headroom_bytes, host_memory_bytes)
-    kv_q8 = best_split(model, dataclasses.replace(base, cache_type_k="q8_0", cache_type_v="q8_0"), total,
-                       w.headroom_bytes, host_memory_bytes) if split.settings.n_gpu_layers <= model.n_layer else None  # fmt: skip
+    smaller_kv = dataclasses.replace(base, cache_type_k="q8_0", cache_type_v="q8_0")
+    kv_q8 = (best_split(model, smaller_kv, total, w.headroom_bytes, host_memory_bytes, split.settings.n_gpu_layers)
+             if split.settings.n_gpu_layers <= model.n_layer and not model.n_expert else None)  # fmt: skip
     cpu = price_split(model, dataclasses.replace(base, gpu_count=0), total, w.headroom_bytes, host_memory_bytes)
     return [(6, _llama_cpp_tier(space, split, ref_s, "llama_cpp", name, alternative_cls, kv_q8)),
             (7, _llama_cpp_tier(space, cpu, ref_s, "cpu_only", name, alternative_cls, None))]

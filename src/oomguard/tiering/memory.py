@@ -143,8 +143,12 @@ def _alloc_bytes(t: GGUFTensor, device: str, settings: LlamaCppSettings) -> int:
 def _model_buffers(placement: Placement, settings: LlamaCppSettings) -> list[Buffer]:
     out: list[Buffer] = []
     repacked = [p.tensor for p in placement.tensors if p.repacked]
+    by_device: dict[str, list[GGUFTensor]] = {}
+    for p in placement.tensors:
+        if not p.repacked:
+            by_device.setdefault(p.device, []).append(p.tensor)
     for device in placement.devices():
-        tensors = [p.tensor for p in placement.tensors if p.device == device and not p.repacked]
+        tensors = by_device.get(device, [])
         if not tensors:
             continue
         offsets = [t.offset_bytes for t in tensors]

@@ -100,22 +100,24 @@ def place(model: GGUFModel, settings: LlamaCppSettings) -> Placement:
     repack_types = REPACK_TYPES[settings.cpu_repack]
 
     def placed(t: GGUFTensor, device: str, matmul: bool) -> Placed:
-        # the CPU buffer list puts the repack buffer type first (llama-model.cpp make_cpu_buft_list)
+        # the CPU buffer list puts the repack buffer type first (llama-model.cpp make_cpu_buft_list);
+        # only matrix products use it, and only for row counts its kernels tile (multiples of 8)
         rows = t.shape[1] if len(t.shape) > 1 else 1
         repack = device == CPU and matmul and t.type_name in repack_types and rows % 8 == 0
         return Placed(t, device, repack)
 
     out: list[Placed] = []
     for t in model.tensors:
-        if t.role == "input":
+        role = t.role
+        if role == "input":
             default = CPU
-        elif t.role == "output":
+        elif role == "output":
             default = output_device
         else:
-            default = layer_devices[t.layer if t.layer is not None else 0]
-        matmul = t.role != "input" and len(t.shape) > 1
-        out.append(placed(t, device_of(t, default), matmul))
+            default = layer_devices[t.layer or 0]
+        device = device_of(t, default) if rules else default
+        out.append(placed(t, device, role != "input" and len(t.shape) > 1))
     if model.tied_output:
         embd = model.by_name["token_embd.weight"]
-        out.append(placed(embd, device_of(embd, output_device), True))
+        out.append(placed(embd, device_of(embd, output_device) if rules else output_device, True))
     return Placement(tuple(out), layer_devices, output_device, i_gpu_start, n_gpu)

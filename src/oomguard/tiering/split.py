@@ -51,17 +51,25 @@ class SplitPlan:
         """Host memory suffices (None: the host's memory is not known)."""
         return None if self.host_budget_bytes is None else self.host_need_bytes <= self.host_budget_bytes
 
-    @property
-    def gpu_weight_bytes(self) -> int:
-        return sum({p.tensor.name: p.tensor.nbytes for p in self.memory.placement.tensors if p.device != CPU}.values())
+    def read_bytes_per_token(self, on_gpu: bool) -> float:
+        """Weight bytes one decoded token reads on the GPUs (or the CPU): every dense weight, and
+        of the expert tensors the share of experts a token uses."""
+        model = self.memory.model
+        share = model.n_expert_used / model.n_expert if model.n_expert else 1.0
+        seen: dict[str, float] = {}
+        for p in self.memory.placement.tensors:
+            if (p.device != CPU) == on_gpu and p.tensor.role != "input":  # the embedding: one row
+                seen[p.tensor.name] = p.tensor.nbytes * (share if p.tensor.is_expert else 1.0)
+        return sum(seen.values())
 
     def decode_tokens_per_s(self, gpu_gbps: float | None, host_gbps: float = HOST_RAM_GBPS) -> float | None:
-        """Single-sequence decode bound: every weight read once per token (estimate)."""
-        if gpu_gbps is None and self.gpu_weight_bytes:
+        """Single-sequence decode bound: the weights a token uses, read once (estimate)."""
+        on_gpu = self.read_bytes_per_token(True)
+        if gpu_gbps is None and on_gpu:
             return None
-        seconds = self.memory.host_weight_bytes / (host_gbps * 1e9)
-        if self.gpu_weight_bytes and gpu_gbps:
-            seconds += self.gpu_weight_bytes / (gpu_gbps * 1e9)
+        seconds = self.read_bytes_per_token(False) / (host_gbps * 1e9)
+        if on_gpu and gpu_gbps:
+            seconds += on_gpu / (gpu_gbps * 1e9)
         return 1 / seconds if seconds else None
 
 
@@ -76,35 +84,43 @@ def price_split(model: GGUFModel, settings: LlamaCppSettings, gpu_total_bytes: i
     return SplitPlan(memory, budget, gpu_need, host_need, host_budget)
 
 
-def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
-    """The largest n in [lo, hi] with ``fits(n)``, ``fits`` true up to a point."""
-    if not fits(lo):
+def _largest(lo: int, hi: int, plan_at: Callable[[int], SplitPlan]) -> int | None:
+    """The largest n in [lo, hi] whose plan fits the GPU budget (GPU need grows with n).
+
+    The need is close to linear in n (whole layers), so the first guess interpolates between
+    the ends and a few steps settle it: a handful of predictions instead of a bisection's eight.
+    """
+    low = plan_at(lo)
+    if not low.fits_gpu:
         return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    high = plan_at(hi)
+    if high.fits_gpu:
+        return hi
+    per_step = (high.gpu_need_bytes - low.gpu_need_bytes) / max(1, hi - lo)
+    guess = lo + int((low.gpu_budget_bytes - low.gpu_need_bytes) / per_step) if per_step > 0 else lo
+    n = min(max(guess, lo), hi - 1)
+    if plan_at(n).fits_gpu:
+        while n + 1 < hi and plan_at(n + 1).fits_gpu:
+            n += 1
+        return n
+    while n > lo and not plan_at(n - 1).fits_gpu:
+        n -= 1
+    return max(lo, n - 1)
 
 
-def _smallest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
-    """The smallest n in [lo, hi] with ``fits(n)``, ``fits`` true from a point on."""
-    if not fits(hi):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def _smallest(lo: int, hi: int, plan_at: Callable[[int], SplitPlan]) -> int | None:
+    """The smallest n in [lo, hi] whose plan fits (GPU need falls as n grows)."""
+    found = _largest(-hi, -lo, lambda m: plan_at(-m))
+    return None if found is None else -found
 
 
 def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
-               headroom_bytes: int = 0, host_total_bytes: int | None = None) -> SplitPlan:  # fmt: skip
-    """The split that keeps the most on the GPUs and fits (``-ngl 0`` when nothing does)."""
+               headroom_bytes: int = 0, host_total_bytes: int | None = None, at_least: int = 0) -> SplitPlan:  # fmt: skip
+    """The split that keeps the most on the GPUs and fits (``-ngl 0`` when nothing does).
+
+    ``at_least``: a layer count known to fit (from a split that needs more memory), where the
+    search starts.
+    """
 
     def plan(s: LlamaCppSettings) -> SplitPlan:
         return price_split(model, s, gpu_total_bytes, headroom_bytes, host_total_bytes)
@@ -112,9 +128,9 @@ def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
     n = model.n_layer
     if model.n_expert:
         all_gpu = replace(base, n_gpu_layers=n + 1, cpu_moe=False)
-        moe = _smallest(0, n, lambda m: plan(replace(all_gpu, n_cpu_moe=m)).fits_gpu)
+        moe = _smallest(0, n, lambda m: plan(replace(all_gpu, n_cpu_moe=m)))
         if moe is not None:
             return plan(replace(all_gpu, n_cpu_moe=moe))
         base = replace(base, cpu_moe=True)
-    ngl = _largest(0, n + 1, lambda m: plan(replace(base, n_gpu_layers=m)).fits_gpu)
+    ngl = _largest(min(at_least, n + 1), n + 1, lambda m: plan(replace(base, n_gpu_layers=m)))
     return plan(replace(base, n_gpu_layers=ngl or 0))

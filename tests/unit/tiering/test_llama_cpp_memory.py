@@ -179,3 +179,25 @@ def test_plan_json_carries_the_chain() -> None:
     kinds = [a["kind"] for a in data["alternatives"]]
     assert kinds[0] == "as_planned" and kinds[-1] == "cpu_only"
     assert all("tier" in a["numbers"] for a in data["alternatives"])
+
+
+@pytest.mark.parametrize(("model_ref", "concurrency"), [("meta-llama/Llama-3.1-70B-Instruct", 16),
+                                                        ("Qwen/Qwen3-30B-A3B", 8)])  # fmt: skip
+def test_split_search_finds_what_trying_every_split_finds(model_ref: str, concurrency: int) -> None:
+    import dataclasses
+
+    from oomguard.tiering.split import best_split, price_split
+
+    model = synthesize_gguf(resolve_model(model_ref))
+    base = LlamaCppSettings(ctx_size=8192 * concurrency, parallel=concurrency, gpu_count=1)
+    total = int(23.65 * GIB)
+    found = best_split(model, base, total)
+    assert found.fits_gpu
+    if model.n_expert:
+        every = [k for k in range(model.n_layer + 1)
+                 if price_split(model, dataclasses.replace(base, n_gpu_layers=-1, n_cpu_moe=k), total).fits_gpu]  # fmt: skip
+        assert found.settings.n_cpu_moe == min(every)
+    else:
+        every = [k for k in range(model.n_layer + 2)
+                 if price_split(model, dataclasses.replace(base, n_gpu_layers=k), total).fits_gpu]  # fmt: skip
+        assert found.settings.n_gpu_layers == max(every)
