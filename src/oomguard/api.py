@@ -220,6 +220,8 @@ def plan(
         )
     if headroom_gib < 0:
         raise BadInput(f"--headroom-gib {headroom_gib} is negative", "pass 0 or more GiB")
+    if host_memory_gib is not None and not host_memory_gib > 0:
+        raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
     p99 = None if p99_tokens is None else parse_human_int(str(p99_tokens), flag="--p99-tokens")
     if p99 is not None and p99 <= 0:
         raise BadInput(
@@ -349,8 +351,6 @@ def plan(
 def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
     """Host RAM to check the chain's host needs against: as given, or this machine's with NVML GPUs."""
     if host_memory_gib is not None:
-        if not host_memory_gib > 0:
-            raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
         return int(host_memory_gib * GIB)
     if gpu_source == "nvml":
         import psutil

@@ -201,3 +201,19 @@ def test_split_search_finds_what_trying_every_split_finds(model_ref: str, concur
         every = [k for k in range(model.n_layer + 2)
                  if price_split(model, dataclasses.replace(base, n_gpu_layers=k), total).fits_gpu]  # fmt: skip
         assert found.settings.n_gpu_layers == max(every)
+
+
+def test_cli_host_memory_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from oomguard.cli import main
+
+    code = main(["plan", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "RTX 4090", "--p99-tokens", "8192",
+                 "--concurrency", "16", "--host-memory-gib", "32", "--json", "--offline"])  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert code == 1
+    llama = next(a for a in json.loads(out)["alternatives"] if a["kind"] == "llama_cpp")
+    assert llama["numbers"]["host_budget_gib"] == 30.0 and not llama["serves_workload"]
+    code = main(["plan", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--host-memory-gib", "0"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--host-memory-gib" in err and "Traceback" not in err
