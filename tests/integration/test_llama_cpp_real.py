@@ -24,7 +24,12 @@ from tiny_gguf import SHAPES, write_tiny_gguf
 from oomguard.tiering.compare import compare_load
 from oomguard.tiering.gguf_file import read_gguf
 from oomguard.tiering.memory import predict_llama_cpp
-from oomguard.tiering.server import LlamaServerNotFound, find_llama_server, running_llama_server
+from oomguard.tiering.server import (
+    LlamaServerNotFound,
+    find_llama_server,
+    running_llama_server,
+    slot_capacity,
+)
 from oomguard.tiering.settings import LlamaCppSettings
 
 pytestmark = pytest.mark.integration
@@ -88,7 +93,8 @@ def test_the_planned_command_form_runs_and_answers(llama_server_binary: Path, mo
                          cache_type_v="q8_0")  # fmt: skip
     with running_llama_server(models["q4_k"], s, binary=llama_server_binary, timeout_s=90) as server:
         props = json.load(urllib.request.urlopen(f"{server.url}/props", timeout=10))
-        assert props["total_slots"] == 4
+        capacity = slot_capacity(props)
+        assert (capacity.total_slots, capacity.n_ctx_per_slot) == (4, 512)
         body = json.dumps({"prompt": "hello", "n_predict": 4}).encode()
         req = urllib.request.Request(f"{server.url}/completion", data=body, headers={"Content-Type": "application/json"})
         answer = json.load(urllib.request.urlopen(req, timeout=60))

@@ -76,6 +76,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class SlotCapacity:
+    """What llama-server's ``/props`` says about capacity: slots and the context of each."""
+
+    total_slots: int
+    n_ctx_per_slot: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens all slots hold at once."""
+        return self.total_slots * self.n_ctx_per_slot
+
+
+def slot_capacity(props: dict[str, object]) -> SlotCapacity:
+    """Read :class:`SlotCapacity` from a ``/props`` answer (``total_slots``,
+    ``default_generation_settings.n_ctx``); BadInput when they are missing."""
+    settings = props.get("default_generation_settings")
+    slots = props.get("total_slots")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    if not isinstance(slots, int) or not isinstance(n_ctx, int):
+        raise BadInput("llama-server's /props lacks total_slots or default_generation_settings.n_ctx",
+                       "check that the URL is a llama-server")  # fmt: skip
+    return SlotCapacity(slots, n_ctx)
+
+
 @dataclass
 class RunningLlamaServer:
     """A healthy llama-server: where it answers, its process and what it printed while loading."""

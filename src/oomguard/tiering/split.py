@@ -134,3 +134,28 @@ def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
         base = replace(base, cpu_moe=True)
     ngl = _largest(min(at_least, n + 1), n + 1, lambda m: plan(replace(base, n_gpu_layers=m)))
     return plan(replace(base, n_gpu_layers=ngl or 0))
+
+
+def after_allocation_failure(model: GGUFModel, failed: LlamaCppSettings, gpu_total_bytes: int,
+                             short_bytes: int, headroom_bytes: int = 0) -> SplitPlan | None:  # fmt: skip
+    """The split to retry with after llama-server could not allocate ``short_bytes`` more on a GPU.
+
+    The GPU had less room than predicted (another process, a larger compute buffer): the budget
+    shrinks by the shortfall and the largest split under it is searched again, always at least
+    one layer (or one layer's experts) fewer than the split that failed. None when nothing is
+    left to move to the CPU.
+    """
+    smaller = gpu_total_bytes - max(short_bytes, 0)
+    n = model.n_layer
+    if model.n_expert and not failed.cpu_moe and failed.n_cpu_moe < n:
+        found = best_split(model, replace(failed, n_cpu_moe=0), smaller, headroom_bytes)
+        if not found.settings.cpu_moe:
+            k = max(found.settings.n_cpu_moe, failed.n_cpu_moe + 1)
+            return price_split(model, replace(failed, n_cpu_moe=k), smaller, headroom_bytes)
+    ngl = n + 1 if failed.n_gpu_layers < 0 else failed.n_gpu_layers
+    if ngl == 0:
+        return None
+    base = replace(failed, cpu_moe=failed.cpu_moe or bool(model.n_expert), n_cpu_moe=0 if model.n_expert else failed.n_cpu_moe)
+    found = best_split(model, replace(base, n_gpu_layers=0), smaller, headroom_bytes)
+    return price_split(model, replace(base, n_gpu_layers=min(found.settings.n_gpu_layers, ngl - 1)), smaller,
+                       headroom_bytes)  # fmt: skip

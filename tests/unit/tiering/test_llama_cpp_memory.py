@@ -217,3 +217,18 @@ def test_cli_host_memory_flag(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--host-memory-gib", "0"])
     _, err = capsys.readouterr()
     assert code == 2 and "--host-memory-gib" in err and "Traceback" not in err
+
+
+def test_after_an_allocation_failure_the_split_shrinks() -> None:
+    from oomguard.tiering.split import after_allocation_failure, best_split
+
+    model = synthesize_gguf(resolve_model("meta-llama/Llama-3.1-70B-Instruct"))
+    total = int(23.65 * GIB)
+    first = best_split(model, LlamaCppSettings(ctx_size=16 * 8192, parallel=16, gpu_count=1), total)
+    # the log said: failed to allocate CUDA0 buffer of 2 GiB (something else holds the memory)
+    retry = after_allocation_failure(model, first.settings, total, 2 * GIB)
+    assert retry is not None and retry.settings.n_gpu_layers < first.settings.n_gpu_layers
+    assert retry.gpu_need_bytes <= first.gpu_need_bytes - 2 * GIB + 2**29  # freed about the shortfall
+    tiny = after_allocation_failure(model, first.settings, total, 1)
+    assert tiny is not None and tiny.settings.n_gpu_layers == first.settings.n_gpu_layers - 1
+    assert after_allocation_failure(model, LlamaCppSettings(gpu_count=1, n_gpu_layers=0), total, GIB) is None
