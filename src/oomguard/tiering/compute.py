@@ -149,7 +149,10 @@ def estimate_compute(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextS
         return [ComputeEstimate(CPU, (low + high) // 2, low, high, basis)]
     out = []
     gpus = sorted({d for d in placement.layer_devices if d != CPU} | ({placement.output_device} - {CPU}))
-    copy_low, copy_high = _cpu_weight_copies(model, placement) if gpu_layers < model.n_layer else (0, 0)
+    # op_offload copies CPU weights only to backends that ask for them (CUDA's offload_op;
+    # the RPC backend has none)
+    copies = gpu_layers < model.n_layer and settings.gpu_backend == "cuda"
+    copy_low, copy_high = _cpu_weight_copies(model, placement) if copies else (0, 0)
     for i, gpu in enumerate(gpus):
         g_low, g_high = low + (copy_low if i == 0 else 0), high + (copy_high if i == 0 else 0)
         out.append(ComputeEstimate(gpu, (g_low + g_high) // 2, g_low, g_high,
