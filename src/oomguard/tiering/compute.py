@@ -101,22 +101,59 @@ def _mask_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_sw
     return full + swa
 
 
-def graph_peak_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int,
-                     tokens: int, outputs: int) -> tuple[int, int]:  # fmt: skip
-    """(low, high) bytes of one backend's buffer for the whole graph of ``tokens`` tokens.
+@dataclass(frozen=True)
+class _Phases:
+    """Bytes of the graph's parts for one micro-batch (see the module docstring)."""
 
-    Low: the inputs plus the largest set of tensors that must be alive at once (feed-forward
-    peak, or the attention scores without flash attention). High: the inputs plus every tensor
-    one layer creates, the input embeddings and the logits, as if nothing inside a layer were
-    reused (the allocator frees a layer's tensors before the next layer's need the memory)."""
-    mask = _mask_bytes(model, settings, n_kv, n_kv_swa, tokens)
-    low_floats = peak_floats_per_token(model)
+    mask: int
+    embd: int  # one [n_embd, T] f32 tensor
+    small: int
+    ffn_low: int  # feed-forward peak live set
+    attn_low: int  # attention live set (scores included without flash attention)
+    layer: int  # every tensor of one layer
+    logits: int
+    head: int  # the output norm of the output rows
+
+
+def _phases(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int, tokens: int,
+            outputs: int) -> _Phases:  # fmt: skip
+    q = model.n_head * model.head_dim_k
+    kv = max(model.n_head_kv) * (model.head_dim_k + model.head_dim_v)
+    attn = (model.n_embd + q + kv) * tokens * F32
     if not settings.flash_attn:
-        low_floats = max(low_floats, n_kv * model.n_head + model.n_embd + model.n_head * model.head_dim_k)
-    logits = model.n_vocab * outputs * F32
-    low = mask + max(low_floats * tokens * F32, logits)
-    layer = layer_floats_per_token(model, settings.flash_attn, n_kv)
-    high = mask + (layer + model.n_embd + SMALL_FLOATS_PER_TOKEN) * tokens * F32 + logits
+        attn = (n_kv * model.n_head + model.n_embd + q) * tokens * F32
+    return _Phases(
+        mask=_mask_bytes(model, settings, n_kv, n_kv_swa, tokens),
+        embd=model.n_embd * tokens * F32,
+        small=SMALL_FLOATS_PER_TOKEN * tokens * F32,
+        ffn_low=peak_floats_per_token(model) * tokens * F32,
+        attn_low=attn,
+        layer=layer_floats_per_token(model, settings.flash_attn, n_kv) * tokens * F32,
+        logits=model.n_vocab * outputs * F32,
+        head=2 * model.n_embd * outputs * F32,
+    )
+
+
+def _device_range(device: str, ph: _Phases, runs_attention: bool, runs_ffn: bool, runs_output: bool) -> tuple[int, int]:
+    """(low, high) of one backend's buffer from the parts of the graph it runs.
+
+    The CPU holds the graph's inputs (mask, the embeddings from ``get_rows``, and up to one more
+    ``[n_embd, T]`` tensor); a GPU that runs attention holds a copy of the mask. A backend runs
+    the operations whose weights it holds (``ggml_backend_sched``), so the attention, the
+    feed-forward (or the experts alone, with ``--n-cpu-moe``) and the head may sit on
+    different backends."""
+    low = high = 0
+    if device == CPU:
+        low, high = ph.mask, ph.mask + 2 * ph.embd + ph.small
+    elif runs_attention:
+        low, high = ph.mask, ph.mask + ph.small
+    phases = [ph.ffn_low if runs_ffn else 0, ph.attn_low if runs_attention else 0, ph.logits if runs_output else 0,
+              ph.embd if device == CPU else 0]  # fmt: skip
+    low += max(phases)
+    if runs_attention or runs_ffn:
+        high += ph.layer + ph.embd
+    if runs_output:
+        high += ph.logits + ph.head
     return low, high
 
 
@@ -132,36 +169,50 @@ def _cpu_weight_copies(model: GGUFModel, placement: Placement) -> tuple[int, int
     return largest, max(layers.values(), default=0)
 
 
+def _roles(model: GGUFModel, placement: Placement) -> dict[str, tuple[bool, bool, bool]]:
+    """Per device: (runs attention, runs a feed-forward or experts, runs the head)."""
+    attention: set[str] = set()
+    ffn: set[str] = set()
+    for p in placement.tensors:
+        if p.tensor.layer is None:
+            continue
+        if ".attn_" in p.tensor.name:
+            attention.add(p.device)
+        elif ".ffn_" in p.tensor.name and "norm" not in p.tensor.name and "_inp" not in p.tensor.name:
+            ffn.add(p.device)
+    devices = attention | ffn | {placement.output_device, CPU}
+    return {d: (d in attention, d in ffn, d == placement.output_device) for d in devices}
+
+
 def estimate_compute(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, placement: Placement) -> list[ComputeEstimate]:
     """The compute buffer of each backend llama.cpp reserves for ``ctx``."""
     tokens = int(ctx.n_ubatch)
     n_kv = int(ctx.n_ctx_seq)
     n_seq = int(ctx.n_seq_max)
-    unified = settings.kv_unified
-    n_kv_swa = min(n_kv, model.sliding_window * (n_seq if unified else 1) + tokens) if model.sliding_window else 0
+    n_kv_swa = min(n_kv, model.sliding_window * (n_seq if settings.kv_unified else 1) + tokens) if model.sliding_window else 0
     n_kv_swa = (n_kv_swa + 255) // 256 * 256
-    outputs = min(tokens, n_seq)
-    low, high = graph_peak_bytes(model, settings, n_kv, n_kv_swa, tokens, outputs)
-    basis = (f"estimate: mask + the largest phase of a {tokens}-token micro-batch over {n_kv} KV cells "
-             f"({'flash attention' if settings.flash_attn else 'attention scores'})")  # fmt: skip
-    gpu_layers = placement.gpu_layers()
-    if gpu_layers == 0 and placement.output_device == CPU:
-        return [ComputeEstimate(CPU, (low + high) // 2, low, high, basis)]
-    out = []
-    gpus = sorted({d for d in placement.layer_devices if d != CPU} | ({placement.output_device} - {CPU}))
+    ph = _phases(model, settings, n_kv, n_kv_swa, tokens, min(tokens, n_seq))
+    basis = (f"estimate: the parts of a {tokens}-token micro-batch's graph over {n_kv} KV cells this backend "
+             f"runs ({'flash attention' if settings.flash_attn else 'attention scores'})")  # fmt: skip
     # op_offload copies CPU weights only to backends that ask for them (CUDA's offload_op;
     # the RPC backend has none)
+    gpu_layers = placement.gpu_layers()
     copies = gpu_layers < model.n_layer and settings.gpu_backend == "cuda"
     copy_low, copy_high = _cpu_weight_copies(model, placement) if copies else (0, 0)
-    for i, gpu in enumerate(gpus):
-        g_low, g_high = low + (copy_low if i == 0 else 0), high + (copy_high if i == 0 else 0)
-        out.append(ComputeEstimate(gpu, (g_low + g_high) // 2, g_low, g_high,
-                                   basis + ("; + CPU layers' weights copied for batched products" if copy_high and i == 0 else "")))  # fmt: skip
-    if gpu_layers < model.n_layer:
-        out.append(ComputeEstimate(CPU, (low + high) // 2, low, high, basis + " (CPU layers, pinned host memory)"))
-    else:
-        embd = model.n_embd * tokens * F32 + _mask_bytes(model, settings, n_kv, n_kv_swa, tokens)
-        small = SMALL_FLOATS_PER_TOKEN * tokens * F32
-        out.append(ComputeEstimate(CPU, embd + small // 2, embd, embd + small,
-                                   "estimate: the input embeddings and mask, in pinned host memory"))  # fmt: skip
+    out = []
+    roles = _roles(model, placement)
+    split_experts = model.n_expert > 0 and (settings.cpu_moe or settings.n_cpu_moe > 0) and gpu_layers > 0
+    for device in sorted(roles, key=lambda d: (d != CPU, d)):
+        attention, ffn, head = roles[device]
+        # with experts split between the CPU and a GPU, a real second device (rpc-server) held far
+        # less than the experts' live set; not understood, so the GPU's range starts at attention
+        low, high = _device_range(device, ph, attention, ffn and not (split_experts and device != CPU), head)
+        if split_experts and device != CPU and ffn:
+            high = max(high, _device_range(device, ph, attention, True, head)[1])
+        if device == "GPU0" and copy_high:
+            low, high = low + copy_low, high + copy_high
+        if high == 0:
+            continue
+        where = " (pinned host memory)" if device == CPU and gpu_layers else ""
+        out.append(ComputeEstimate(device, (low + high) // 2, low, high, basis + where))
     return out
