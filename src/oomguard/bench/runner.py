@@ -1,0 +1,385 @@
+"""One bench run: preflight, prompts, the stages the search asks for, the recommendation.
+
+``run_bench(settings)`` returns a :class:`BenchResult`; the CLI renders it, the Python API
+hands it back. Two modes:
+
+- search (default): find the highest concurrency of the workload that runs with zero
+  preemptions, KV usage at or below the high watermark and no errors (:mod:`.search`);
+- fixed (``concurrency`` set): prove one concurrency (a stage of ``requests`` requests, or
+  ``waves`` per slot, then ``hold_s`` more seconds of it), as the seeds' step 7 asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from oomguard.bench.client import RequestRecord, completion_body, new_session, stream_completion
+from oomguard.bench.prompts import (
+    BuiltPrompt,
+    LocalTokenizer,
+    PromptMaker,
+    ServerTokenizer,
+    Tokenizer,
+)
+from oomguard.bench.recommend import Recommendation, recommend
+from oomguard.bench.search import ConcurrencySearch, first_guess
+from oomguard.bench.server import ServerClient, ServerInfo, preflight
+from oomguard.bench.stage import Sample, StageListener, StageResult, StageRunner, StageSpec
+from oomguard.bench.workload import FixedWorkload, Workload
+from oomguard.errors import BadInput
+
+DEFAULT_BUDGET_S = 600.0
+DEFAULT_MAX_CONCURRENCY = 256
+_QUIET_TIMEOUT_S = 60.0
+_CONTEXT_ERROR_WORDS = ("max_model_len", "maximum context length", "context length", "too long",
+                        "longer than")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything a run needs (see ``oomguard bench --help`` for the meaning of each)."""
+
+    url: str
+    workload: Workload
+    model: str | None = None
+    budget_s: float = DEFAULT_BUDGET_S
+    high_watermark: float = 0.95  # a safe stage keeps KV usage at or below this
+    kv_stop: float = 0.98
+    sample_interval_s: float = 0.25
+    waves: int = 3  # requests per slot in a stage
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    start_concurrency: int | None = None  # the search's first stage (default: the pool's guess)
+    concurrency: int | None = None  # fixed mode
+    requests: int | None = None  # fixed mode: requests in the stage
+    hold_s: float = 0.0
+    metrics_url: str | None = None
+    tokenizer: Path | None = None
+    request_timeout_s: float = 600.0
+    seed: str = ""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.budget_s > 0, "--budget-s must be positive"),
+            (0 < self.high_watermark <= 1, "--high-watermark must be in (0, 1]"),
+            (0 < self.sample_interval_s <= 0.5, "--sample-interval-s must be in (0, 0.5]"),
+            (self.waves >= 1, "--waves must be at least 1"),
+            (self.max_concurrency >= 1, "--max-concurrency must be at least 1"),
+            (self.concurrency is None or self.concurrency >= 1, "--concurrency must be at least 1"),
+            (self.requests is None or self.requests >= 1, "--requests must be at least 1"),
+            (self.hold_s >= 0, "--hold-s must not be negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BadInput(message, "see `oomguard bench --help`")
+        if self.requests is not None and self.concurrency is None:
+            raise BadInput("--requests applies to a fixed concurrency",
+                           "add --concurrency N, or leave --requests out to search")  # fmt: skip
+
+
+@dataclass
+class BenchResult:
+    """What a run found: the stages, the answer, the recommendation and the conditions."""
+
+    settings: BenchSettings
+    server: ServerInfo
+    stages: list[StageResult] = field(default_factory=list)
+    max_safe_concurrency: int | None = None
+    exact: bool = False  # max_safe + 1 was tested and found unsafe
+    first_guess: int | None = None
+    recommendation: Recommendation | None = None
+    conditions: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    stopped_by: str | None = None
+    calibration: dict[str, Any] | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0: a safe point was found; 1: even the lowest concurrency preempted or failed."""
+        return 0 if self.max_safe_concurrency else 1
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for st in self.stages for s in st.samples]
+
+    @property
+    def stop_latencies_s(self) -> list[float]:
+        """How long each stage that stopped at a preemption took to stop (upper bounds)."""
+        return [st.stop_latency_s for st in self.stages
+                if st.stop_reason == "preemption" and st.stop_latency_s is not None]  # fmt: skip
+
+
+Listener = Callable[[str, Any], None]
+
+
+class _Run:
+    """State of one run (the session lives for the whole of it)."""
+
+    def __init__(self, settings: BenchSettings, listener: Listener | None) -> None:
+        self.s = settings
+        self.listener = listener
+        self.t0 = time.perf_counter()
+        self.prompts: dict[int, BuiltPrompt] = {}
+        self.max_tokens: dict[int, int] = {}
+        self.next_index = 0
+
+    def note(self, result: BenchResult, text: str) -> None:
+        result.notes.append(text)
+        if self.listener:
+            self.listener("note", text)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def run(self) -> BenchResult:
+        s = self.s
+        limit = max(s.max_concurrency, s.concurrency or 0) + 16
+        async with new_session(limit) as session:
+            client = ServerClient(session, s.url)
+            info = await preflight(client, model=s.model, metrics_url=s.metrics_url)
+            result = BenchResult(settings=s, server=info)
+            for text in info.notes:
+                self.note(result, text)
+            self._check_lengths(info)
+            maker = PromptMaker(self._tokenizer(session, info), shared_prefix_tokens=s.workload.shared_prefix_tokens,
+                                run_seed=s.seed or f"{os.getpid()}-{time.time_ns()}-")  # fmt: skip
+            await self._warm_up(session, info, maker, result)
+            runner = StageRunner(session, info, client, self.prompts, self.max_tokens,
+                                 clock_zero=self.t0, listener=self._stage_listener(),
+                                 gpu_reader=_gpu_reader(info, result, self),
+                                 request_timeout_s=s.request_timeout_s)  # fmt: skip
+            await runner.wait_quiet(_QUIET_TIMEOUT_S)
+            if s.concurrency is not None:
+                await self._fixed(runner, maker, result)
+            else:
+                await self._search(runner, maker, result)
+        self._finish(result)
+        return result
+
+    # -- preparation -------------------------------------------------------------------
+    def _check_lengths(self, info: ServerInfo) -> None:
+        longest = self.s.workload.longest_sequence_tokens()
+        if info.max_model_len and longest > info.max_model_len:
+            raise BadInput(
+                f"{self.s.workload.description}: {longest:,} tokens per request exceed the "
+                f"server's max_model_len of {info.max_model_len:,}",
+                "lower --prompt-tokens/--max-tokens, or serve with a larger --max-model-len",
+            )
+
+    def _tokenizer(self, session: Any, info: ServerInfo) -> Tokenizer:
+        if self.s.tokenizer is not None:
+            return LocalTokenizer(self.s.tokenizer)
+        if info.tokenize_url:
+            return ServerTokenizer(session, info.tokenize_url, info.model)
+        raise BadInput(
+            f"{info.url} has no /tokenize, so prompts of an exact length cannot be built",
+            "pass --tokenizer with the model's tokenizer.json (or its directory)",
+        )
+
+    async def _prepare(self, maker: PromptMaker, count: int) -> tuple[int, ...]:
+        """Build the next ``count`` requests' prompts; their indices."""
+        indices = tuple(range(self.next_index, self.next_index + count))
+        self.next_index += count
+        shapes = [(i, self.s.workload.shape(i)) for i in indices]
+        built = await maker.build_many(shapes)
+        self.prompts.update(built)
+        self.max_tokens.update({i: sh.max_tokens for i, sh in shapes})
+        if self.listener:
+            self.listener("prepared", count)
+        return indices
+
+    async def _warm_up(self, session: Any, info: ServerInfo, maker: PromptMaker,
+                       result: BenchResult) -> None:  # fmt: skip
+        """One short request of the workload's first shape: checks the prompt length the
+        server counts and that it accepts the request at all."""
+        (index,) = await self._prepare(maker, 1)
+        prompt = self.prompts[index]
+        rec = RequestRecord(index=index, stage=0, slot=0, prompt_tokens=prompt.tokens,
+                            max_tokens=1, due_s=time.perf_counter())  # fmt: skip
+        await stream_completion(session, info.url, rec, completion_body(info.model, prompt.text, 1),
+                                request_timeout_s=self.s.request_timeout_s)  # fmt: skip
+        if rec.status == 400 or (rec.error and any(w in rec.error.lower() for w in _CONTEXT_ERROR_WORDS)):
+            raise BadInput(f"the server refused the workload's request: {rec.error}",
+                           "check --prompt-tokens/--max-tokens against the server's limits")  # fmt: skip
+        if rec.error:
+            self.note(result, f"the warm-up request failed: {rec.error}")
+        elif rec.prompt_tokens_reported is not None and rec.prompt_tokens_reported != prompt.tokens:
+            self.note(result, f"the server counted {rec.prompt_tokens_reported} prompt tokens where "
+                              f"{prompt.tokens} were built (its tokenizer differs from the one used)")  # fmt: skip
+        result.conditions["warm_up"] = {"ok": not rec.error, "ttft_s": rec.ttft_s,
+                                        "prompt_tokens_reported": rec.prompt_tokens_reported}  # fmt: skip
+
+    def _stage_listener(self) -> StageListener | None:
+        if self.listener is None:
+            return None
+        listener = self.listener
+
+        def forward(event: str, stage: StageResult, sample: Sample | None) -> None:
+            listener(f"stage_{event}", (stage, sample))
+
+        return forward
+
+    def _spec(self, index: int, concurrency: int, indices: tuple[int, ...], purpose: str,
+              deadline_s: float, info: ServerInfo) -> StageSpec:  # fmt: skip
+        distinct = self.s.workload.shared_prefix_tokens == 0 and isinstance(self.s.workload, FixedWorkload)
+        return StageSpec(index=index, concurrency=concurrency, request_indices=indices,
+                         purpose=purpose, deadline_s=deadline_s,
+                         kv_limit=self.s.high_watermark, kv_stop=self.s.kv_stop,
+                         sample_interval_s=self.s.sample_interval_s,
+                         client_kv_applies=distinct and info.metrics_source != "none")  # fmt: skip
+
+    # -- the two modes -----------------------------------------------------------------
+    async def _search(self, runner: StageRunner, maker: PromptMaker, result: BenchResult) -> None:
+        s, info = self.s, runner.info
+        cap = info.capacity
+        guess = first_guess(cap.usable_blocks if cap else None, cap.block_size if cap else None,
+                            s.workload.typical_sequence_tokens(), s.high_watermark)  # fmt: skip
+        result.first_guess = guess
+        search = ConcurrencySearch(s.start_concurrency or guess or 1, s.max_concurrency,
+                                   watch_saturation=info.metrics_source == "none")  # fmt: skip
+        while (c := search.next()) is not None:
+            if not self._budget_allows(result):
+                result.stopped_by = "budget"
+                break
+            stage = await self._run_stage(runner, maker, result, c, "search")
+            search.record(c, stage.safe, stage.output_tokens_per_s())
+        result.stopped_by = result.stopped_by or search.stopped_by
+        result.max_safe_concurrency = search.best
+        result.exact = search.exact
+        if search.best and s.hold_s > 0 and self._budget_allows(result):
+            await self._hold(runner, maker, result, search.best)
+
+    async def _fixed(self, runner: StageRunner, maker: PromptMaker, result: BenchResult) -> None:
+        c = self.s.concurrency
+        assert c is not None
+        stage = await self._run_stage(runner, maker, result, c, "fixed", requests=self.s.requests)
+        result.max_safe_concurrency = c if stage.safe else None
+        if stage.safe and self.s.hold_s > 0:
+            await self._hold(runner, maker, result, c)
+
+    async def _hold(self, runner: StageRunner, maker: PromptMaker, result: BenchResult, c: int) -> None:
+        """Keep ``c`` requests in flight for ``hold_s`` more seconds (the proof under time)."""
+        stage = await self._run_stage(runner, maker, result, c, "hold", hold_s=self.s.hold_s)
+        if stage.safe is False:
+            result.max_safe_concurrency = None if c == 1 else c - 1
+            result.exact = False
+            self.note(result, f"concurrency {c} was not safe for {self.s.hold_s:g} s "
+                              f"({'; '.join(stage.reasons)}); {c - 1} was not held")  # fmt: skip
+
+    async def _run_stage(self, runner: StageRunner, maker: PromptMaker, result: BenchResult, c: int,
+                         purpose: str, *, requests: int | None = None, hold_s: float = 0.0) -> StageResult:  # fmt: skip
+        if hold_s > 0:
+            count = max(c * self.s.waves, self._requests_for(c, hold_s, result))
+            deadline = min(self.elapsed() + hold_s, self.s.budget_s)
+        else:
+            count = requests or c * self.s.waves
+            deadline = self.s.budget_s
+        indices = await self._prepare(maker, count)
+        spec = self._spec(len(result.stages) + 1, c, indices, purpose, deadline, runner.info)
+        stage = await runner.run(spec)
+        if hold_s > 0 and stage.stop_reason == "budget" and not stage.reasons:
+            stage.safe, stage.stop_reason = True, None  # the hold ran its time: that is the goal
+            stage.stop_detail = f"held for {hold_s:g} s"
+        result.stages.append(stage)
+        if stage.stop_reason not in (None, "budget"):
+            await runner.wait_quiet(_QUIET_TIMEOUT_S)
+        return stage
+
+    def _requests_for(self, c: int, hold_s: float, result: BenchResult) -> int:
+        """Requests enough to keep ``c`` slots busy for ``hold_s`` (from the e2e seen so far)."""
+        e2e = [r.e2e_s for st in result.stages for r in st.ok_records if r.e2e_s]
+        per_request = (sum(e2e) / len(e2e)) if e2e else 1.0
+        return int(c * (hold_s / max(per_request, 0.05) + 2))
+
+    def _budget_allows(self, result: BenchResult) -> bool:
+        """Whether another stage is likely to end inside the budget (from the last one's length)."""
+        left = self.s.budget_s - self.elapsed()
+        last = result.stages[-1].duration_s if result.stages else 0.0
+        return left > max(1.0, 0.5 * last)
+
+    def _finish(self, result: BenchResult) -> None:
+        s, info = self.s, result.server
+        safe = result.max_safe_concurrency
+        safe_stages = [st for st in result.stages if st.safe and st.concurrency == safe]
+        running = [st.peak("running") for st in result.stages if st.safe]
+        proven = int(max(r for r in running if r is not None)) if any(r is not None for r in running) else None
+        kv_at_safe = max((v for st in safe_stages for v in (st.kv_peak, st.kv_peak_client) if v is not None),
+                         default=None)  # fmt: skip
+        result.recommendation = recommend(
+            max_safe=safe, proven_running=proven, capacity=info.capacity,
+            peak_sequence_tokens=s.workload.longest_sequence_tokens(), kv_peak_at_safe=kv_at_safe,
+            kv_limit=s.high_watermark, model=info.model, max_model_len=info.max_model_len,
+            backend_url=info.backends[0] if info.backends else info.url,
+            gateway=info.metrics_source == "guard",
+        )  # fmt: skip
+        result.conditions.update(self._conditions(result))
+
+    def _conditions(self, result: BenchResult) -> dict[str, Any]:
+        s, info = self.s, result.server
+        load = os.getloadavg()
+        lags = sorted(x for st in result.stages for x in st.loop_lags_s)
+        return {
+            "url": info.url,
+            "model": info.model,
+            "vllm_version": info.vllm_version,
+            "metrics_source": info.metrics_source,
+            "metrics_url": info.metrics_url,
+            "max_model_len": info.max_model_len,
+            "capacity": None if info.capacity is None else {
+                "usable_blocks": info.capacity.usable_blocks,
+                "block_size": info.capacity.block_size,
+                "num_gpu_blocks": info.capacity.num_gpu_blocks,
+                "kv_cache_tokens": info.capacity.kv_cache_tokens,
+                "kv_cache_memory_bytes": info.capacity.kv_cache_memory_bytes,
+                "prefix_caching": info.capacity.prefix_caching,
+                "source": info.capacity.source,
+            },
+            "workload": s.workload.description,
+            "high_watermark": s.high_watermark,
+            "kv_stop": s.kv_stop,
+            "sample_interval_s": s.sample_interval_s,
+            "waves": s.waves,
+            "budget_s": s.budget_s,
+            "elapsed_s": round(self.elapsed(), 2),
+            "client": {
+                "host": platform.node(),
+                "cpu_count": os.cpu_count(),
+                "load_average_1m_5m_15m": [round(x, 2) for x in load],
+                "loop_lag_p99_s": round(lags[int(0.99 * (len(lags) - 1))], 4) if lags else None,
+                "loop_lag_max_s": round(lags[-1], 4) if lags else None,
+            },
+            "gpu_memory": result.conditions.get("gpu_memory", "not sampled"),
+            "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+
+
+def _gpu_reader(info: ServerInfo, result: BenchResult, run: _Run) -> Callable[[], list[int] | None] | None:
+    """NVML's used memory per GPU, when the server runs on this machine and NVML answers."""
+    from oomguard.engine import gpu_memory
+
+    if not info.local:
+        result.conditions["gpu_memory"] = "not sampled: the server is not on this machine"
+        return None
+    if gpu_memory() is None:
+        result.conditions["gpu_memory"] = "not sampled: NVML is not available on this machine"
+        run.note(result, "NVML is not available here (no NVIDIA driver): GPU memory is not sampled")
+        return None
+    result.conditions["gpu_memory"] = "NVML, used bytes per GPU"
+
+    def read() -> list[int] | None:
+        devices = gpu_memory()
+        return None if devices is None else [d.used_bytes for d in devices]
+
+    return read
+
+
+def run_bench(settings: BenchSettings, listener: Listener | None = None) -> BenchResult:
+    """Run bench against ``settings.url`` and return what it found (see the module doc)."""
+    return asyncio.run(_Run(settings, listener).run())
