@@ -22,6 +22,7 @@ from burst import BurstResult, GuardProcess, make_prompts, run_burst
 from conftest import SHARED_POOL_BLOCKS, require_program, wait_vllm_idle
 from openai_stub import OpenAIStub
 from tinymodel import TinyModel
+from vllm_bench import vllm_bench_serve
 from vllm_server import (
     ServeConfig,
     VllmServer,
@@ -212,7 +213,9 @@ def test_vllm_bench_serve_counts_the_same(
     url, model, n, c = shared_vllm.base_url, str(tiny_model.path), 28, 4
     wait_vllm_idle(url)
     before = _counters(url)
-    theirs = _vllm_bench_serve(vllm_venv_path, url, model, n, c, tmp_path)
+    theirs = vllm_bench_serve(vllm_venv_path, url, model, input_len=PROMPT_TOKENS,
+                              output_len=MAX_TOKENS, num_prompts=n, max_concurrency=c,
+                              out_dir=tmp_path)  # fmt: skip
     wait_vllm_idle(url)
     between = _counters(url)
     proc = oomguard(oomguard_exe, "bench", url, "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens",
@@ -251,31 +254,6 @@ def _counters(url: str) -> dict[str, float]:
     return {"requests": metric_value(text, "vllm:request_success_total"),
             "prompt": metric_value(text, "vllm:prompt_tokens_total"),
             "generation": metric_value(text, "vllm:generation_tokens_total")}  # fmt: skip
-
-
-VLLM_BENCH_SERVE = """
-import sys
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.benchmarks.serve import add_cli_args, main
-parser = FlexibleArgumentParser()
-add_cli_args(parser)
-main(parser.parse_args(sys.argv[1:]))
-"""
-
-
-def _vllm_bench_serve(venv: Path, url: str, model: str, n: int, c: int, out: Path) -> dict[str, Any]:
-    """``vllm bench serve`` (the module behind it: the wheel's ``vllm`` script cannot start)."""
-    argv = [str(venv / "bin" / "python"), "-c", VLLM_BENCH_SERVE, "--backend", "vllm",
-            "--base-url", url, "--model", model, "--tokenizer", model, "--dataset-name", "random",
-            "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(MAX_TOKENS),
-            "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(n),
-            "--max-concurrency", str(c), "--request-rate", "inf", "--disable-tqdm", "--save-result",
-            "--result-dir", str(out), "--result-filename", "vllm-bench.json"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    result = out / "vllm-bench.json"
-    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return dict(json.loads(result.read_text()))
 
 
 def test_through_the_guard(shared_vllm: VllmServer, oomguard_exe: list[str], tmp_path: Path) -> None:

@@ -88,13 +88,13 @@ def bench_command(
     if as_json:
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
-        out = Console(highlight=False)
+        out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
         print_summary(data, out)
         if report is not None:
             out.print(f"report: {report / 'report.html'}")
         if result.calibration and result.calibration.get("stored"):
             out.print(f"calibration: stored under {result.calibration['key']}")
-    return result.exit_code
+    return 130 if result.stopped_by == "interrupted" else result.exit_code
 
 
 def _workload(prompt_tokens: int | None, max_tokens: int | None, path: Path | None,

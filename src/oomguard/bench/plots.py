@@ -91,20 +91,24 @@ def queue_timeline(data: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
-def _by_concurrency(data: dict[str, Any]) -> list[dict[str, Any]]:
-    return sorted((st for st in data["stages"] if st["requests"]["ok"]), key=lambda s: s["concurrency"])
+def _by_concurrency(data: dict[str, Any], *, ok_only: bool) -> list[dict[str, Any]]:
+    stages = [st for st in data["stages"] if (st["requests"]["ok"] if ok_only else st["output_tokens"])]
+    return sorted(stages, key=lambda s: s["concurrency"])
 
 
 def _mark_safe(ax: Any, data: dict[str, Any]) -> None:
     safe = data["max_safe_concurrency"]
     if safe:
         ax.axvline(safe, color=_SAFE, lw=1.5, ls="--", label=f"max safe = {safe}")
+    top = max([st["concurrency"] for st in data["stages"]] + [safe or 1])
+    ax.set_xlim(0, top + 1)
+    ax.xaxis.get_major_locator().set_params(integer=True)
 
 
 def throughput(data: dict[str, Any], plt: Any) -> Any:
     """Output tokens/s against concurrency, each stage coloured by its verdict."""
     fig, ax = plt.subplots(figsize=(4.4, 3.3))
-    stages = _by_concurrency(data)
+    stages = _by_concurrency(data, ok_only=False)  # a stopped stage: its rate until the stop
     xs = [st["concurrency"] for st in stages]
     ax.plot(xs, [st["output_tokens_per_s"] for st in stages], "-", color="#90a4ae", lw=1)
     for st in stages:
@@ -113,7 +117,7 @@ def throughput(data: dict[str, Any], plt: Any) -> Any:
     _mark_safe(ax, data)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max([st["output_tokens_per_s"] for st in stages] + [1.0]) * 1.15)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title("Throughput against concurrency")
     return fig
@@ -122,7 +126,7 @@ def throughput(data: dict[str, Any], plt: Any) -> Any:
 def latency(data: dict[str, Any], plt: Any) -> Any:
     """TTFT, inter-token and end-to-end latency percentiles against concurrency."""
     fig, ax = plt.subplots(figsize=(4.4, 3.3))
-    stages = _by_concurrency(data)
+    stages = _by_concurrency(data, ok_only=True)
     xs = [st["concurrency"] for st in stages]
     for key, label, color in (("ttft_s", "TTFT", "#1565c0"), ("e2e_s", "e2e", "#6a1b9a"),
                               ("itl_s", "ITL", "#00838f")):  # fmt: skip

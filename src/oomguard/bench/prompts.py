@@ -19,13 +19,19 @@ from typing import Protocol
 import aiohttp
 
 from oomguard.bench.workload import RequestShape
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, OomguardError
 
 _SYLLABLES = (
     "ka", "to", "ri", "men", "sol", "qua", "lin", "dor", "ve", "nix", "pa", "ul", "tra", "bo",
     "ez", "gal", "fi", "mon", "sa", "ter", "ox", "ya", "hel", "cu", "dra", "po", "ni", "vex",
 )  # fmt: skip
 _ATTEMPTS = 8
+
+
+class TokenizerUnavailable(OomguardError):
+    """The tokenizer stopped answering (the server went away) or refused the text."""
+
+    exit_code = 1
 
 
 class Tokenizer(Protocol):
@@ -48,12 +54,18 @@ class ServerTokenizer:
         self.timeout = aiohttp.ClientTimeout(total=30)
 
     async def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
-        async with self.session.post(self.base_url + path, json=body, timeout=self.timeout) as r:
-            data = await r.json(content_type=None)
-            if r.status != 200 or not isinstance(data, dict):
-                raise BadInput(f"{self.base_url}{path} answered {r.status}: {str(data)[:200]}",
-                               "pass --tokenizer with the model's tokenizer.json")  # fmt: skip
-            return data
+        try:
+            async with self.session.post(self.base_url + path, json=body, timeout=self.timeout) as r:
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise TokenizerUnavailable(
+                f"{self.base_url}{path} failed ({type(exc).__name__}: {exc})"[:300],
+                "check that the server still runs, or pass --tokenizer",
+            ) from None
+        if r.status != 200 or not isinstance(data, dict):
+            raise TokenizerUnavailable(f"{self.base_url}{path} answered {r.status}: {str(data)[:200]}",
+                                       "pass --tokenizer with the model's tokenizer.json")  # fmt: skip
+        return data
 
     async def encode(self, text: str, *, special: bool) -> list[int]:
         """Ids from ``/tokenize``."""

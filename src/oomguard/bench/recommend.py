@@ -121,7 +121,7 @@ def recommend(
                    "`oomguard plan MODEL` computes it from the model's config")  # fmt: skip
     if max_safe is None:
         return Recommendation(None, None, None, kv_per_token, source, None, None, None, None,
-                              ["no concurrency was safe: even one peak request preempts or fails"])  # fmt: skip
+                              ["no concurrency was proven safe: nothing to recommend"])  # fmt: skip
     seqs = max_safe
     pool_holds = (
         int(kv_limit * capacity.usable_blocks + 1e-9) // -(-peak_sequence_tokens // capacity.block_size)

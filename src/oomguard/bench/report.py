@@ -97,10 +97,8 @@ def stage_table(data: dict[str, Any]) -> Table:
         run = "-" if st["running_peak"] is None else f"{st['running_peak']:g}"
         wait = "-" if st["waiting_peak"] is None else f"{st['waiting_peak']:g}"
         verdict = _verdict(st)
-        if st["reasons"]:
-            verdict.append(": " + "; ".join(st["reasons"]), style="dim")
-        elif st["stop_detail"]:
-            verdict.append(f" ({st['stop_detail']})", style="dim")
+        if st["stop_reason"]:
+            verdict.append(f" ({st['stop_reason']})", style="dim")
         t.add_row(
             f"{st['index']}{'h' if st['purpose'] == 'hold' else ''}", str(st["concurrency"]),
             f"{req['ok']}/{req['sent']}",
@@ -120,10 +118,20 @@ def summary_renderable(data: dict[str, Any]) -> Group:
     parts: list[Any] = [stage_table(data)]
     safe = data["max_safe_concurrency"]
     cond = data["conditions"]
-    if safe:
-        exact = "" if data["exact"] else " (not bracketed: see notes)"
+    for st in data["stages"]:
+        if st["reasons"] or st["stop_detail"]:
+            why = "; ".join(st["reasons"]) or st["stop_detail"]
+            parts.append(Text(f"stage {st['index']} (concurrency {st['concurrency']}): {why}", style="dim"))
+    fixed = data["exact"] is None
+    if safe and fixed:
+        parts.append(Text.assemble(("concurrency ", "bold"), (str(safe), "bold green"),
+                                   (" holds", "bold"), f"  [{cond.get('workload')}]"))  # fmt: skip
+    elif safe:
+        exact = "" if data["exact"] else " (not bracketed by an unsafe stage: see the stages)"
         parts.append(Text.assemble(("max safe concurrency: ", "bold"), (str(safe), "bold green"),
                                    f"{exact}  [{cond.get('workload')}]"))  # fmt: skip
+    elif fixed:
+        parts.append(Text("the concurrency tested does not hold (see the stage)", style="bold red"))
     else:
         parts.append(Text("no safe concurrency: even the lowest tested preempted or failed",
                           style="bold red"))  # fmt: skip

@@ -28,6 +28,7 @@ from oomguard.bench.prompts import (
     PromptMaker,
     ServerTokenizer,
     Tokenizer,
+    TokenizerUnavailable,
 )
 from oomguard.bench.recommend import Recommendation, recommend
 from oomguard.bench.search import ConcurrencySearch, first_guess
@@ -92,7 +93,7 @@ class BenchResult:
     server: ServerInfo
     stages: list[StageResult] = field(default_factory=list)
     max_safe_concurrency: int | None = None
-    exact: bool = False  # max_safe + 1 was tested and found unsafe
+    exact: bool | None = False  # max_safe + 1 was tested and found unsafe (None: fixed mode)
     first_guess: int | None = None
     recommendation: Recommendation | None = None
     conditions: dict[str, Any] = field(default_factory=dict)
@@ -148,7 +149,7 @@ class _Run:
             for text in info.notes:
                 self.note(result, text)
             self._check_lengths(info)
-            maker = PromptMaker(self._tokenizer(session, info), shared_prefix_tokens=s.workload.shared_prefix_tokens,
+            maker = PromptMaker(self._tokenizer(session, info, result), shared_prefix_tokens=s.workload.shared_prefix_tokens,
                                 run_seed=s.seed or f"{os.getpid()}-{time.time_ns()}-")  # fmt: skip
             await self._warm_up(session, info, maker, result)
             runner = StageRunner(session, info, client, self.prompts, self.max_tokens,
@@ -156,10 +157,18 @@ class _Run:
                                  gpu_reader=_gpu_reader(info, result, self),
                                  request_timeout_s=s.request_timeout_s)  # fmt: skip
             await runner.wait_quiet(_QUIET_TIMEOUT_S)
-            if s.concurrency is not None:
-                await self._fixed(runner, maker, result)
-            else:
-                await self._search(runner, maker, result)
+            try:
+                if s.concurrency is not None:
+                    await self._fixed(runner, maker, result)
+                else:
+                    await self._search(runner, maker, result)
+            except asyncio.CancelledError:
+                # Ctrl-C: keep what the finished stages proved and report it
+                result.stopped_by = "interrupted"
+                self.note(result, "interrupted: the result rests on the stages that finished")
+            except TokenizerUnavailable as exc:
+                result.stopped_by = "server_down"
+                self.note(result, f"prompts could not be built any more: {exc.message}")
         self._finish(result)
         return result
 
@@ -173,11 +182,18 @@ class _Run:
                 "lower --prompt-tokens/--max-tokens, or serve with a larger --max-model-len",
             )
 
-    def _tokenizer(self, session: Any, info: ServerInfo) -> Tokenizer:
+    def _tokenizer(self, session: Any, info: ServerInfo, result: BenchResult) -> Tokenizer:
+        """The server's tokenizer (``/tokenize``), else ``--tokenizer``, else the served
+        model's own ``tokenizer.json`` on this machine (its directory, or the Hugging Face
+        cache; nothing is downloaded)."""
         if self.s.tokenizer is not None:
             return LocalTokenizer(self.s.tokenizer)
         if info.tokenize_url:
             return ServerTokenizer(session, info.tokenize_url, info.model)
+        local = _local_tokenizer_file(info.model)
+        if local is not None:
+            self.note(result, f"{info.url} has no /tokenize: prompts are counted with {local}")
+            return LocalTokenizer(local)
         raise BadInput(
             f"{info.url} has no /tokenize, so prompts of an exact length cannot be built",
             "pass --tokenizer with the model's tokenizer.json (or its directory)",
@@ -250,6 +266,8 @@ class _Run:
                 break
             stage = await self._run_stage(runner, maker, result, c, "search")
             search.record(c, stage.safe, stage.output_tokens_per_s())
+            if await self._server_gone(runner, stage, result):
+                break
         result.stopped_by = result.stopped_by or search.stopped_by
         result.max_safe_concurrency = search.best
         result.exact = search.exact
@@ -261,6 +279,7 @@ class _Run:
         assert c is not None
         stage = await self._run_stage(runner, maker, result, c, "fixed", requests=self.s.requests)
         result.max_safe_concurrency = c if stage.safe else None
+        result.exact = None  # one concurrency proven (or not), nothing bracketed
         if stage.safe and self.s.hold_s > 0:
             await self._hold(runner, maker, result, c)
 
@@ -277,26 +296,38 @@ class _Run:
                          purpose: str, *, requests: int | None = None, hold_s: float = 0.0) -> StageResult:  # fmt: skip
         if hold_s > 0:
             count = max(c * self.s.waves, self._requests_for(c, hold_s, result))
-            deadline = min(self.elapsed() + hold_s, self.s.budget_s)
         else:
             count = requests or c * self.s.waves
-            deadline = self.s.budget_s
         indices = await self._prepare(maker, count)
+        deadline = self.s.budget_s
+        if hold_s > 0:  # from now: preparing the prompts is not part of the hold
+            deadline = min(self.elapsed() + hold_s, self.s.budget_s)
         spec = self._spec(len(result.stages) + 1, c, indices, purpose, deadline, runner.info)
         stage = await runner.run(spec)
-        if hold_s > 0 and stage.stop_reason == "budget" and not stage.reasons:
-            stage.safe, stage.stop_reason = True, None  # the hold ran its time: that is the goal
-            stage.stop_detail = f"held for {hold_s:g} s"
+        if hold_s > 0 and stage.stop_reason in (None, "budget") and not stage.reasons:
+            # the hold ran its time (or its requests): that is the goal, not a cut
+            stage.safe, stage.stop_reason = True, None
+            stage.stop_detail = f"held {stage.duration_s:.0f} s of the {hold_s:g} s asked"
         result.stages.append(stage)
         if stage.stop_reason not in (None, "budget"):
             await runner.wait_quiet(_QUIET_TIMEOUT_S)
         return stage
 
+    async def _server_gone(self, runner: StageRunner, stage: StageResult, result: BenchResult) -> bool:
+        """After a stage that failed requests or health: whether the server still answers
+        (a search against a server that died would only collect errors)."""
+        if stage.stop_reason not in ("error", "health") or await runner.server.health_ok():
+            return False
+        result.stopped_by = "server_down"
+        self.note(result, f"the server stopped answering during stage {stage.spec.index} "
+                          f"({stage.stop_detail}): the search ends there")  # fmt: skip
+        return True
+
     def _requests_for(self, c: int, hold_s: float, result: BenchResult) -> int:
         """Requests enough to keep ``c`` slots busy for ``hold_s`` (from the e2e seen so far)."""
         e2e = [r.e2e_s for st in result.stages for r in st.ok_records if r.e2e_s]
-        per_request = (sum(e2e) / len(e2e)) if e2e else 1.0
-        return int(c * (hold_s / max(per_request, 0.05) + 2))
+        fastest = min(e2e) if e2e else 1.0  # enough even if every request is that quick
+        return int(c * (hold_s / max(fastest, 0.05) + 2))
 
     def _budget_allows(self, result: BenchResult) -> bool:
         """Whether another stage is likely to end inside the budget (from the last one's length)."""
@@ -358,6 +389,21 @@ class _Run:
             "gpu_memory": result.conditions.get("gpu_memory", "not sampled"),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _local_tokenizer_file(model: str) -> Path | None:
+    """``tokenizer.json`` of ``model`` on this machine: a local directory, or the Hugging
+    Face cache (offline lookup)."""
+    path = Path(model).expanduser()
+    if (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "tokenizer.json")
+    except Exception:  # noqa: BLE001 - not a repo id, no cache: nothing local
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def _gpu_reader(info: ServerInfo, result: BenchResult, run: _Run) -> Callable[[], list[int] | None] | None:

@@ -320,32 +320,12 @@ class _Stage:
         res.start_s = self.r.now()
         self.clean_since = res.start_s if self.baseline is not None else None
         self._emit("start")
-        slots = [asyncio.create_task(self._slot(s)) for s in range(self.spec.concurrency)]
-        sampler = asyncio.create_task(self._sample_loop())
-        stopper: asyncio.Future[Any] = asyncio.create_task(self.stop.wait())
-        all_slots: asyncio.Future[Any] = asyncio.gather(*slots, return_exceptions=True)
-        timeout = max(0.0, self.spec.deadline_s - self.r.now())
-        done, _ = await asyncio.wait({all_slots, stopper}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        if not done:
-            self._trigger("budget", "the run's time budget ended during this stage", None)
-        if self.stop.is_set():
-            for task in slots:
-                task.cancel()
-            await asyncio.gather(*slots, return_exceptions=True)
-            stopped = self.r.now()
-            res.stop_latency_s = stopped - self._sign_s
-            await self._reads_done()  # the reads in flight settle which page was the last clean
-            res.stop_bound_s = stopped - self.clean_since if self.clean_since is not None else None
-        await asyncio.gather(all_slots, return_exceptions=True)
-        stopper.cancel()
-        sampler.cancel()
-        await asyncio.gather(sampler, stopper, return_exceptions=True)
-        await self._reads_done(cancel=True)
-        res.samples.sort(key=lambda x: x.t_s)
-        res.end_s = self.r.now()
-        res.loop_lags_s = lag.take()
-        await lag.stop()
+        try:
+            await self._load()
+        finally:
+            res.end_s = self.r.now()
+            res.loop_lags_s = lag.take()
+            await lag.stop()
         cpu1 = psutil.Process().cpu_times()
         res.client_cpu_fraction = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / res.duration_s
         quiet = await self.r.wait_quiet()
@@ -357,6 +337,37 @@ class _Stage:
         judge(res)
         self._emit("end")
         return res
+
+    async def _load(self) -> None:
+        """The closed loop and the sampler, until the requests end or a stop reason."""
+        res = self.result
+        slots = [asyncio.create_task(self._slot(s)) for s in range(self.spec.concurrency)]
+        sampler = asyncio.create_task(self._sample_loop())
+        stopper: asyncio.Future[Any] = asyncio.create_task(self.stop.wait())
+        all_slots: asyncio.Future[Any] = asyncio.gather(*slots, return_exceptions=True)
+        try:
+            timeout = max(0.0, self.spec.deadline_s - self.r.now())
+            done, _ = await asyncio.wait({all_slots, stopper}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if not done:
+                self._trigger("budget", "the run's time budget ended during this stage", None)
+            if self.stop.is_set():
+                for task in slots:
+                    task.cancel()
+                await asyncio.gather(*slots, return_exceptions=True)
+                stopped = self.r.now()
+                res.stop_latency_s = stopped - self._sign_s
+                await self._reads_done()  # reads in flight settle which page was the last clean
+                if self.clean_since is not None:
+                    res.stop_bound_s = stopped - self.clean_since
+            await asyncio.gather(all_slots, return_exceptions=True)
+        finally:  # also when the run itself is cancelled (Ctrl-C): leave nothing running
+            pending: list[asyncio.Future[Any]] = [*slots, sampler, stopper]
+            for future in pending:
+                future.cancel()
+            await asyncio.gather(*slots, sampler, stopper, return_exceptions=True)
+            await self._reads_done(cancel=True)
+            res.samples.sort(key=lambda x: x.t_s)
 
     async def _slot(self, slot: int) -> None:
         due = self.result.start_s
@@ -428,8 +439,8 @@ class _Stage:
     async def _reads_done(self, cancel: bool = False) -> None:
         pending = list(self.reads)
         if cancel:
-            for task in pending:
-                task.cancel()
+            for future in pending:
+                future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
     def _sample(self, t: float, read_s: float, reading: ServerReading | None, health: bool | None,
