@@ -77,6 +77,7 @@ def queue_timeline(data: dict[str, Any], plt: Any) -> Any:
     fig, ax = plt.subplots(figsize=(9, 3.2))
     rows = data["timeline"]
     for key, label, style in (("running", "running (server)", "-"), ("waiting", "waiting (server)", "-"),
+                              ("waiting_for_capacity", "waiting for KV (server)", "-."),
                               ("in_flight", "in flight (client)", ":"),
                               ("gateway_queue", "queued in the gateway", "--")):  # fmt: skip
         t, v = _series(rows, key)

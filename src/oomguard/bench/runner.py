@@ -351,6 +351,8 @@ class _Run:
             gateway=info.metrics_source == "guard",
         )  # fmt: skip
         result.conditions.update(self._conditions(result))
+        for text in client_warnings(result.stages):
+            self.note(result, text)
 
     def _conditions(self, result: BenchResult) -> dict[str, Any]:
         s, info = self.s, result.server
@@ -389,6 +391,32 @@ class _Run:
             "gpu_memory": result.conditions.get("gpu_memory", "not sampled"),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+LAG_WARN_S = 0.05
+CPU_WARN_FRACTION = 0.9
+
+
+def client_warnings(stages: list[StageResult]) -> list[str]:
+    """Stages whose figures may describe the client more than the server: its event loop
+    ran late by more than ``LAG_WARN_S`` (p99) or half the median gap between tokens, or it
+    used nearly a whole core."""
+    out = []
+    for st in stages:
+        lags = sorted(st.loop_lags_s)
+        if not lags:
+            continue
+        p99 = lags[int(0.99 * (len(lags) - 1))]
+        gaps = sorted(g for r in st.ok_records for g in r.chunk_gaps_s)
+        itl = gaps[len(gaps) // 2] if gaps else None
+        if p99 > LAG_WARN_S or (itl and p99 > 0.5 * itl and p99 > 0.005):
+            out.append(f"stage {st.spec.index}: the client's event loop ran up to {p99 * 1000:.0f} ms "
+                       "late (p99): its latencies include that much of the client's own delay "
+                       "(a loaded machine, or too many requests for one process)")  # fmt: skip
+        if st.client_cpu_fraction is not None and st.client_cpu_fraction > CPU_WARN_FRACTION:
+            out.append(f"stage {st.spec.index}: the client used {st.client_cpu_fraction:.0%} of a core: "
+                       "it may be the bottleneck")  # fmt: skip
+    return out
 
 
 def _local_tokenizer_file(model: str) -> Path | None:

@@ -67,3 +67,13 @@ def test_verdicts() -> None:
     r.error = "HTTP 500: boom"
     failed = stage([sample(0.5, 0)], records=[r])
     assert failed.safe is False and "HTTP 500: boom" in failed.reasons[0]
+
+
+def test_a_lagging_client_is_named() -> None:
+    from oomguard.bench.runner import client_warnings
+
+    calm = stage([sample(0.5, 0)], loop_lags_s=[0.001] * 100, client_cpu_fraction=0.2)
+    busy = stage([sample(0.5, 0)], loop_lags_s=[0.001] * 90 + [0.2] * 10, client_cpu_fraction=0.97)
+    assert client_warnings([calm]) == []
+    warned = client_warnings([busy])
+    assert len(warned) == 2 and "200 ms late" in warned[0] and "97% of a core" in warned[1]
