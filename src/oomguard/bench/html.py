@@ -44,6 +44,8 @@ def _stage_rows(data: dict[str, Any]) -> str:
         req = st["requests"]
         kv = st["kv_peak"] if st["kv_peak"] is not None else st["kv_peak_client"]
         stop = "-" if st["stop_latency_s"] is None else f"{st['stop_latency_s'] * 1000:,.0f}"
+        if st["stop_latency_s"] is not None and st["stop_bound_s"] is not None:
+            stop += f" (≤ {st['stop_bound_s'] * 1000:,.0f})"
         cells = [
             st["index"], st["concurrency"], st["purpose"], f"{req['ok']}/{req['sent']}",
             "-" if st["preemptions"] is None else f"{st['preemptions']:g}",
@@ -61,7 +63,7 @@ def _stage_rows(data: dict[str, Any]) -> str:
                     f"<span class=dim>{_e(why)}</span></td></tr>")  # fmt: skip
     head = ("#", "concurrency", "purpose", "ok/sent", "preemptions", "KV peak", "running", "waiting",
             "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms", "loop lag p99 ms",
-            "stopped after ms")  # fmt: skip
+            "stopped after ms (bound)")  # fmt: skip
     ths = "".join(f"<th>{_e(h)}</th>" for h in head) + "<th class=l>verdict</th>"
     return f"<table><tr>{ths}</tr>{''.join(rows)}</table>"
 
@@ -104,8 +106,10 @@ def render_html(data: dict[str, Any], svgs: dict[str, str]) -> str:
     parts.append("</div><h2>Stages</h2>")
     parts.append(_stage_rows(data))
     parts.append("<p class=dim>Latencies count from when each request was due (its slot freed), so "
-                 "time lost in the client counts. Stop time: from the last sample without a "
-                 "preemption to every request cancelled (an upper bound).</p>")  # fmt: skip
+                 "time lost in the client counts. Stopped after: from the first sign (a sample "
+                 "showing the preemption, or the client seeing its requests' KV need reach the "
+                 "pool) to every request cancelled; the bound counts from the last sample without "
+                 "a preemption instead.</p>")  # fmt: skip
     shown = {k: v for k, v in cond.items()}
     parts.append(f"<h2>Conditions</h2><pre>{_e(json.dumps(shown, indent=1))}</pre>")
     parts.append("</body></html>")

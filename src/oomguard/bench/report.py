@@ -33,7 +33,6 @@ def _r(x: float | None) -> float | None:
 def result_dict(result: BenchResult) -> dict[str, Any]:
     """The whole run as plain data: the figures, the recommendation, every stage and sample."""
     rec = result.recommendation
-    latencies = result.stop_latencies_s
     return {
         "schema_version": SCHEMA_VERSION,
         "max_safe_concurrency": result.max_safe_concurrency,
@@ -53,10 +52,12 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
             "kv_tokens_per_request": rec.kv_tokens_per_request_measured,
             "blocks_per_request": rec.blocks_per_request,
         },
-        "stop_latency_s": {
-            "stages_stopped_at_a_preemption": len(latencies),
-            "max": round(max(latencies), 4) if latencies else None,
-        },
+        "stops": [
+            {"stage": st.spec.index, "concurrency": st.concurrency, "reason": st.stop_reason,
+             "preemptions": st.preemptions, "stop_latency_s": _r(st.stop_latency_s),
+             "stop_bound_s": _r(st.stop_bound_s), "server_quiet_s": _r(st.server_quiet_s)}
+            for st in result.stops
+        ],  # fmt: skip
         "stopped_by": result.stopped_by,
         "stages": [st.summary() for st in result.stages],
         "conditions": result.conditions,
@@ -146,11 +147,12 @@ def summary_renderable(data: dict[str, Any]) -> Group:
     if measured.get("kv_bytes_per_token"):
         parts.append(Text(f"KV: {measured['kv_bytes_per_token']:,.1f} bytes per token "
                           f"({measured['kv_bytes_per_token_source']})"))  # fmt: skip
-    stop = data["stop_latency_s"]
-    if stop["max"] is not None:
-        parts.append(Text(f"stages stopped at most {stop['max'] * 1000:,.0f} ms after the first "
-                          f"preemption ({stop['stages_stopped_at_a_preemption']} stage(s); upper "
-                          "bound: from the last clean sample to every request cancelled)"))  # fmt: skip
+    for stop in data["stops"]:
+        what = "a preemption" if stop["reason"] == "preemption" else "a full pool"
+        bound = "" if stop["stop_bound_s"] is None else (
+            f", at most {stop['stop_bound_s'] * 1000:,.0f} ms after the last sample without a preemption")
+        parts.append(Text(f"stage {stop['stage']} stopped at {what} {stop['stop_latency_s'] * 1000:,.0f} ms "
+                          f"after the first sign{bound} ({stop['preemptions'] or 0:g} preemption(s))"))  # fmt: skip
     for note in data["notes"]:
         parts.append(Text(f"note: {note}", style="yellow"))
     return Group(*parts)

@@ -111,10 +111,9 @@ class BenchResult:
         return [s for st in self.stages for s in st.samples]
 
     @property
-    def stop_latencies_s(self) -> list[float]:
-        """How long each stage that stopped at a preemption took to stop (upper bounds)."""
-        return [st.stop_latency_s for st in self.stages
-                if st.stop_reason == "preemption" and st.stop_latency_s is not None]  # fmt: skip
+    def stops(self) -> list[StageResult]:
+        """The stages stopped at a preemption or a full pool (the ones whose stop is timed)."""
+        return [st for st in self.stages if st.stop_reason in ("preemption", "kv_full")]
 
 
 Listener = Callable[[str, Any], None]
@@ -398,24 +397,30 @@ CPU_WARN_FRACTION = 0.9
 
 
 def client_warnings(stages: list[StageResult]) -> list[str]:
-    """Stages whose figures may describe the client more than the server: its event loop
-    ran late by more than ``LAG_WARN_S`` (p99) or half the median gap between tokens, or it
-    used nearly a whole core."""
-    out = []
+    """Where the figures may describe the client more than the server: stages whose event
+    loop ran late by more than ``LAG_WARN_S`` (p99), or by more than half the median time per
+    output token, and stages where the client used nearly a whole core (one note each)."""
+    late: list[tuple[int, float]] = []
+    busy: list[tuple[int, float]] = []
     for st in stages:
         lags = sorted(st.loop_lags_s)
-        if not lags:
-            continue
-        p99 = lags[int(0.99 * (len(lags) - 1))]
-        gaps = sorted(g for r in st.ok_records for g in r.chunk_gaps_s)
-        itl = gaps[len(gaps) // 2] if gaps else None
-        if p99 > LAG_WARN_S or (itl and p99 > 0.5 * itl and p99 > 0.005):
-            out.append(f"stage {st.spec.index}: the client's event loop ran up to {p99 * 1000:.0f} ms "
-                       "late (p99): its latencies include that much of the client's own delay "
-                       "(a loaded machine, or too many requests for one process)")  # fmt: skip
+        if lags:
+            p99 = lags[int(0.99 * (len(lags) - 1))]
+            tpots = sorted(t for r in st.ok_records if (t := r.tpot_s) is not None)
+            tpot = tpots[len(tpots) // 2] if tpots else None
+            if p99 > LAG_WARN_S or (tpot and p99 > 0.5 * tpot and p99 > 0.005):
+                late.append((st.spec.index, p99))
         if st.client_cpu_fraction is not None and st.client_cpu_fraction > CPU_WARN_FRACTION:
-            out.append(f"stage {st.spec.index}: the client used {st.client_cpu_fraction:.0%} of a core: "
-                       "it may be the bottleneck")  # fmt: skip
+            busy.append((st.spec.index, st.client_cpu_fraction))
+    out = []
+    if late:
+        out.append(f"the client's event loop ran late in stage(s) {', '.join(str(i) for i, _ in late)} "
+                   f"(p99 up to {max(v for _, v in late) * 1000:.0f} ms): their latencies include that "
+                   "much of the client's own delay (a loaded machine, or too many requests for one "
+                   "process)")  # fmt: skip
+    if busy:
+        out.append(f"the client used up to {max(v for _, v in busy):.0%} of a core in stage(s) "
+                   f"{', '.join(str(i) for i, _ in busy)}: it may be the bottleneck there")  # fmt: skip
     return out
 
 
