@@ -34,7 +34,7 @@ from oomguard.bench.recommend import Recommendation, recommend
 from oomguard.bench.search import ConcurrencySearch, first_guess
 from oomguard.bench.server import ServerClient, ServerInfo, preflight
 from oomguard.bench.stage import Sample, StageListener, StageResult, StageRunner, StageSpec
-from oomguard.bench.workload import FixedWorkload, Workload
+from oomguard.bench.workload import ReplayWorkload, Workload
 from oomguard.errors import BadInput
 
 DEFAULT_BUDGET_S = 600.0
@@ -243,7 +243,9 @@ class _Run:
 
     def _spec(self, index: int, concurrency: int, indices: tuple[int, ...], purpose: str,
               deadline_s: float, info: ServerInfo) -> StageSpec:  # fmt: skip
-        distinct = self.s.workload.shared_prefix_tokens == 0 and isinstance(self.s.workload, FixedWorkload)
+        # generated prompts share nothing, so the client counts their KV exactly; replayed
+        # texts may share prefixes (and their KV is then less than the sum)
+        distinct = self.s.workload.shared_prefix_tokens == 0 and not isinstance(self.s.workload, ReplayWorkload)
         return StageSpec(index=index, concurrency=concurrency, request_indices=indices,
                          purpose=purpose, deadline_s=deadline_s,
                          kv_limit=self.s.high_watermark, kv_stop=self.s.kv_stop,

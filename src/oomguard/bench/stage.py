@@ -332,7 +332,7 @@ class _Stage:
         if res.stop_reason is not None and quiet is not None and self.clean_since is not None:
             res.server_quiet_s = self.r.now() - self.clean_since
         await self._final_counters()
-        if self.tracker is not None:
+        if self.tracker is not None and self.spec.client_kv_applies:
             res.kv_peak_client = self.tracker.usage(self.tracker.peak)
         judge(res)
         self._emit("end")
@@ -424,7 +424,7 @@ class _Stage:
             started = self.r.now()
             self.health = await self.r.server.health_ok()
             if self.health is False:
-                self._trigger("health", "/health did not answer 200", self.clean_since)
+                self._trigger("health", "/health did not answer 200", None)
             await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (self.r.now() - started)))
 
     async def _read_once(self, started: float) -> None:
