@@ -260,7 +260,7 @@ def test_through_the_guard(shared_vllm: VllmServer, oomguard_exe: list[str], tmp
     wait_vllm_idle(shared_vllm.base_url)
     with GuardProcess([shared_vllm.base_url], tmp_path / "guard.log") as guard:
         proc = oomguard(oomguard_exe, "bench", guard.url, "--prompt-tokens", str(PROMPT_TOKENS),
-                        "--max-tokens", str(MAX_TOKENS), "--max-concurrency", "16", "--json",
+                        "--max-tokens", str(MAX_TOKENS), "--max-concurrency", "10", "--json",
                         "--no-record", "--budget-s", "240")  # fmt: skip
     wait_vllm_idle(shared_vllm.base_url)
     data = bench_json(proc)
@@ -290,6 +290,21 @@ def test_a_server_that_is_not_vllm_runs_on_client_figures(
     assert all(s["preemptions"] is None and s["kv_peak"] is None for s in data["stages"])
     assert sum(s["requests"]["ok"] for s in data["stages"]) + 1 == served  # +1: the warm-up
     assert data["recommended"]["high_watermark"] is None
+
+
+def test_nothing_safe_exits_1(shared_vllm: VllmServer, oomguard_exe: list[str]) -> None:
+    """One request of 900 tokens holds 8 of the 15 blocks (0.53 of the pool): above a 0.3
+    high watermark even alone."""
+    wait_vllm_idle(shared_vllm.base_url)
+    proc = oomguard(oomguard_exe, "bench", shared_vllm.base_url, "--prompt-tokens", "600",
+                    "--max-tokens", "300", "--high-watermark", "0.3", "--json", "--no-record")  # fmt: skip
+    wait_vllm_idle(shared_vllm.base_url)
+    data = bench_json(proc)
+    assert proc.returncode == 1
+    assert data["max_safe_concurrency"] is None and data["recommended"]["max_num_seqs"] is None
+    (stage,) = data["stages"]
+    assert stage["concurrency"] == 1 and stage["safe"] is False
+    assert any("KV" in r and "> 0.3" in r for r in stage["reasons"]) and stage["preemptions"] == 0
 
 
 def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:

@@ -507,8 +507,8 @@ def judge(res: StageResult) -> None:
         reasons.append(f"KV usage peaked at {res.kv_peak:.3f} (> {spec.kv_limit:g})")
     client = res.kv_peak_client if spec.client_kv_applies else None
     if client is not None and client > spec.kv_limit + 1e-9 and (res.kv_peak is not None):
-        reasons.append(f"the requests held {client:.3f} of the pool at their peak "
-                       f"(> {spec.kv_limit:g}; between two samples)")  # fmt: skip
+        reasons.append(f"the requests' KV reached {client:.3f} of the pool at its peak "
+                       f"(> {spec.kv_limit:g}; counted by the client, between two samples)")  # fmt: skip
     if res.errors:
         reasons.append(f"{len(res.errors)} failed request(s): {res.errors[0].error}")
     if res.stop_reason == "health":
