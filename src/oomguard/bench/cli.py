@@ -20,8 +20,10 @@ _HELP = """Find how many concurrent requests of your peak shape a running vLLM s
 zero preemptions, and what --max-num-seqs and the guard's watermarks should be.
 
 Stages of fixed concurrency (closed loop) grow from the pool the server states and bisect to
-the highest safe one; each stage stops within a second of the first preemption. Works through
-`oomguard guard` too, and (client figures only) against any OpenAI-compatible server."""
+the highest safe one; a stage stops at the first preemption or when KV usage reaches 0.98 (the
+server is read every 0.25 s, and the client counts its requests' KV as the tokens arrive).
+Works through `oomguard guard` too, and (client figures only) against any OpenAI-compatible
+server."""
 
 
 def register(app: typer.Typer) -> None:
