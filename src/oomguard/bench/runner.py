@@ -340,8 +340,7 @@ class _Run:
         s, info = self.s, result.server
         safe = result.max_safe_concurrency
         safe_stages = [st for st in result.stages if st.safe and st.concurrency == safe]
-        running = [st.peak("running") for st in result.stages if st.safe]
-        proven = int(max(r for r in running if r is not None)) if any(r is not None for r in running) else None
+        proven = _server_cap(safe_stages)
         kv_at_safe = max((v for st in safe_stages for v in (st.kv_peak, st.kv_peak_client) if v is not None),
                          default=None)  # fmt: skip
         result.recommendation = recommend(
@@ -392,6 +391,21 @@ class _Run:
             "gpu_memory": result.conditions.get("gpu_memory", "not sampled"),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+def _server_cap(stages: list[StageResult]) -> int | None:
+    """The most requests the server ran at once where it held the rest of the client's
+    requests in its own queue (its --max-num-seqs, or a gateway's admission), else None.
+
+    A sampled running count below the concurrency alone proves nothing (the samples can miss
+    the moment all ran); requests seen waiting in the server's queue while it ran fewer than
+    the client sent do.
+    """
+    capped = [st for st in stages
+              if (st.peak("waiting") or 0) > 0 and (st.peak("running") or 0) < st.concurrency]  # fmt: skip
+    if not capped:
+        return None
+    return int(max(st.peak("running") or 0 for st in capped)) or None
 
 
 LAG_WARN_S = 0.05

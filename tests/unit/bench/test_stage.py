@@ -77,3 +77,16 @@ def test_a_lagging_client_is_named() -> None:
     assert client_warnings([calm]) == []
     warned = client_warnings([busy])
     assert len(warned) == 2 and "up to 200 ms" in warned[0] and "97% of a core" in warned[1]
+
+
+def test_a_server_cap_needs_requests_seen_waiting() -> None:
+    from oomguard.bench.runner import _server_cap
+
+    def at(running: float, waiting: float) -> Sample:
+        return Sample(t_s=0.1, stage=1, concurrency=4, in_flight=4, read_s=0.01, kv_usage=0.5,
+                      preemptions=0, running=running, waiting=waiting)
+
+    missed = stage([at(2, 0), at(3, 0)])  # samples that missed the moment all 4 ran
+    capped = stage([at(3, 1), at(3, 1)])  # the server ran 3 and queued the 4th
+    assert _server_cap([missed]) is None
+    assert _server_cap([capped]) == 3
