@@ -39,6 +39,7 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
         return {
             "max_num_seqs": self.max_num_seqs,
             "high_watermark": self.high_watermark,

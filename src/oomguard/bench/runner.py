@@ -108,6 +108,7 @@ class BenchResult:
 
     @property
     def samples(self) -> list[Sample]:
+        """Every sample of every stage, in order."""
         return [s for st in self.stages for s in st.samples]
 
     @property
@@ -131,14 +132,17 @@ class _Run:
         self.next_index = 0
 
     def note(self, result: BenchResult, text: str) -> None:
+        """Add a note to the result and show it."""
         result.notes.append(text)
         if self.listener:
             self.listener("note", text)
 
     def elapsed(self) -> float:
+        """Seconds since the run began."""
         return time.perf_counter() - self.t0
 
     async def run(self) -> BenchResult:
+        """Preflight, warm-up, the stages of the chosen mode, the recommendation."""
         s = self.s
         limit = max(s.max_concurrency, s.concurrency or 0) + 16
         async with new_session(limit) as session:

@@ -98,15 +98,18 @@ class StageResult:
 
     @property
     def concurrency(self) -> int:
+        """The stage's concurrency."""
         return self.spec.concurrency
 
     @property
     def preemptions(self) -> float | None:
+        """Preemptions during the stage (None: the server does not say)."""
         values = [s.preemptions for s in self.samples if s.preemptions is not None]
         return max(values) if values else None
 
     @property
     def kv_peak(self) -> float | None:
+        """The highest KV usage the server reported in the stage."""
         values = [s.kv_usage for s in self.samples if s.kv_usage is not None]
         return max(values) if values else None
 
@@ -117,14 +120,17 @@ class StageResult:
 
     @property
     def ok_records(self) -> list[RequestRecord]:
+        """Requests that completed with every token."""
         return [r for r in self.records if r.ok]
 
     @property
     def errors(self) -> list[RequestRecord]:
+        """Requests that failed (cancelled ones are not failures)."""
         return [r for r in self.records if r.error and not r.cancelled]
 
     @property
     def duration_s(self) -> float:
+        """Seconds from the first request to the stop."""
         return max(self.end_s - self.start_s, 1e-9)
 
     def output_tokens_per_s(self) -> float:
@@ -229,6 +235,7 @@ class KvTracker:
         return self.total - sum(self.finishing.values())
 
     def usage(self, blocks: int | None = None) -> float:
+        """``blocks`` (default: held now) as a fraction of the usable pool."""
         return (self.total if blocks is None else blocks) / self.usable_blocks
 
 
@@ -312,6 +319,7 @@ class _Stage:
             self.r.listener(event, self.result, sample)
 
     async def run(self) -> StageResult:
+        """Load, sample, stop, wait for the server to be quiet, judge."""
         res = self.result
         self.baseline = await self.r.read()
         cpu0 = psutil.Process().cpu_times()

@@ -104,6 +104,7 @@ class FixedWorkload:
 
     @property
     def description(self) -> str:
+        """One line for tables and the report."""
         prefix = f", {self.shared_prefix_tokens} shared" if self.shared_prefix_tokens else ""
         return f"{self.prompt_tokens} prompt tokens{prefix} + {self.max_tokens} generated"
 
@@ -233,6 +234,7 @@ class DistributionWorkload:
 
     @property
     def description(self) -> str:
+        """One line for tables and the report."""
         return f"prompt {self.prompt.describe()} + output {self.output.describe()} tokens"
 
     def shape(self, index: int) -> RequestShape:
@@ -260,6 +262,7 @@ class ReplayWorkload:
 
     @property
     def description(self) -> str:
+        """One line for tables and the report."""
         return f"{len(self.requests)} requests replayed from {Path(self.source).name}"
 
     def shape(self, index: int) -> RequestShape:
