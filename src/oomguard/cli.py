@@ -21,6 +21,7 @@ FACES: dict[str, str] = {
     "calibrate": "oomguard.doctor.cli",
     "guard": "oomguard.guard.cli",
     "serve": "oomguard.serve.cli",
+    "bench": "oomguard.bench.cli",
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
 }

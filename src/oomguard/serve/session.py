@@ -519,9 +519,13 @@ class ServeSession:
         settings: dict[str, Any] = {"platform": self.device.platform}
         if self.engine.version not in ("", "unknown"):
             settings["vllm_version"] = self.engine.version
+        import psutil
+
         w = self.options.workload
+        # the fallback chain (tiering) checks its host-memory needs against this machine's RAM
         common = dict(gpu_count=self.device.count, concurrency=w.concurrency,
-                      allow_hub=self.options.allow_hub, use_calibration=self.options.use_calibration)  # fmt: skip
+                      allow_hub=self.options.allow_hub, use_calibration=self.options.use_calibration,
+                      host_memory_gib=psutil.virtual_memory().total / GIB)  # fmt: skip
         length = command.parsed().settings_kwargs.get("max_model_len")
         try:
             # the command as given first; when its pinned settings leave plan nothing to change,
