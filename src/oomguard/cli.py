@@ -22,6 +22,7 @@ FACES: dict[str, str] = {
     "guard": "oomguard.guard.cli",
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
+    "watch": "oomguard.watch.cli",
 }
 
 _err = Console(stderr=True, highlight=False)
