@@ -74,10 +74,9 @@ def _traffic(url: str, model: str, prompts: list[str], stop: threading.Event) ->
 
 
 def record_flat_vllm(out: Path, duration_s: float) -> None:
+    import scenarios
     from tinymodel import create_tiny_model, prompt_of_tokens
     from vllm_server import ServeConfig, VllmServer
-
-    import scenarios
 
     work = Path(tempfile.mkdtemp(prefix="flat-vllm-"))
     model = create_tiny_model(work / "tiny-llama")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -184,7 +183,6 @@ def dashboard_json() -> str:
     """The Grafana dashboard's JSON text."""
     sys.path.insert(0, str(DEPLOY))
     from grafana_dashboard import build_dashboard
-
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
     return JSONEncoder(sort_keys=True, indent=2).encode(build_dashboard().build()) + "\n"

@@ -3,6 +3,7 @@
 #   redis-server  (package redis-server)  shared admission state of guard replicas
 #   promtool      (package prometheus)    checks and unit-tests the alert rules in deploy/
 #   chromium      (package chromium)      opens the HTML reports headless, takes screenshots
+#   prometheus-alertmanager (same package) receives oomguard watch's alerts in its tests
 # Idempotent: nothing is installed when every command is already there. Needs root (or sudo)
 # and apt-get; elsewhere it names what is missing and exits non-zero.
 set -euo pipefail
@@ -11,6 +12,7 @@ declare -A package_of=(
   [redis-server]=redis-server
   [promtool]=prometheus
   [chromium]=chromium
+  [prometheus-alertmanager]=prometheus-alertmanager
 )
 
 missing=()

@@ -106,7 +106,7 @@ def _assert_kept(original: Any, loaded: Any, where: str) -> None:
             _assert_kept(value, loaded[key], f"{where}.{key}")
     elif isinstance(original, list):
         assert isinstance(loaded, list) and len(original) == len(loaded), where
-        for i, (a, b) in enumerate(zip(original, loaded)):
+        for i, (a, b) in enumerate(zip(original, loaded, strict=True)):
             _assert_kept(a, b, f"{where}[{i}]")
     else:
         assert original == loaded, where
@@ -188,7 +188,7 @@ def _strict_model(model: type, doc: dict[str, Any]) -> None:
                 compare(value, b[key], f"{where}.{key}")
         elif isinstance(a, list):
             assert isinstance(b, list) and len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 compare(x, y, f"{where}[{i}]")
 
     compare(doc, back, doc["kind"])

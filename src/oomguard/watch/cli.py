@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from oomguard.errors import BadInput
+
+if TYPE_CHECKING:
+    from oomguard.watch.plan_figures import PlanFigures
+    from oomguard.watch.sampling import Target
 
 _PLAN_FLAGS = (
     ("gpu", "--gpu"), ("gpu_count", "--gpu-count"), ("gpu_memory_gib", "--gpu-memory-gib"),
@@ -57,6 +63,7 @@ def watch_command(
     host: str = typer.Option("0.0.0.0", "--host", help="Address for --port."),
     duration: float = typer.Option(None, "--duration", help="Stop after this many seconds."),
     min_duration: float = typer.Option(None, "--min-duration", help="Seconds a condition must hold before it fires (every alert; default: each alert's own)."),
+    preemption_window: float = typer.Option(60.0, "--preemption-window", help="Seconds over which preemptions are counted."),
     free_margin_gib: float = typer.Option(1.0, "--free-margin-gib", help="Alert when a GPU has less free memory than this."),
     leak_window: float = typer.Option(300.0, "--leak-window", help="Seconds the leak slope is measured over."),
     leak_rate_mib_per_min: float = typer.Option(10.0, "--leak-rate", help="Growth (MiB/min) that counts as a leak."),
@@ -81,9 +88,9 @@ def watch_command(
 ) -> None:
     """Watch vLLM servers against their plan: KV usage, preemptions, GPU memory, leaks; alert."""
     urls, plan, pid, webhook = urls or [], plan or [], pid or [], webhook or []
-    values = dict(locals())
     for flag, value in (("--interval", interval), ("--duration", duration),
-                        ("--leak-window", leak_window), ("--leak-rate", leak_rate_mib_per_min)):  # fmt: skip
+                        ("--leak-window", leak_window), ("--leak-rate", leak_rate_mib_per_min),
+                        ("--preemption-window", preemption_window)):  # fmt: skip
         _positive(value, flag)
     if min_duration is not None and min_duration < 0:
         raise BadInput(f"--min-duration {min_duration:g} is negative", "pass 0 or more seconds")
@@ -93,38 +100,71 @@ def watch_command(
         raise BadInput("nothing to watch", "pass a vLLM server URL (e.g. http://127.0.0.1:8000) or --pid PID")
     if plan and model:
         raise BadInput("both --plan and --model given", "pass one: a plan file, or --model with plan flags")
-    plans = _plans(urls, plan, model, values, enforce_eager, offline)
+    for hook in webhook:
+        if not hook.startswith(("http://", "https://")):
+            raise BadInput(f"--webhook {hook!r} is not an http(s) URL",
+                           "pass e.g. http://alertmanager:9093/api/v2/alerts")  # fmt: skip
+    plan_values = {name: value for name, value in locals().items() if name in dict(_PLAN_FLAGS)}
+    given = [dict(_PLAN_FLAGS)[n] for n, v in plan_values.items() if v is not None]
+    if given and not model:
+        raise BadInput(f"{given[0]} is a plan flag, but no --model was given",
+                       "add --model MODEL (or pass a plan file with --plan)")  # fmt: skip
+    plans = _plans(urls, plan, model, _plan_args(model, plan_values, enforce_eager, offline) if model else [])
     targets = _targets(urls, pid)
-    code = asyncio.run(_run(targets, plans, values))
-    raise SystemExit(code)
+    settings = RunSettings(
+        interval_s=interval, once=once, json_output=json_output, webhooks=webhook, port=port,
+        host=host, duration_s=duration, min_duration_s=min_duration,
+        free_margin_bytes=free_margin_gib * 2**30, preemption_window_s=preemption_window,
+        leak_window_s=leak_window, leak_rate_bytes_per_s=leak_rate_mib_per_min * 2**20 / 60,
+        leak_settle_s=leak_settle,
+    )  # fmt: skip
+    raise SystemExit(asyncio.run(_run(targets, plans, settings)))
 
 
-def _plans(urls: list[str], plan_files: list[Path], model: str | None, values: dict[str, object],
-           enforce_eager: bool | None, offline: bool) -> list[object]:  # fmt: skip
+@dataclass(frozen=True)
+class RunSettings:
+    """The options of one watch run, checked."""
+
+    interval_s: float
+    once: bool
+    json_output: bool
+    webhooks: list[str]
+    port: int | None
+    host: str
+    duration_s: float | None
+    min_duration_s: float | None
+    free_margin_bytes: float
+    preemption_window_s: float
+    leak_window_s: float
+    leak_rate_bytes_per_s: float
+    leak_settle_s: float
+
+
+def _plans(urls: list[str], plan_files: list[Path], model: str | None, plan_args: list[str]) -> list[PlanFigures | None]:
     from oomguard.watch.plan_figures import load_plan_file, plan_from_flags
 
-    names = urls or ["process"]
+    count = max(len(urls), 1)
     if model:
-        figures = plan_from_flags(_plan_args(model, values, enforce_eager, offline))
-        return [figures] * len(names)
+        return [plan_from_flags(plan_args)] * count
     if not plan_files:
-        return [None] * len(names)
-    if len(plan_files) not in (1, len(names)):
-        raise BadInput(f"{len(plan_files)} --plan files for {len(names)} servers",
+        return [None] * count
+    if len(plan_files) not in (1, count):
+        raise BadInput(f"{len(plan_files)} --plan files for {count} servers",
                        "pass one plan for all servers, or one per URL in the same order")  # fmt: skip
-    loaded = [load_plan_file(p) for p in plan_files]
-    return loaded * len(names) if len(loaded) == 1 else loaded
+    loaded: list[PlanFigures | None] = [load_plan_file(p) for p in plan_files]
+    return loaded * count if len(loaded) == 1 else loaded
 
 
-def _targets(urls: list[str], pids: list[int]) -> list[object]:
+def _targets(urls: list[str], pids: list[int]) -> list[Target]:
     from oomguard.watch.sampling import Target
 
     if urls and pids and len(pids) != len(urls):
         raise BadInput(f"{len(pids)} --pid for {len(urls)} servers",
                        "pass one --pid per URL, in the same order (or none: found from the port)")  # fmt: skip
     if not urls:
-        return [Target.for_pid(p) for p in pids]
-    targets = [Target.for_url(u, pids[i] if pids else None) for i, u in enumerate(urls)]
+        targets = [Target.for_pid(p) for p in pids]
+    else:
+        targets = [Target.for_url(u, pids[i] if pids else None) for i, u in enumerate(urls)]
     seen = set()
     for t in targets:
         if t.name in seen:
@@ -133,7 +173,8 @@ def _targets(urls: list[str], pids: list[int]) -> list[object]:
     return targets
 
 
-async def _run(targets: list, plans: list, values: dict[str, object]) -> int:  # type: ignore[type-arg]
+async def _run(targets: list[Target], plans: list[PlanFigures | None], s: RunSettings) -> int:
+    import psutil
     from rich.console import Console
 
     from oomguard.watch.alerts import AlertTracker
@@ -141,33 +182,26 @@ async def _run(targets: list, plans: list, values: dict[str, object]) -> int:  #
     from oomguard.watch.runner import Outputs, Watch
     from oomguard.watch.sinks import JsonLinesSink, WebhookSink
 
-    import psutil
-
-    leak = LeakSettings(window_s=float(values["leak_window"]),  # type: ignore[arg-type]
-                        min_rate_bytes_per_s=float(values["leak_rate_mib_per_min"]) * 2**20 / 60,  # type: ignore[arg-type]
-                        settle_s=float(values["leak_settle"]))  # type: ignore[arg-type]  # fmt: skip
-    evaluator = Evaluator({t.name: p for t, p in zip(targets, plans)}, leak,
-                          free_margin_bytes=float(values["free_margin_gib"]) * 2**30,  # type: ignore[arg-type]
-                          available_host_bytes=float(psutil.virtual_memory().available))  # fmt: skip
-    once = bool(values["once"])
-    min_duration = values["min_duration"]
-    tracker = AlertTracker(0.0 if once else (None if min_duration is None else float(min_duration)))  # type: ignore[arg-type]
-    json_output = bool(values["json_output"])
-    port = values["port"]
-    own_url = f"http://{values['host']}:{port}/status" if port else ""
-    console = Console(stderr=json_output, highlight=False)
+    leak = LeakSettings(window_s=s.leak_window_s, min_rate_bytes_per_s=s.leak_rate_bytes_per_s,
+                        settle_s=s.leak_settle_s)  # fmt: skip
+    evaluator = Evaluator({t.name: p for t, p in zip(targets, plans, strict=True)}, leak,
+                          free_margin_bytes=s.free_margin_bytes,
+                          available_host_bytes=float(psutil.virtual_memory().available),
+                          preemption_window_s=s.preemption_window_s)  # fmt: skip
+    tracker = AlertTracker(0.0 if s.once else s.min_duration_s)
+    own_url = f"http://{s.host}:{s.port}/status" if s.port else ""
+    console = Console(stderr=s.json_output, highlight=False)
     outputs = Outputs(
-        json=JsonLinesSink() if json_output else None,
-        webhooks=[WebhookSink(u, own_url=own_url) for u in values["webhook"]],  # type: ignore[attr-defined]
+        json=JsonLinesSink() if s.json_output else None,
+        webhooks=[WebhookSink(u, own_url=own_url) for u in s.webhooks],
         console=console,
-        live=not json_output and not once and sys.stdout.isatty(),
+        live=not s.json_output and not s.once and sys.stdout.isatty(),
     )
-    watch = Watch(targets, evaluator, tracker, outputs, float(values["interval"]),  # type: ignore[arg-type]
-                  port=port, host=str(values["host"]))  # type: ignore[arg-type]  # fmt: skip
+    watch = Watch(targets, evaluator, tracker, outputs, s.interval_s, port=s.port, host=s.host)
     try:
-        return await watch.run(once=once, duration_s=values["duration"])  # type: ignore[arg-type]
+        return await watch.run(once=s.once, duration_s=s.duration_s)
     except OSError as exc:
-        raise BadInput(f"cannot serve on port {port}: {exc.strerror or exc}", "pick a free --port") from exc
+        raise BadInput(f"cannot serve on port {s.port}: {exc.strerror or exc}", "pick a free --port") from exc
 
 
 def register(app: typer.Typer) -> None:

@@ -43,7 +43,7 @@ class TargetState:
 
     sample: TargetSample | None = None
     plan: PlanFigures | None = None
-    preemptions_last_minute: float | None = None
+    recent_preemptions: float | None = None
     leaks: dict[str, LeakVerdict] = field(default_factory=dict)  # series → verdict
     preemption_history: deque[tuple[float, float]] = field(default_factory=deque)
     detectors: dict[str, LeakDetector] = field(default_factory=dict)
@@ -63,8 +63,10 @@ class Evaluator:
         leak: LeakSettings | None = None,
         free_margin_bytes: float = R.GPU_FREE_LOW.threshold,
         available_host_bytes: float | None = None,
+        preemption_window_s: float = R.PREEMPTION_WINDOW_S,
     ) -> None:
         self.leak = leak or LeakSettings()
+        self.preemption_window_s = preemption_window_s
         self.free_rule = R.AlertRule(**{**R.GPU_FREE_LOW.__dict__, "threshold": free_margin_bytes,
                                         "clear": free_margin_bytes + 0.25 * GIB})  # fmt: skip
         rate = self.leak.min_rate_bytes_per_s
@@ -117,7 +119,7 @@ class Evaluator:
         recent = self._preemptions(s, state)
         if recent is not None:
             out.append(observe(R.PREEMPTIONS, s.name, recent,
-                               f"{recent:g} preemption(s) in the last minute: the KV pool ran out "
+                               f"{recent:g} preemption(s) in the last {_duration(self.preemption_window_s)}: the KV pool ran out "
                                "and running requests were recomputed"))  # fmt: skip
         waiting = snap.waiting_for_capacity
         if waiting is not None:
@@ -132,7 +134,8 @@ class Evaluator:
         return out
 
     def _preemptions(self, s: TargetSample, state: TargetState) -> float | None:
-        """Preemptions counted in the last minute (since watching began, if less)."""
+        """Preemptions counted over the window (a minute by default; since watching began, if
+        less), from the last sample at or before its start, so none inside it is missed."""
         snap = s.snapshot
         if snap is None or snap.preemptions_total is None:
             return None
@@ -140,10 +143,10 @@ class Evaluator:
         if history and snap.preemptions_total < history[-1][1]:
             history.clear()  # the counter restarted with the server
         history.append((s.at_s, snap.preemptions_total))
-        while len(history) > 1 and history[1][0] <= s.at_s - R.PREEMPTION_WINDOW_S:
+        while len(history) > 1 and history[1][0] <= s.at_s - self.preemption_window_s:
             history.popleft()
-        state.preemptions_last_minute = snap.preemptions_total - history[0][1]
-        return state.preemptions_last_minute
+        state.recent_preemptions = snap.preemptions_total - history[0][1]
+        return state.recent_preemptions
 
     def _memory(self, s: TargetSample, state: TargetState, restarted: bool) -> list[Observation]:
         out: list[Observation] = []
@@ -204,4 +207,6 @@ def _duration(seconds: float) -> str:
         return f"{seconds / 86400:.1f} d"
     if seconds >= 3600:
         return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"

@@ -28,7 +28,7 @@ GAUGES: dict[str, str] = {
     "kv_cache_tokens": "The KV pool of one engine in tokens, as the server states it",
     "plan_kv_cache_tokens": "The KV pool in tokens the plan predicted",
     "plan_gpu_memory_bytes": "The plan's per-GPU figures (part: requested, weights, kv_cache, total)",
-    "preemptions_last_minute": "Preemptions counted over the last minute",
+    "recent_preemptions": "Preemptions counted over the preemption window (a minute by default)",
     "requests_running": "vllm:num_requests_running",
     "requests_waiting": "vllm:num_requests_waiting",
     "requests_waiting_for_capacity": "vllm:num_requests_waiting_by_reason{reason=capacity}",
@@ -92,14 +92,14 @@ class _WatchCollector(Collector):
             g["scrape_duration_seconds"].add_metric([name], s.scrape_s)
             snap = s.snapshot
             if snap is not None:
-                for key, value in (("kv_cache_usage_ratio", snap.kv_cache_usage),
+                for key, reading in (("kv_cache_usage_ratio", snap.kv_cache_usage),
                                    ("kv_cache_tokens", snap.kv_cache_tokens),
                                    ("requests_running", snap.requests_running),
                                    ("requests_waiting", snap.requests_waiting),
                                    ("requests_waiting_for_capacity", snap.waiting_for_capacity),
-                                   ("preemptions_last_minute", state.preemptions_last_minute)):  # fmt: skip
-                    if value is not None:
-                        g[key].add_metric([name], float(value))
+                                   ("recent_preemptions", state.recent_preemptions)):  # fmt: skip
+                    if reading is not None:
+                        g[key].add_metric([name], float(reading))
             if s.host_rss_bytes is not None:
                 g["engine_host_memory_bytes"].add_metric([name], s.host_rss_bytes)
             for share in s.gpus:

@@ -63,6 +63,10 @@ class LeakVerdict:
 class _Bucket:
     start_s: float
     values: list[float]
+    median: float | None = None  # set once the bucket is closed
+
+    def value(self) -> float:
+        return self.median if self.median is not None else float(np.median(self.values))
 
 
 class LeakDetector:
@@ -91,12 +95,14 @@ class LeakDetector:
         self._buckets: deque[_Bucket] = deque()
         self._started_s: float | None = None
         self._available_bytes: float | None = None
+        self._cached: LeakVerdict | None = None
 
     def reset(self) -> None:
         """Forget every sample (a restart: the memory baseline starts again)."""
         self._buckets.clear()
         self._started_s = None
         self._available_bytes = None
+        self._cached = None
 
     def add(self, t_s: float, used_bytes: float, available_bytes: float | None = None) -> None:
         """One sample: ``used_bytes`` at ``t_s``; ``available_bytes`` is what may still be used."""
@@ -107,6 +113,9 @@ class LeakDetector:
         self._available_bytes = available_bytes
         last = self._buckets[-1] if self._buckets else None
         if last is None or t_s - last.start_s >= self.bucket_s:
+            if last is not None:
+                last.median = float(np.median(last.values))
+                self._cached = None  # a bucket closed: the verdict can change
             self._buckets.append(_Bucket(t_s, [used_bytes]))
         else:
             last.values.append(used_bytes)
@@ -114,27 +123,34 @@ class LeakDetector:
             self._buckets.popleft()
 
     def verdict(self) -> LeakVerdict:
-        """The verdict over the current window."""
-        buckets = list(self._buckets)
+        """The verdict over the window's closed buckets (recomputed when one closes)."""
+        if self._cached is None:
+            self._cached = self._compute()
+        v = self._cached
+        tte = None
+        if v.slope_bytes_per_s > 0 and self._available_bytes is not None:
+            tte = max(self._available_bytes, 0.0) / v.slope_bytes_per_s
+        return LeakVerdict(v.ready, v.suspected, v.slope_bytes_per_s, v.rise_bytes, v.monotone,
+                           v.used_bytes, tte)  # fmt: skip
+
+    def _compute(self) -> LeakVerdict:
+        buckets = [b for b in self._buckets if b.median is not None]
         if len(buckets) < 2:
             return LeakVerdict(False, False, 0.0, 0.0, False, 0.0, None)
         times = np.array([b.start_s for b in buckets])
-        medians = np.array([float(np.median(b.values)) for b in buckets])
+        medians = np.array([b.value() for b in buckets])
         span_s = times[-1] - times[0] + self.bucket_s
         ready = span_s >= self.window_s * 0.95
         slope = theil_sen_slope(times, medians)
-        parts = [p for p in np.array_split(medians, self.segments) if len(p)]
-        part_medians = [float(np.median(p)) for p in parts]
-        monotone = all(b >= a for a, b in zip(part_medians, part_medians[1:]))
+        bounds = np.linspace(0, len(medians), self.segments + 1).astype(int)
+        part_medians = [float(np.median(medians[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        monotone = all(b >= a for a, b in zip(part_medians[:-1], part_medians[1:], strict=True))
         rise = part_medians[-1] - part_medians[0]
         needed_rise = 0.5 * self.min_rate_bytes_per_s * span_s * (1 - 1 / len(part_medians))
         suspected = (
             ready and slope >= self.min_rate_bytes_per_s and monotone and rise >= needed_rise
         )
-        tte = None
-        if slope > 0 and self._available_bytes is not None:
-            tte = max(self._available_bytes, 0.0) / slope
-        return LeakVerdict(ready, suspected, slope, rise, monotone, float(medians[-1]), tte)
+        return LeakVerdict(ready, suspected, slope, rise, monotone, float(medians[-1]), None)
 
 
 def replay(

@@ -142,7 +142,7 @@ class Watch:
                 "requests_waiting": snap.requests_waiting if snap else None,
                 "requests_waiting_for_capacity": snap.waiting_for_capacity if snap else None,
                 "preemptions_total": snap.preemptions_total if snap else None,
-                "preemptions_last_minute": st.preemptions_last_minute,
+                "recent_preemptions": st.recent_preemptions,
                 "host_rss_bytes": s.host_rss_bytes if s else None,
                 "gpu_source": s.gpu_source if s else "none",
                 "gpu_note": s.gpu_note if s else "",

@@ -22,11 +22,37 @@ from urllib.parse import urlsplit
 import aiohttp
 import psutil
 
+from oomguard import vllm_metrics as vm
 from oomguard.engine.memory import DeviceMemory, gpu_memory, host_rss_bytes, process_tree
 from oomguard.errors import BadInput
 from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+# The series the watcher reads, by their exposed names (counters carry ``_total``). A page
+# holds hundreds of lines (histograms, ``_created`` twins); handing only these to the parser
+# keeps a round over several servers well under 1 % of a core.
+_WANTED_SAMPLES = frozenset({
+    vm.KV_USAGE, vm.KV_USAGE_LEGACY, vm.PREEMPTIONS + "_total", vm.RUNNING, vm.WAITING,
+    vm.WAITING_BY_REASON, vm.CACHE_CONFIG, vm.SLEEP_STATE,
+})  # fmt: skip
+
+
+def watched_lines(text: str) -> str:
+    """The lines of a ``/metrics`` page that carry the series the watcher reads."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[2] in _WANTED_SAMPLES:
+                kept.append(line)
+            continue
+        end = line.find("{")
+        name = line[:end] if end >= 0 else line.split(" ", 1)[0]
+        if name in _WANTED_SAMPLES:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
 
 
 def normalise_url(raw: str) -> tuple[str, str]:
@@ -119,6 +145,10 @@ class Target:
     engine_pid: int | None = None
     seen_vllm: bool = False
     notes: list[str] = field(default_factory=list)
+    _tree: tuple[int, ...] = ()
+    _tree_at_s: float = -1e9
+
+    TREE_REFRESH_S = 10.0  # the engine's processes rarely change; listing them reads all of /proc
 
     @classmethod
     def for_url(cls, raw: str, pid: int | None = None) -> Target:
@@ -137,14 +167,23 @@ class Target:
             raise BadInput(f"no process with PID {pid}", "pass the PID of a running process")
         return cls(name=f"pid:{pid}", given_pid=pid, local=True)
 
-    def pids(self) -> tuple[int, ...]:
-        """The target's processes now (its root and every descendant), if known."""
+    def pids(self, now_s: float | None = None) -> tuple[int, ...]:
+        """The target's processes (its root and every descendant), if known.
+
+        Listed again every ``TREE_REFRESH_S`` seconds, or at once when one of them is gone.
+        """
+        now_s = time.monotonic() if now_s is None else now_s
+        fresh = now_s - self._tree_at_s < self.TREE_REFRESH_S
+        if fresh and all(psutil.pid_exists(p) for p in self._tree):
+            return self._tree
         root = self.given_pid
         if root is None and self.local and self.port is not None:
             if self.engine_pid is None or not psutil.pid_exists(self.engine_pid):
                 self.engine_pid = listening_pid(self.port)
             root = self.engine_pid
-        return tuple(process_tree(root)) if root is not None else ()
+        self._tree = tuple(process_tree(root)) if root is not None else ()
+        self._tree_at_s = now_s
+        return self._tree
 
 
 class GpuReader:
@@ -206,7 +245,7 @@ async def scrape(
     if status != 200:
         return None, f"/metrics answered HTTP {status}", True
     try:
-        snap = parse_vllm_metrics(text)
+        snap = parse_vllm_metrics(watched_lines(text))
     except ValueError:
         return None, "/metrics is not in Prometheus text format", True
     if not snap.is_vllm:

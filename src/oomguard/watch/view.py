@@ -99,7 +99,7 @@ def render(watch: Watch) -> Group:
             continue
         status = Text("up", "green") if s.up else Text(f"down: {s.error}", "red")
         usage = s.snapshot.kv_cache_usage if s.snapshot else None
-        pre = state.preemptions_last_minute
+        pre = state.recent_preemptions
         table.add_row(
             name, status, _pool(state), _usage_bar(usage), _headroom(state), _requests(state),
             "–" if pre is None else f"{pre:g}", _gpu(state), _gib(s.host_rss_bytes), _trend(state),
