@@ -8,6 +8,7 @@ is left to watch.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,8 +201,9 @@ async def _run(targets: list[Target], plans: list[PlanFigures | None], s: RunSet
     watch = Watch(targets, evaluator, tracker, outputs, s.interval_s, port=s.port, host=s.host)
     try:
         return await watch.run(once=s.once, duration_s=s.duration_s)
-    except OSError as exc:
-        raise BadInput(f"cannot serve on port {s.port}: {exc.strerror or exc}", "pick a free --port") from exc
+    except BrokenPipeError:  # whoever read the JSON lines went away: nothing left to do
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - no flush error at exit
+        return 0
 
 
 def register(app: typer.Typer) -> None:

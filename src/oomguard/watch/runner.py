@@ -20,6 +20,7 @@ from aiohttp import web
 from rich.console import Console
 
 from oomguard.engine.memory import DeviceMemory
+from oomguard.errors import BadInput
 from oomguard.watch.alerts import AlertEvent, AlertTracker
 from oomguard.watch.evaluate import Evaluator
 from oomguard.watch.sampling import GpuReader, Target, TargetSample, sample_target
@@ -181,7 +182,11 @@ class Watch:
                         web.get("/healthz", healthz)])  # fmt: skip
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        try:
+            await web.TCPSite(self._runner, self.host, self.port).start()
+        except OSError as exc:
+            raise BadInput(f"cannot serve /metrics on {self.host}:{self.port}: {exc.strerror or exc}",
+                           "pick a free --port (or --host)") from exc  # fmt: skip
 
     # -- the loop -------------------------------------------------------------------------
     def stop(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -258,7 +259,9 @@ async def scrape(
 
 def _short_error(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect: {exc.os_error.strerror or exc.os_error}"
+        err = exc.os_error
+        why = os.strerror(err.errno) if err.errno else (err.strerror or str(err))
+        return f"cannot connect: {why.lower()}"
     return f"{type(exc).__name__}: {exc}"[:200]
 
 

@@ -34,7 +34,7 @@ def _pool(state: TargetState) -> str:
     planned = state.plan.kv_cache_tokens if state.plan else None
     text = "–" if live is None else f"{live:,}"
     if planned is not None:
-        text += f" / plan {planned:,}"
+        text += f" (plan {planned:,})"
     return text
 
 
@@ -43,7 +43,7 @@ def _headroom(state: TargetState) -> str:
     if not s or not s.snapshot or s.snapshot.kv_cache_usage is None or not s.snapshot.kv_cache_tokens:
         return "–"
     free = (1 - s.snapshot.kv_cache_usage) * s.snapshot.kv_cache_tokens
-    return f"{free:,.0f} tok"
+    return f"{free:,.0f}"
 
 
 def _requests(state: TargetState) -> str:
@@ -51,10 +51,9 @@ def _requests(state: TargetState) -> str:
     if snap is None:
         return "–"
     cap = snap.waiting_for_capacity
-    parts = [f"{snap.requests_running or 0:g} run", f"{snap.requests_waiting or 0:g} wait"]
-    if cap is not None:
-        parts.append(f"{cap:g} cap")
-    return " / ".join(parts)
+    parts = [f"{snap.requests_running or 0:g}", f"{snap.requests_waiting or 0:g}"]
+    parts.append("–" if cap is None else f"{cap:g}")
+    return "/".join(parts)
 
 
 def _gpu(state: TargetState) -> str:
@@ -66,20 +65,20 @@ def _gpu(state: TargetState) -> str:
     for g in s.gpus:
         cell = f"{g.index}: {_gib(g.used_bytes)}"
         if plan is not None:
-            cell += f"/{_gib(plan.requested_bytes)} plan"
+            cell += f" (plan {_gib(plan.requested_bytes)})"
         cells.append(cell)
-    tail = " (device)" if s.gpu_source == "nvml-device" else ""
-    return ", ".join(cells) + " GiB" + tail
+    tail = " whole device" if s.gpu_source == "nvml-device" else ""
+    return ", ".join(cells) + tail
 
 
 def _trend(state: TargetState) -> str:
     parts = []
     for series, v in sorted(state.leaks.items()):
         if not v.ready:
-            parts.append(f"{series}: measuring")
+            parts.append(f"{series} measuring")
             continue
         rate = v.slope_bytes_per_s * 60 / MIB
-        text = f"{series}: {rate:+.1f} MiB/min"
+        text = f"{series} {rate:+.1f} MiB/min"
         if v.suspected and v.time_to_exhaustion_s is not None:
             text += f", full in {v.time_to_exhaustion_s / 3600:.1f} h"
         parts.append(text)
@@ -89,15 +88,16 @@ def _trend(state: TargetState) -> str:
 def render(watch: Watch) -> Group:
     """The whole view for the latest round."""
     table = Table(title="oomguard watch", title_justify="left", expand=False)
-    for column in ("server", "state", "KV pool (tokens)", "KV used", "headroom",
-                   "requests", "preempt/min", "GPU mem (GiB)", "host RSS (GiB)", "trend"):  # fmt: skip
+    table.add_column("server", no_wrap=True)
+    for column in ("state", "KV pool tok", "KV used", "free tok", "run/wait/cap", "preempt",
+                   "GPU GiB", "RSS GiB", "trend"):  # fmt: skip
         table.add_column(column, overflow="fold")
     for name, state in watch.evaluator.states.items():
         s = state.sample
         if s is None:
             table.add_row(name, "waiting")
             continue
-        status = Text("up", "green") if s.up else Text(f"down: {s.error}", "red")
+        status = Text("up", "green") if s.up else Text("down", "red")
         usage = s.snapshot.kv_cache_usage if s.snapshot else None
         pre = state.recent_preemptions
         table.add_row(

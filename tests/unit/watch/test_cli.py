@@ -113,3 +113,15 @@ def test_the_guard_url_is_named_as_such(watch: Callable[..., Run]) -> None:
     with http_server(guard_page) as (url, _):
         run = watch(url, "--once")
     assert run.returncode == 2 and "oomguard guard" in run.stderr
+
+
+def test_a_port_in_use_is_one_line(watch: Callable[..., Run]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = watch("http://127.0.0.1:1", "--port", str(port), "--host", "127.0.0.1", "--once")
+    assert run.returncode == 2
+    assert "cannot serve /metrics on 127.0.0.1:" in _one_error_line(run)
