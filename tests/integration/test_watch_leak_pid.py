@@ -30,7 +30,7 @@ def test_a_growing_process_is_a_leak_and_a_flat_one_is_not(oomguard_exe: list[st
     try:
         run = subprocess.run(
             [*oomguard_exe, "watch", "--pid", str(growing.pid), "--pid", str(flat.pid), "--json",
-             "--interval", "0.25", "--duration", "30", "--leak-window", "12", "--leak-settle", "2",
+             "--interval", "0.25", "--duration", "24", "--leak-window", "12", "--leak-settle", "2",
              "--leak-rate", "100", "--min-duration", "2"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
