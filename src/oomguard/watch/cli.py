@@ -110,8 +110,8 @@ def watch_command(
     if given and not model:
         raise BadInput(f"{given[0]} is a plan flag, but no --model was given",
                        "add --model MODEL (or pass a plan file with --plan)")  # fmt: skip
-    plans = _plans(urls, plan, model, _plan_args(model, plan_values, enforce_eager, offline) if model else [])
     targets = _targets(urls, pid)
+    plans = _plans(len(targets), plan, model, _plan_args(model, plan_values, enforce_eager, offline) if model else [])
     settings = RunSettings(
         interval_s=interval, once=once, json_output=json_output, webhooks=webhook, port=port,
         host=host, duration_s=duration, min_duration_s=min_duration,
@@ -141,10 +141,10 @@ class RunSettings:
     leak_settle_s: float
 
 
-def _plans(urls: list[str], plan_files: list[Path], model: str | None, plan_args: list[str]) -> list[PlanFigures | None]:
+def _plans(count: int, plan_files: list[Path], model: str | None, plan_args: list[str]) -> list[PlanFigures | None]:
+    """One plan (or None) per target: a plan given once applies to every target."""
     from oomguard.watch.plan_figures import load_plan_file, plan_from_flags
 
-    count = max(len(urls), 1)
     if model:
         return [plan_from_flags(plan_args)] * count
     if not plan_files:

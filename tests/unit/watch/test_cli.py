@@ -125,3 +125,13 @@ def test_a_port_in_use_is_one_line(watch: Callable[..., Run]) -> None:
         run = watch("http://127.0.0.1:1", "--port", str(port), "--host", "127.0.0.1", "--once")
     assert run.returncode == 2
     assert "cannot serve /metrics on 127.0.0.1:" in _one_error_line(run)
+
+
+def test_several_pids_are_watched_as_processes(watch: Callable[..., Run]) -> None:
+    import os
+
+    run = watch("--pid", str(os.getpid()), "--pid", str(os.getppid()), "--once", "--json", "--interval", "0.1")
+    status = json.loads(run.stdout.splitlines()[-1])
+    assert run.returncode == 0, run.stderr
+    assert [s["server"] for s in status["servers"]] == [f"pid:{os.getpid()}", f"pid:{os.getppid()}"]
+    assert all(s["up"] and s["host_rss_bytes"] > 0 for s in status["servers"])
