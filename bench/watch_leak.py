@@ -28,7 +28,7 @@ def main() -> int:
 
     print(f"settings: window {R.LEAK_WINDOW_S:g} s, rate >= {R.MEMORY_LEAK.threshold * 60 / MIB:g} MiB/min, "
           f"settle {R.LEAK_SETTLE_S:g} s, for {R.MEMORY_LEAK.for_s:g} s")  # fmt: skip
-    for name in ("trace_grow_50mib_per_min.jsonl", "trace_flat_vllm_1h.jsonl"):
+    for name in ("trace_grow_50mib_per_min.jsonl", "trace_flat_vllm_1h.jsonl", "trace_flat_vllm_warmed_1h.jsonl"):
         path = DATA / name
         if not path.exists():
             print(f"{name}: missing")

@@ -116,3 +116,12 @@ def test_real_vllm_warming_up_under_traffic_raises_one_warning_that_resolves() -
     assert events[0].severity == "warning" and events[1].at_s < 20 * 60
     settled = [(t, v) for t, v in samples if t >= 20 * 60]
     assert leak_events(settled) == []
+
+
+def test_a_flat_hour_of_warmed_up_vllm_raises_nothing() -> None:
+    """An hour of real vLLM (CPU) under random traffic after a 5-minute warm-up over every
+    batch size and length: its host memory moves within 16 MiB, with the noise of real
+    bursts. Scored once as it arrived: no leak alert (robust slope -0.0 to +1.3 MiB/min)."""
+    header, samples = load_trace("trace_flat_vllm_warmed_1h.jsonl")
+    assert header["trace"] == "flat-vllm-warmed" and samples[-1][0] >= 3600
+    assert leak_events(samples) == []
