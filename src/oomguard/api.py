@@ -166,6 +166,7 @@ def plan(
     command: str | Sequence[str] | None = None,
     allow_hub: bool = True,
     use_calibration: bool = True,
+    host_memory_gib: float | None = None,
     **settings: Any,
 ) -> PlanResult:
     """Plan a vLLM deployment: predicted memory, the verdict, and the command that serves the workload.
@@ -176,7 +177,10 @@ def plan(
     ``tensor_parallel_size=2``…); they are constraints the search keeps. ``command`` is a pasted
     ``vllm serve …`` line (its flags are read as settings). With ``p99_tokens`` and
     ``concurrency`` the checklist search returns the cheapest configuration that serves them with
-    ``margin`` spare KV capacity. Bad input raises :class:`~oomguard.errors.BadInput` (one line).
+    ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
+    (:mod:`oomguard.tiering.chain`), whose host-memory needs are checked against
+    ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
+    :class:`~oomguard.errors.BadInput` (one line).
     """
     started = time.perf_counter()
     notes: list[str] = []
@@ -205,9 +209,11 @@ def plan(
     fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
     base = EngineSettings(**kwargs)
 
-    from oomguard.facts.resolve import resolve_model_with_quantization
+    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
 
     spec = resolve_model_with_quantization(model, base.quantization, allow_hub=allow_hub)
+    model = serve_reference(model)
+    notes.extend(spec.caveats)  # generic reader, a sibling's or base model's config
 
     # -- workload -------------------------------------------------------------------------------
     if margin < 0:
@@ -216,6 +222,8 @@ def plan(
         )
     if headroom_gib < 0:
         raise BadInput(f"--headroom-gib {headroom_gib} is negative", "pass 0 or more GiB")
+    if host_memory_gib is not None and not host_memory_gib > 0:
+        raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
     p99 = None if p99_tokens is None else parse_human_int(str(p99_tokens), flag="--p99-tokens")
     if p99 is not None and p99 <= 0:
         raise BadInput(
@@ -249,14 +257,20 @@ def plan(
 
     # -- GPU ------------------------------------------------------------------------------------
     gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
-    world = base.tensor_parallel_size * base.pipeline_parallel_size
+    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
     if gpu_count is not None and gpu_count < 1:
         raise BadInput(f"--gpu-count {gpu_count} must be at least 1", "pass the number of GPUs")
     count = gpu_count or (max(world, detected_count or 1) if detected_count else world)
     if world > count:
         raise BadInput(
-            f"tensor × pipeline parallel = {world} GPUs, but only {count} available",
-            "lower --tensor-parallel-size/--pipeline-parallel-size or raise --gpu-count",
+            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
+            "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
+            "raise --gpu-count",
+        )
+    if base.enable_expert_parallel and spec.moe is None:
+        notes.append(
+            f"--enable-expert-parallel has no effect: {spec.name} has no MoE layers "
+            "(every rank holds the whole model)"
         )
 
     from oomguard.facts.gpus import list_gpus
@@ -302,7 +316,10 @@ def plan(
         if recommendation is not None and workload.stated:
             result_plan = recommendation.candidate
         if recommendation is None:
-            alts = tuple(alternatives(space, outcome, given.prediction, catalogue))
+            from oomguard.tiering.chain import fallback_chain
+
+            host = _host_memory_bytes(host_memory_gib, gpu_source)
+            alts = tuple(fallback_chain(space, given, alternatives(space, outcome, given.prediction, catalogue), host))
     calibration = Calibration(used=False)
     terms = [
         t
@@ -320,6 +337,8 @@ def plan(
         )
     if measured is not None and measured.error:
         notes.append(measured.error)
+    if gpu_spec.unified_memory:
+        notes.append(unified_memory_note(gpu_spec, version))
     if gpu_source == "nvml" and free_bytes is not None:
         notes.append(
             f"NVML: {free_bytes / GIB:.2f} GiB free of {gpu_spec.total_gib:.2f} GiB on the fullest GPU"
@@ -336,6 +355,36 @@ def plan(
         notes=tuple(notes),
         other_flags=other_flags,
         elapsed_s=time.perf_counter() - started,
+    )
+
+
+def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
+    """Host RAM to check the chain's host needs against: as given, or this machine's with NVML GPUs."""
+    if host_memory_gib is not None:
+        return int(host_memory_gib * GIB)
+    if gpu_source == "nvml":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return None
+
+
+def unified_memory_note(gpu: GPUSpec, vllm_version: str) -> str:
+    """What a GPU that shares the host's memory (GB10, Jetson) changes for the plan, in one line."""
+    from oomguard.memory.versions import resolve_era
+
+    era = resolve_era(vllm_version)
+    free_from = (
+        "what the OS reports available"
+        if era.uma_free_from_os
+        else "CUDA's free figure, which counts the page cache as used"
+    )
+    return (
+        f"{gpu.name} shares its {gpu.total_gib:.2f} GiB with the host: vLLM {era.label} compares "
+        f"gpu_memory_utilization × total with {free_from}, and the OS, the page cache of earlier "
+        "loads (vllm#48140) and every other process draw from the same pool; keep the "
+        "utilization below available ÷ total (see `free -g`) or pass --headroom-gib for what "
+        "else runs"
     )
 
 

@@ -47,6 +47,13 @@ def plan_command(
     ),
     tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
     pipeline_parallel_size: int = typer.Option(None, "--pipeline-parallel-size", "-pp"),
+    data_parallel_size: int = typer.Option(
+        None, "--data-parallel-size", "-dp", help="Independent engines, each with its own KV pool."
+    ),
+    enable_expert_parallel: bool = typer.Option(
+        None, "--enable-expert-parallel/--no-enable-expert-parallel", "-ep",
+        help="Split MoE experts over TP × DP ranks.",
+    ),  # fmt: skip
     gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization"),
     max_model_len: str = typer.Option(
         None, "--max-model-len", help="Tokens (8192, 8k, 32K) or 'auto'."
@@ -83,6 +90,9 @@ def plan_command(
     margin: float = typer.Option(
         0.10, "--margin", help="Spare KV capacity to demand (0.1 = 10 %)."
     ),
+    host_memory_gib: float = typer.Option(
+        None, "--host-memory-gib", help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
+    ),
     offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
     no_calibration: bool = typer.Option(
         False, "--no-calibration", help="Ignore the calibration store."
@@ -114,6 +124,8 @@ def plan_command(
     settings: dict[str, Any] = {
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
+        "data_parallel_size": data_parallel_size,
+        "enable_expert_parallel": enable_expert_parallel,
         "gpu_memory_utilization": gpu_memory_utilization,
         "max_model_len": None
         if max_model_len is None
@@ -131,7 +143,8 @@ def plan_command(
         "vllm_version": vllm_version,
     }
     _check_choices(settings)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "block_size"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                 "max_num_seqs", "block_size"):  # fmt: skip
         value = settings[name]
         if value is not None and value < 1:
             raise BadInput(
@@ -147,6 +160,7 @@ def plan_command(
         shared_prefix=shared_prefix,
         headroom_gib=headroom_gib,
         margin=margin,
+        host_memory_gib=host_memory_gib,
         command=command,
         allow_hub=not offline,
         use_calibration=not no_calibration,

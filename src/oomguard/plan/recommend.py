@@ -27,6 +27,7 @@ from oomguard.errors import OomguardError
 from oomguard.facts import known_quantized_variants, resolve_model
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
+from oomguard.memory.weights import resolve_model_dtype
 from oomguard.plan.result import (
     Alternative,
     Candidate,
@@ -46,12 +47,7 @@ NCCL_RESERVE_BYTES = 256 * 2**20
 # Lower max_num_batched_tokens only down to this; below it long prompts prefill very slowly.
 _BATCHED_TOKEN_STEPS = (4096, 2048, 1024, 512)
 _COUNTS = (1, 2, 4, 8)
-# GGUF Q4_K_M averages about 4.85 bits per weight over a Llama-class model (llama.cpp quantize
-# tables: 8.03 B params → 4.92 GB); the token embedding stays on the CPU.
-GGUF_Q4_K_M_BITS = 4.85
-LLAMA_CPP_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context + compute buffers (estimate)
 PCIE_GBPS = 25.0  # PCIe 4.0 x16, achievable host→device bandwidth
-HOST_RAM_GBPS = 60.0  # dual-channel DDR5, what CPU-side layers stream per token
 
 
 @dataclass(frozen=True)
@@ -87,6 +83,20 @@ class SearchSpace:
     cache: dict[Any, MemoryPrediction] = field(default_factory=dict)
     predictions: int = 0
     _default_util: float | None = None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: independent engines, each with its own KV pool and sequences."""
+        return max(1, self.base.data_parallel_size)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs besides tensor parallelism that one configuration takes (PP × DP)."""
+        return self.base.pipeline_parallel_size * self.dp
+
+    def concurrency_per_rank(self) -> int:
+        """The workload's peak concurrency one data-parallel rank must hold (ceil split)."""
+        return -(-self.workload.concurrency // self.dp)
 
     def default_util(self) -> float:
         """vLLM's default ``gpu_memory_utilization`` for this version (or the user's value)."""
@@ -144,7 +154,7 @@ class SearchSpace:
         if not kinds <= {AttentionKind.FULL, AttentionKind.MLA, AttentionKind.NONE}:
             return 1.0
         shared = min(w.shared_prefix_tokens, w.p99_tokens)
-        per_request = (w.p99_tokens - shared) + shared / w.concurrency
+        per_request = (w.p99_tokens - shared) + shared / self.concurrency_per_rank()
         return per_request / w.p99_tokens
 
     def serve_check(
@@ -157,9 +167,10 @@ class SearchSpace:
         """Does ``settings`` serve the workload? Uses vLLM's concurrency at max_model_len = P99."""
         w = self.workload
         factor = self.share_factor(settings)
-        effective = w.concurrency * factor
+        per_rank = self.concurrency_per_rank()  # each DP rank has its own pool
+        effective = per_rank * factor
         required = effective * (1 + w.margin)
-        needed_tokens = math.ceil(w.concurrency * w.p99_tokens * factor * (1 + w.margin))
+        needed_tokens = math.ceil(per_rank * w.p99_tokens * factor * (1 + w.margin))
         max_len = pred.settings.max_model_len
         check = pred
         reason = ""
@@ -180,7 +191,9 @@ class SearchSpace:
                 f"{required:.2f} needed (incl. {w.margin:.0%} margin)"
             )
         achieved = conc / effective - 1 if effective else 0.0
-        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason)
+        spread = tuple(float(c) for c in check.max_concurrency_range) if pred.fits else (0.0, 0.0)
+        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason,
+                          (spread[0], spread[1]))  # fmt: skip
 
     def candidate(
         self,
@@ -200,7 +213,7 @@ class SearchSpace:
             settings=settings,
             prediction=pred,
             serve=check,
-            weights_label=weights.label,
+            weights_label=_label_on(weights, gpu or self.gpu, settings),
             weights_key=weights.key,
         )
 
@@ -222,12 +235,27 @@ def valid_tp_sizes(model: ModelSpec, max_gpus: int) -> list[int]:
     return sizes
 
 
-def _dtype_label(model: ModelSpec) -> str:
+def _dtype_label(model: ModelSpec, gpu: GPUSpec | None = None, dtype: str = "auto") -> str:
+    """How the native weights load: the checkpoint's format, or the dtype vLLM picks on ``gpu``.
+
+    GPUs without bf16 (compute capability below 8.0: V100, T4) load a bf16 checkpoint as fp16.
+    """
     if model.quant.method:
         return f"{model.quant.method} checkpoint"
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16 (fp32 checkpoint)"}.get(
-        model.dtype, model.dtype
-    )
+    loaded = resolve_model_dtype(model, dtype, gpu.compute_capability if gpu else "")
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(loaded, loaded)
+    if model.dtype == "float32" and loaded != "float32":
+        label += " (fp32 checkpoint)"
+    elif model.dtype == "bfloat16" and loaded == "float16" and dtype in ("auto", None):
+        label += " (no bf16 on this GPU)"
+    return label
+
+
+def _label_on(weights: WeightsOption, gpu: GPUSpec, settings: EngineSettings) -> str:
+    """The weights label of ``weights`` priced on ``gpu`` (native dtype follows the GPU)."""
+    if weights.key != "native" or weights.quantization or weights.model.quant.method:
+        return weights.label
+    return _dtype_label(weights.model, gpu, settings.dtype)
 
 
 # Preference among catalogued 4-bit formats: vLLM's Marlin kernels serve AWQ, GPTQ and
@@ -293,7 +321,7 @@ def weights_options(
     The int4 option is the catalogue's own quantized repo of the model, priced with that repo's
     ModelSpec; when the catalogue lists none, it is a hypothetical AWQ int4 (``known=False``).
     """
-    native = WeightsOption("native", _dtype_label(model) if not base.quantization else
+    native = WeightsOption("native", _dtype_label(model, gpu, base.dtype) if not base.quantization else
                            f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
     options = [native]
     if model.quant.method or base.quantization or "quantization" in fixed:
@@ -364,7 +392,7 @@ def base_settings(
         changes["max_model_len"] = space.workload.p99_tokens
         steps.append("max_model_len")
     if "max_num_seqs" not in space.fixed and space.workload.stated:
-        changes["max_num_seqs"] = space.workload.concurrency
+        changes["max_num_seqs"] = space.concurrency_per_rank()  # --max-num-seqs is per DP rank
         steps.append("max_num_seqs")
     return dataclasses.replace(s, **changes), steps
 
@@ -388,11 +416,10 @@ def search(
     if "tensor_parallel_size" in space.fixed:
         tps = [space.base.tensor_parallel_size]
     else:
-        pp = space.base.pipeline_parallel_size
         tps = (
             list(tp_sizes)
             if tp_sizes is not None
-            else valid_tp_sizes(model, max(1, space.gpu_count // pp))
+            else valid_tp_sizes(model, max(1, space.gpu_count // space.gpus_per_replica))
         )
     fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
     kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
@@ -564,8 +591,11 @@ def explain(
                                   f"{derived} would size every request's worst case for context you never use"))  # fmt: skip
     if "max_num_seqs" in steps:
         default_seqs = given.settings.max_num_seqs
+        whose = ("your peak concurrency" if space.dp == 1 else
+                 f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel ranks "
+                 "(each rank is its own engine with its own KV pool)")  # fmt: skip
         reasons.append(FlagReason("max-num-seqs", s.max_num_seqs,
-                                  f"your peak concurrency; vLLM's default {default_seqs} would admit more sequences than "
+                                  f"{whose}; vLLM's default {default_seqs} would admit more sequences than "
                                   "the KV pool holds and grows the sampler's profiled peak"))  # fmt: skip
     if s.max_num_batched_tokens is not None and "max_num_batched_tokens" not in space.fixed:
         before = given.activation.value_bytes
@@ -582,9 +612,12 @@ def explain(
     reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
     check = chosen.serve
     if check is not None:
-        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {w.concurrency} "
-                "with the shared prefix" if check.effective_concurrency < w.concurrency
-                else f"{w.concurrency} needed")  # fmt: skip
+        per_rank = space.concurrency_per_rank()
+        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
+                "with the shared prefix" if check.effective_concurrency < per_rank
+                else f"{per_rank} needed")  # fmt: skip
+        if space.dp > 1:
+            need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
         reasons.append(FlagReason("(verdict)", None,
                                   f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
                                   f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
@@ -639,11 +672,12 @@ def _sub_space(space: SearchSpace, gpu: GPUSpec, count: int) -> SearchSpace:
 
 def _more_gpus(space: SearchSpace) -> list[Candidate]:
     found: list[Candidate] = []
-    for count in _COUNTS:
+    for tp_count in _COUNTS:  # tensor-parallel sizes; PP × DP multiply the GPUs they take
+        count = tp_count * space.gpus_per_replica
         if count <= space.gpu_count:
             continue
         sub = _sub_space(space, space.gpu, count)
-        tps = [t for t in valid_tp_sizes(space.model, count) if t > 1]
+        tps = [t for t in valid_tp_sizes(space.model, tp_count) if t > 1]
         if not tps:
             continue
         outcome = search(sub, tp_sizes=tps[-1:])
@@ -665,12 +699,12 @@ def _larger_gpus(
         c = _smallest_count(space, native, gpu, weights_per_gpu_tp1)
         if c is not None:
             rows.append(c)
-    rows.sort(key=lambda c: (c.gpu_count * c.gpu.total_bytes, c.gpu_count))
+    rows.sort(key=lambda c: (c.gpus_used * c.gpu.total_bytes, c.gpus_used))
     seen: set[tuple[int, int]] = set()
     distinct = []
     for c in rows:  # GPUs of the same memory give the same numbers: name the first only
-        if (c.gpu.total_bytes, c.gpu_count) not in seen:
-            seen.add((c.gpu.total_bytes, c.gpu_count))
+        if (c.gpu.total_bytes, c.gpus_used) not in seen:
+            seen.add((c.gpu.total_bytes, c.gpus_used))
             distinct.append(c)
     return distinct[:3]
 
@@ -682,24 +716,29 @@ def _smallest_count(
     weights_per_gpu_tp1: int,
     counts: Iterable[int] = _COUNTS,
 ) -> Candidate | None:
-    """The smallest GPU count (valid TP) of ``gpu`` at which native weights serve the workload."""
+    """The smallest GPU count of ``gpu`` at which native weights serve the workload.
+
+    ``counts`` are tensor-parallel sizes; the user's pipeline and data parallelism multiply
+    them (a TP 2 × DP 8 layout occupies 16 GPUs).
+    """
     last: Candidate | None = None
-    for count in counts:
-        if count not in valid_tp_sizes(space.model, count):
+    pp = space.base.pipeline_parallel_size
+    for tp in counts:
+        if tp not in valid_tp_sizes(space.model, tp):
             continue
-        if weights_per_gpu_tp1 / count > gpu.total_bytes * 0.95:
+        if weights_per_gpu_tp1 / (tp * pp) > gpu.total_bytes * 0.95:
             continue  # weights alone do not fit: skip the prediction
         settings = dataclasses.replace(
             space.base,
-            tensor_parallel_size=count,
+            tensor_parallel_size=tp,
             max_model_len=space.workload.p99_tokens
             if "max_model_len" not in space.fixed else space.base.max_model_len,
-            max_num_seqs=space.workload.concurrency
+            max_num_seqs=space.concurrency_per_rank()
             if "max_num_seqs" not in space.fixed and space.workload.stated
             else space.base.max_num_seqs,
             gpu_memory_utilization=space.base.gpu_memory_utilization,
         )  # fmt: skip
-        c = space.candidate(native, settings, gpu=gpu, count=count)
+        c = space.candidate(native, settings, gpu=gpu, count=tp * space.gpus_per_replica)
         last = c
         if c.serves:
             return c
@@ -729,7 +768,7 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
 
     When even offloading every weight does not serve, returns that (non-serving) candidate.
     """
-    tps = valid_tp_sizes(space.model, space.gpu_count)
+    tps = valid_tp_sizes(space.model, max(1, space.gpu_count // space.gpus_per_replica))
     tp = tps[-1] if "tensor_parallel_size" not in space.fixed else space.base.tensor_parallel_size
     settings, _ = base_settings(space, space.default_util(), tp)
     settings = dataclasses.replace(settings, tensor_parallel_size=tp)
@@ -751,52 +790,6 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
     return best, weights_gib
 
 
-def llama_cpp_split(space: SearchSpace, kv_bytes_per_token_tp1: int) -> dict[str, Any]:
-    """GPU-layer split for llama.cpp with a Q4_K_M GGUF: how many layers ``-ngl`` puts on the GPU."""
-    model = space.model
-    w = space.workload
-    per_layer_params = sum(g.count for g in model.params if g.per_layer)
-    embed_params = sum(g.count for g in model.params if not g.per_layer and g.stage in ("first",))
-    head_params = sum(
-        g.count for g in model.params if not g.per_layer and g.stage in ("last", "all")
-    )
-    layers = max(1, model.num_layers)
-    bytes_per_weight = GGUF_Q4_K_M_BITS / 8
-    layer_bytes = per_layer_params / layers * bytes_per_weight
-    head_bytes = (head_params or embed_params) * bytes_per_weight
-    ctx = w.concurrency * w.p99_tokens
-    kv_layer_bytes = kv_bytes_per_token_tp1 / layers * ctx  # f16 KV, as llama.cpp's default
-    vram = space.gpu.total_bytes * space.gpu_count - space.workload.headroom_bytes
-    budget = vram - LLAMA_CPP_RESERVE_BYTES * space.gpu_count - head_bytes
-    ngl = int(max(0, min(layers, budget // (layer_bytes + kv_layer_bytes)))) if budget > 0 else 0
-    cpu_bytes = (layers - ngl) * layer_bytes
-    file_gib = (per_layer_params + embed_params + head_params) * bytes_per_weight / GIB
-    tokens_per_s = HOST_RAM_GBPS * 1e9 / cpu_bytes if cpu_bytes > 0 else None
-    return {
-        "gguf": "Q4_K_M",
-        "file_gib": round(file_gib, 1),
-        "layers": layers,
-        "ngl": ngl,
-        "gpu_gib": round(
-            (
-                ngl * (layer_bytes + kv_layer_bytes)
-                + head_bytes
-                + LLAMA_CPP_RESERVE_BYTES * space.gpu_count
-            )
-            / GIB,
-            1,
-        ),
-        "cpu_ram_gib": round(
-            (cpu_bytes + (layers - ngl) * kv_layer_bytes + embed_params * bytes_per_weight) / GIB, 1
-        ),
-        "layer_gib": round(layer_bytes / GIB, 3),
-        "kv_per_layer_gib": round(kv_layer_bytes / GIB, 3),
-        "ctx_size": ctx,
-        "parallel": w.concurrency,
-        "decode_tokens_per_s_bound": None if tokens_per_s is None else round(tokens_per_s, 1),
-    }
-
-
 def alternatives(
     space: SearchSpace,
     outcome: SearchOutcome,
@@ -814,7 +807,7 @@ def alternatives(
     def numbers(c: Candidate) -> dict[str, Any]:
         return {
             "gpu": c.gpu.name,
-            "gpu_count": c.gpu_count,
+            "gpu_count": c.gpus_used,
             "weights": c.weights_label,
             "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
             "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
@@ -825,10 +818,8 @@ def alternatives(
 
     def label(c: Candidate) -> str:
         kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
-        tp = (
-            f", TP {c.settings.tensor_parallel_size}" if c.settings.tensor_parallel_size > 1 else ""
-        )
-        return f"{c.gpu_count}× {c.gpu.name} ({c.weights_label}{kv}{tp})"
+        layout = f", {c.parallel_label}" if c.parallel_label else ""
+        return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
 
     for c in _more_gpus(space):
         out.append(
@@ -907,31 +898,6 @@ def alternatives(
                      "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
                      "check that 'Model loading took' drops by the offloaded amount",
                      "KV offloading / LMCache does not add room for active context; only weight offload does"), c))  # fmt: skip
-    kv_tp1 = (
-        tp1.kv_bytes_per_token
-        if tp1.settings.kv_cache_dtype == "auto"
-        else tp1.kv_bytes_per_token * 2
-    )
-    split = llama_cpp_split(space, kv_tp1)
-    if split["ngl"] > 0:
-        name = space.model_ref.split("/")[-1]
-        cmd = (f"llama-server -m {name}-Q4_K_M.gguf --ctx-size {split['ctx_size']} "
-               f"--parallel {split['parallel']} --n-gpu-layers {split['ngl']}")  # fmt: skip
-        caveats = [
-            f"{split['layers'] - split['ngl']} of {split['layers']} layers run on the CPU: decode is bound by host RAM "
-            f"bandwidth (≤{split['decode_tokens_per_s_bound']} tokens/s at {HOST_RAM_GBPS:.0f} GB/s)"
-            if split["ngl"] < split["layers"]
-            else "all layers fit on the GPU",
-            "a different engine: OpenAI-compatible llama-server, no PagedAttention/continuous batching at vLLM's scale",
-            "split computed from per-layer bytes of a Q4_K_M GGUF and f16 KV; llama.cpp's --fit can refine it",
-        ]
-        if space.model.moe is not None:
-            caveats.append(
-                "MoE: --n-cpu-moe (experts on CPU, attention on GPU) is usually faster than a layer split"
-            )
-        out.append(("llama_cpp", f"llama.cpp Q4_K_M with {split['ngl']}/{split['layers']} layers on the GPU", True,
-                    split, cmd, tuple(caveats), None))  # fmt: skip
-
     order = {
         "more_gpus": 0,
         "larger_gpu": 0,
@@ -939,13 +905,12 @@ def alternatives(
         "quantize_yourself": 1,
         "shorter_context": 1,
         "cpu_offload": 2,
-        "llama_cpp": 3,
     }
 
     def hardware(item: tuple[Any, ...]) -> float:
         c = item[6]
         return (
-            c.gpu_count * c.gpu.total_bytes
+            c.gpus_used * c.gpu.total_bytes
             if c is not None and item[0] in ("more_gpus", "larger_gpu")
             else 0
         )
@@ -987,7 +952,7 @@ def sizing_table(
         check = c.serve
         rows.append((
             SizingRow(
-                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpu_count, serves=c.serves,
+                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpus_used, serves=c.serves,
                 kv_cache_tokens=c.prediction.kv_cache_tokens,
                 max_concurrency=check.max_concurrency if check else float(c.prediction.max_concurrency),
                 margin_achieved=check.margin_achieved if check else None,
@@ -996,5 +961,5 @@ def sizing_table(
             ),
             c,
         ))  # fmt: skip
-    rows.sort(key=lambda rc: (rc[1].gpu_count * rc[1].gpu.total_bytes, rc[1].gpu_count))
+    rows.sort(key=lambda rc: (rc[1].gpus_used * rc[1].gpu.total_bytes, rc[1].gpus_used))
     return rows

@@ -10,7 +10,6 @@ import shlex
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -104,11 +103,20 @@ def header(result: PlanResult) -> RenderableType:
     s = c.prediction.settings
     text = Text()
     text.append(result.model_ref, style="bold cyan")
-    text.append(f" on {c.gpu_count}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    if not c.model.verified:
+        text.append(" [architecture not verified]", style="bold yellow")
+    text.append(f" on {c.gpus_used}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    if c.parallel_label:
+        text.append(f", {c.parallel_label}")
+    if c.gpu_count > c.gpus_used and result.gpu_source != "sizing":
+        text.append(f" of {c.gpu_count}", style="dim")
     text.append(f", vLLM {s.vllm_version}", style="dim")
     w = result.workload
     if w is not None and w.stated:
         line = f"\nworkload: {w.concurrency} concurrent × {w.p99_tokens:,} tokens (P99)"
+        dp = s.data_parallel_size
+        if dp > 1:
+            line += f", {-(-w.concurrency // dp)} per data-parallel rank"
         if w.shared_prefix_tokens:
             line += f", {w.shared_prefix_tokens:,}-token shared prefix"
         line += f", +{w.margin:.0%} margin"
@@ -161,14 +169,20 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
             "[bold]KV cache[/]", f"[bold red]{_gib(p.kv_cache_bytes)}[/]", "nothing left for it"
         )
         return table
+    low, high = p.kv_cache_bytes_range
+    spread = f"; range {_gib(low)}–{_gib(high)}" if high > low else ""
     table.add_row(
         "[bold]KV cache[/]",
         f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB",
+        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB{spread}",
     )
     table.add_section()
+    t_low, t_high = p.kv_cache_tokens_range
+    t_spread = f"; range {t_low:,}–{t_high:,}" if t_high > t_low else ""
     table.add_row(
-        "KV cache tokens", f"{p.kv_cache_tokens:,}", f"{p.kv_bytes_per_token:,} B/token per GPU"
+        "KV cache tokens",
+        f"{p.kv_cache_tokens:,}",
+        f"{p.kv_bytes_per_token:,} B/token per GPU{t_spread}",
     )
     table.add_row(
         "max concurrency",
@@ -190,10 +204,26 @@ def verdict(result: PlanResult) -> Text:
     if result.fits:
         text.append("✓ fits", style="bold green")
         if w is not None and w.stated and c.serve is not None:
-            text.append(
-                f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
-                f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
-            )
+            dp = c.settings.data_parallel_size
+            if dp > 1:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit on "
+                    f"each of {dp} data-parallel ranks ({c.serve.max_concurrency * dp:.1f} in all), "
+                    f"{-(-w.concurrency // dp)} per rank needed for {w.concurrency} "
+                    f"({c.serve.margin_achieved:+.0%} spare)"
+                )
+            else:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
+                    f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
+                )
+            low = c.serve.max_concurrency_range[0]
+            if not c.serve.served_at_low_end and low > 0:
+                text.append(
+                    f"\n  ! at the low end of the estimates' range only {low:.2f} fit: "
+                    "`oomguard calibrate` with your own startup log makes the terms exact",
+                    style="yellow",
+                )
         return text
     if not c.fits:
         text.append("✗ does not start", style="bold red")
@@ -282,13 +312,22 @@ def recommendation(result: PlanResult) -> RenderableType | None:
     return Group(*head, table, *extra)
 
 
+def _tier_figures(n: dict[str, object]) -> str:
+    """The fallback chain's price of one tier (oomguard.tiering.chain)."""
+    parts = [f"tier {n['tier']}: {n['tier_name']}"]
+    if n.get("gpu_count"):
+        parts.append(f"GPU {n['gpu_gib_per_device']} GiB × {n['gpu_count']}")
+    if n.get("host_gib"):
+        parts.append(f"host {n['host_gib']} GiB")
+    if n.get("decode_tokens_per_s_bound") is not None:
+        slow = f", ~{n['slowdown']}× the planned GPU's time per token" if n.get("slowdown") is not None else ""
+        parts.append(f"≤{n['decode_tokens_per_s_bound']} tokens/s per sequence{slow} (estimate)")
+    return " · ".join(parts)
+
+
 def _alt_figures(alt_kind: str, serves: bool, n: dict[str, object]) -> list[str]:
-    if alt_kind == "llama_cpp":
-        return [
-            f"-ngl {n['ngl']} of {n['layers']} layers ({n['layer_gib']} GiB + "
-            f"{n['kv_per_layer_gib']} GiB KV each)",
-            f"GPU ~{n['gpu_gib']} GiB, host RAM ~{n['cpu_ram_gib']} GiB, GGUF ~{n['file_gib']} GiB",
-        ]
+    if "tier" in n and alt_kind in ("llama_cpp", "cpu_only", "as_planned"):
+        return [_tier_figures(n)]
     if n.get("problem"):
         return [str(n["problem"])]
     figures: list[str] = []
@@ -300,6 +339,8 @@ def _alt_figures(alt_kind: str, serves: bool, n: dict[str, object]) -> list[str]
         figures.append(f"{n['max_concurrency']} concurrent at the P99")
     if alt_kind == "cpu_offload" and serves:
         figures.append(f"host RAM ~{n['host_ram_gib']} GiB")
+    if "tier" in n:
+        figures.append(_tier_figures(n))
     return figures
 
 
@@ -319,7 +360,7 @@ def alternatives(result: PlanResult, width: int = 80) -> RenderableType | None:
         figures = _alt_figures(alt.kind, alt.serves_workload, alt.numbers)
         if figures:
             body.append(Text("; ".join(figures), style="dim"))
-        useful = starts and (alt.serves_workload or alt.kind not in ("cpu_offload",))
+        useful = starts and (alt.serves_workload or alt.kind not in ("cpu_offload", "as_planned"))
         if alt.command and useful:
             body.append(Text("$ " + wrap_command(alt.command, command_width), style="cyan"))
         for caveat in alt.caveats:
@@ -395,18 +436,14 @@ def commands(result: PlanResult) -> RenderableType:
     """``vllm serve``, ``LLM(...)`` and YAML forms of the planned configuration."""
     cmds = result.commands()
     title = "Run it" if result.fits else "Your configuration (does not fit as is)"
+    # plain styled text, not rich.syntax: highlighting loads pygments' lexers, the largest
+    # import of a plan (tens of ms on every run) for a few coloured words
     return Group(
         Text(title, style="bold"),
-        Syntax(cmds["vllm_serve_multiline"], "bash", theme="ansi_dark", background_color="default"),
-        Syntax(
-            "from vllm import LLM\nllm = " + cmds["llm"],
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        ),
+        Text(cmds["vllm_serve_multiline"], style="green"),
+        Text("from vllm import LLM\nllm = " + cmds["llm"], style="green"),
         Text("# or: vllm serve --config plan.yaml", style="dim"),
-        Syntax(cmds["yaml"].rstrip(), "yaml", theme="ansi_dark", background_color="default"),
+        Text(cmds["yaml"].rstrip(), style="green"),
     )
 
 
