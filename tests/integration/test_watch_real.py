@@ -30,8 +30,8 @@ from vllm_server import VllmServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-# the watcher's settings for a burst that lasts seconds, not minutes
-FAST = ["--interval", "0.5", "--min-duration", "1", "--preemption-window", "8"]
+# the watcher's settings for a burst that lasts seconds (under 5 s on an idle machine), not minutes
+FAST = ["--interval", "0.2", "--min-duration", "0.2", "--preemption-window", "8"]
 
 
 @pytest.fixture(scope="module")
