@@ -193,6 +193,10 @@ FIELD_RULES: dict[str, str] = {
     "startup_total_gib": "first",
     "initial_used_gib": "max",
     "startup_check_failed": "first",
+    # CPU backend: the worker's resident memory outside the KV cache ("consumed by non-kv
+    # usages"), and the pool a failed KV allocation asked for (negative: below that memory)
+    "cpu_non_kv_gib": "first",
+    "cpu_kv_request_gib": "first",
     "kv_needed_gib": "first",
     "kv_available_gib": "first",
     "kv_error_max_model_len": "first",

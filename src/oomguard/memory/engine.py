@@ -587,9 +587,14 @@ def _available_kv(
         return value, value, value
     if b.settings.platform == "cpu":
         if b.era.cpu_kv_budget == "util":
-            rss = w.value_bytes + a.value_bytes + CPU_RSS_BASELINE_BYTES
-            rss_low = w.low_bytes + a.low_bytes + CPU_RSS_BASELINE_BYTES - CPU_RSS_SPREAD_BYTES
-            rss_high = w.high_bytes + a.high_bytes + CPU_RSS_BASELINE_BYTES + CPU_RSS_SPREAD_BYTES
+            # the runtime outside weights and activations: measured (the non-torch term on
+            # this backend), else the baseline estimate with its spread
+            measured = b.measured is not None and b.measured.non_torch_bytes is not None
+            runtime = n.value_bytes if measured else CPU_RSS_BASELINE_BYTES
+            spread = 0 if measured else CPU_RSS_SPREAD_BYTES
+            rss = w.value_bytes + a.value_bytes + runtime
+            rss_low = w.low_bytes + a.low_bytes + runtime - spread
+            rss_high = w.high_bytes + a.high_bytes + runtime + spread
             req = b.requested
             return int(req - rss), int(req - rss_high), int(req - rss_low)
         fixed = (
@@ -788,8 +793,9 @@ def predict(
     nt = non_torch(
         era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, nvls=gpu.nvls, coef=coef
     )
-    if measured and measured.non_torch_bytes is not None and platform != "cpu":
-        # the CPU backend profiles no device memory: there is no non-torch term to replace
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
         measured_names.append("non_torch")
     kv_override = settings.kv_cache_memory_bytes
