@@ -20,6 +20,7 @@ FACES: dict[str, str] = {
     "doctor": "oomguard.doctor.cli",
     "calibrate": "oomguard.doctor.cli",
     "guard": "oomguard.guard.cli",
+    "bench": "oomguard.bench.cli",
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
 }
