@@ -13,7 +13,7 @@ fi
 "$VENV/bin/python" -c "import oomguard, pytest, hypothesis" # fail fast if the install broke
 
 echo "== ruff"
-"$VENV/bin/ruff" check src tests bench
+"$VENV/bin/ruff" check src tests bench deploy
 echo "== mypy"
 "$VENV/bin/mypy"
 

@@ -23,6 +23,7 @@ FACES: dict[str, str] = {
     "bench": "oomguard.bench.cli",
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
+    "watch": "oomguard.watch.cli",
 }
 
 _err = Console(stderr=True, highlight=False)
