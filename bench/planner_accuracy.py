@@ -207,6 +207,7 @@ def print_leaked(result: NestedResult) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Score every log (or one file with ``--data``); 0 when every target is met."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dev", type=Path, default=None, help="development logs")
     ap.add_argument("--holdout", type=Path, nargs="*", default=None,
