@@ -146,11 +146,7 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
     else:
         table.add_row("requested", _gib(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
     estimated, how = weights_known(c)
-    weights_cell = _estimate_cell(p.weights) if estimated else how
-    if estimated and not how.startswith("estimate"):
-        weights_cell = how
-    elif estimated:
-        weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}"
+    weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}" if estimated else how
     table.add_row("  weights", _gib(p.weights.value_bytes), weights_cell)
     table.add_row("  activation peak", _gib(p.activation.value_bytes), _estimate_cell(p.activation))
     table.add_row("  non-torch", _gib(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
