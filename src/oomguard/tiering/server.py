@@ -211,7 +211,8 @@ def list_devices(binary: Path, rpc: str | None = None, devices: str | None = Non
     the CPU only)."""
     if devices is not None and devices.strip().lower() == "none":
         return []
-    args = ["--list-devices"] + (["--rpc", rpc] if rpc else [])
+    # --list-devices prints and exits as it is read: the RPC servers must come first
+    args = (["--rpc", rpc] if rpc else []) + ["--list-devices"]
     found = []
     for line in _run_binary(binary, args).splitlines():
         m = _DEVICE_LINE.match(line)
