@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from oomguard.errors import BadInput, OomguardError
 from oomguard.logs import ParsedLog, Phase
@@ -461,6 +464,15 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction]):
                                  "gpu_gib_per_device": round(plan.gpu_need_bytes / GIB, 3),
                                  "host_gib": round(plan.host_need_bytes / GIB, 3)})  # fmt: skip
         self.events.emit("alternatives", recommendation=None, alternatives=alternatives, command=None, fits=False)
+
+    def _guard_argv(self, command: LlamaCommand, port: int) -> list[str]:
+        """The guard, told that the backend is llama-server and how its KV pool is laid out
+        (``/props`` does not say whether the slots share one pool)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        config = self.log_dir / "guard.yaml"
+        backend = {"url": command.base_url, "engine": "llama.cpp", "kv_unified": command.settings.kv_unified}
+        config.write_text(yaml.safe_dump({"backends": [backend]}), encoding="utf-8")
+        return [sys.executable, "-m", "oomguard.cli", "guard", "--config", str(config), "--port", str(port)]
 
 
 @dataclass(frozen=True)
