@@ -90,6 +90,9 @@ def test_serve_refuses_bad_input_with_one_line(
     env = dict(os.environ, OOMGUARD_HOME=str(tmp_path / "home"),
                OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"))  # fmt: skip
     model = str(tiny_model.path)
+    # The session's shared vLLM serves the same model directory: only engines that appear
+    # during this test count.
+    before = set(_engines_with(model))
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
@@ -112,7 +115,8 @@ def test_serve_refuses_bad_input_with_one_line(
             assert not [e for e in events if e["event"] == "launch"], (name, events)
     finally:
         busy.close()
-    assert not _engines_with(model), "an engine was started for bad input"
+    started = set(_engines_with(model)) - before
+    assert not started, f"an engine was started for bad input: {sorted(started)}"
 
 
 def test_serve_plans_first_for_a_model(
