@@ -175,3 +175,29 @@ def test_serve_refuses_bad_llama_server_input_with_one_line(
         assert len(lines) == 1 and words in lines[0], (name, proc.stderr)
         assert "Traceback" not in proc.stderr + proc.stdout, name
         assert '"event": "launch"' not in proc.stdout, name
+
+
+def test_serve_follows_the_chain_to_llama_cpp(
+    llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], vllm_venv_path: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """A model vLLM cannot hold on this machine, with its GGUF: plan's chain picks llama.cpp; a
+    model vLLM holds stays with vLLM; without vLLM the GGUF is served by llama.cpp."""
+    env = dict(os.environ, OOMGUARD_HOME=str(tmp_path / "home"), OOMGUARD_LLAMA_SERVER=str(llama_server_binary),
+               OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"))  # fmt: skip
+    common = ["--gguf", str(gguf), "--offline", "--p99-tokens", "1024", "--concurrency", "2", "--dry-run", "--json"]
+    cases = [
+        (["meta-llama/Llama-3.1-70B-Instruct", *common], env, "llama.cpp", "plan: "),
+        (["Qwen/Qwen2.5-0.5B-Instruct", *common], env, "vllm", "plan: vLLM holds"),
+        (["meta-llama/Llama-3.1-70B-Instruct", *common], {**env, "OOMGUARD_VLLM_PYTHON": str(tmp_path / "none")},
+         "llama.cpp", "no vLLM to launch"),
+    ]  # fmt: skip
+    for args, case_env, engine, why in cases:
+        proc = subprocess.run([*oomguard_exe, "serve", *args], capture_output=True, text=True, timeout=120,
+                              env=case_env, check=False)  # fmt: skip
+        assert proc.returncode == 0, (args, proc.stderr)
+        events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        plan = next(e for e in events if e["event"] == "plan")
+        note = next(e for e in events if e["event"] == "note")
+        assert plan["engine"] == engine and note["text"].startswith(why), (args, plan["engine"], note)
+        if engine == "llama.cpp":
+            assert plan["command"].startswith("llama-server --model " + str(gguf))

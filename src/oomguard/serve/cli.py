@@ -170,7 +170,7 @@ def _read_form(
                            "paste a llama-server command, or serve MODEL.gguf --engine llama.cpp")  # fmt: skip
         options.command = EngineCommand.from_tokens(words, base_dir=Path.cwd())
         return
-    if options.engine == "auto" and (str(model).endswith(".gguf") or options.gguf is not None):
+    if options.engine == "auto" and str(model).endswith(".gguf"):
         options.engine = "llama.cpp"
     if options.engine == "llama.cpp" and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
@@ -227,12 +227,21 @@ def _run(options: Any, *, json_output: bool, log_file: Path | None) -> int:
         handlers = [renderer.on_event]
         sink = renderer.on_line
     session: Any
+    why = None
+    if options.engine == "auto" and options.gguf is not None and options.model is not None:
+        from oomguard.serve.choose import choose_engine
+
+        options.engine, why = choose_engine(options)
+        if options.engine == "llama.cpp":
+            options.plan_settings = {}  # vLLM's settings: llama.cpp plans its own split
     if options.engine == "llama.cpp":
         from oomguard.serve.llama_session import LlamaServeSession
 
         session = LlamaServeSession(options, handlers=handlers, line_sink=sink)
     else:
         session = ServeSession(options, handlers=handlers, line_sink=sink)
+    if why is not None:
+        session.events.emit("note", text=why)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, lambda *_: session.stop())
