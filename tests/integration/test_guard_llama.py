@@ -192,7 +192,7 @@ def test_guard_streams_from_llama_server(guard: GuardProcess) -> None:
 def test_serve_starts_llama_server_and_it_answers_through_the_guard(
     llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
 ) -> None:
-    args = ["--llama-server", str(llama_server_binary), "--guard-port", str(free_port()), str(gguf),
+    args = ["--engine", "llama.cpp", "--llama-server", str(llama_server_binary), "--guard-port", str(free_port()), str(gguf),
             "--p99-tokens", "256", "--concurrency", "2", "--port", str(free_port())]  # fmt: skip
     with ServeRun(oomguard_exe, args, home=tmp_path / "home", venv=Path(sys.prefix), log_dir=tmp_path / "logs") as run:
         run.wait_for("ready", 120)
@@ -207,3 +207,48 @@ def test_serve_starts_llama_server_and_it_answers_through_the_guard(
         assert (backend["slots"], backend["n_ctx_per_slot"]) == (2, 256)
         assert run.terminate() == 0
         assert not run.engine_processes_left()
+
+
+def test_guard_waits_while_llama_server_loads(
+    llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
+) -> None:
+    """The guard is up before llama-server: ``/health`` answers 503 while the model loads, the
+    backend is not routed to (the guard is not ready), then it is, and requests pass."""
+    from oomguard.engine import EngineProcess, http_ok
+    from oomguard.tiering.command import llama_server_argv
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"backends": [url], "poll_interval_s": 0.05}))
+    settings = LlamaCppSettings(ctx_size=SLOTS * CTX_PER_SLOT * 8, parallel=SLOTS)
+    argv = llama_server_argv(str(gguf), settings, binary=str(llama_server_binary), host="127.0.0.1", port=port)
+    errors: list[str] = []
+    guard_port = free_port()
+    guard = EngineProcess([*oomguard_exe, "guard", "--config", str(config), "--port", str(guard_port)],
+                          log_path=tmp_path / "guard.log")  # fmt: skip
+    guard.start()
+    process_url = f"http://127.0.0.1:{guard_port}"
+    server = EngineProcess(argv, log_path=tmp_path / "llama.log")
+    try:
+        assert guard.wait_healthy(process_url + "/health", 60), guard.tail(20)
+        with urllib.request.urlopen(process_url + "/status", timeout=5) as resp:
+            assert json.loads(resp.read())["backends"][0]["healthy"] is False
+        assert not http_ok(process_url + "/ready", timeout_s=2.0)
+        server.start()
+        deadline = time.monotonic() + 90
+        backend: dict[str, object] = {}
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(process_url + "/status", timeout=5) as resp:
+                backend = json.loads(resp.read())["backends"][0]
+            if backend["healthy"]:
+                break
+            errors.append(str(backend["last_error"]))
+            time.sleep(0.01)
+        assert backend["healthy"] and backend["engine"] == "llama.cpp", backend
+        assert any("503" in e and "loading" in e for e in errors), sorted(set(errors))
+        answers = asyncio.run(_burst(process_url, 2, max_tokens=4))
+        assert [status for status, _, _ in answers] == [200, 200], answers
+    finally:
+        server.stop(grace_s=5.0)
+        guard.stop(grace_s=5.0)
