@@ -141,6 +141,9 @@ def test_serve_restarts_a_killed_llama_server_and_stops_cleanly(
         assert plan["prediction"]["context"]["n_ctx_per_slot"] == 512
         first = run.wait_for("ready", 120)
         assert all(r["in_range"] for r in first["comparison"]), first["comparison"]
+        probes = [run.wait_for("probe", 120, lambda e, n=name: e.get("probe") == n) for name in ("longest", "burst")]
+        assert all(p["passed"] for p in probes), probes
+        assert probes[0]["prompt_tokens"] == 511 and probes[1]["requests"] == 2
         os.kill(int(first["pid"]), signal.SIGKILL)
         crash = run.wait_for("failure", 60, lambda e: e.get("launch") == first["launch"])
         assert crash["kind"] == "crash", crash

@@ -465,6 +465,27 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction]):
                                  "host_gib": round(plan.host_need_bytes / GIB, 3)})  # fmt: skip
         self.events.emit("alternatives", recommendation=None, alternatives=alternatives, command=None, fits=False)
 
+    def _run_probes(self, launch: _Launch) -> None:
+        """The longest request a slot holds, then the workload's concurrency of P99 requests."""
+        from oomguard.serve.probe import probe_burst, probe_longest, served_model_name
+
+        if launch.prediction is None or self.model is None:
+            return
+        base = launch.command.base_url
+        per_slot = launch.prediction.memory.context.n_ctx_seq
+        vocab = self.model.n_vocab
+        try:
+            model = served_model_name(base)
+        except (OSError, ValueError, KeyError) as exc:
+            self.events.emit("probe", probe="models", passed=False, error=str(exc))
+            return
+        self.events.emit("probe", launch=launch.number, **probe_longest(base, model, per_slot, vocab).to_dict())
+        w = self.options.workload
+        slots = launch.prediction.memory.context.n_seq_max
+        length = min(w.p99_tokens or per_slot, per_slot)
+        self.events.emit("probe", launch=launch.number,
+                         **probe_burst(base, model, w.concurrency or slots, length, vocab).to_dict())  # fmt: skip
+
     def _guard_argv(self, command: LlamaCommand, port: int) -> list[str]:
         """The guard, told that the backend is llama-server and how its KV pool is laid out
         (``/props`` does not say whether the slots share one pool)."""
