@@ -204,3 +204,25 @@ def test_serve_follows_the_chain_to_llama_cpp(
         assert plan["engine"] == engine and note["text"].startswith(why), (args, plan["engine"], note)
         if engine == "llama.cpp":
             assert plan["command"].startswith("llama-server --model " + str(gguf))
+
+
+def test_serve_stops_on_a_host_allocation_failure_and_shows_what_would_serve(
+    llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
+) -> None:
+    """llama-server under an address-space limit its KV cache does not fit in: a host buffer has
+    no split to lower, so serve exits 1 after showing the alternatives, each priced."""
+    limited = tmp_path / "llama-server"  # the real binary, started with `ulimit -v`
+    limited.write_text(f"#!/bin/sh\nulimit -v 600000\nexec {llama_server_binary} \"$@\"\n")
+    limited.chmod(0o755)
+    command = ["llama-server", "-m", str(gguf), "-c", "400000", "-np", "1", "--port", str(free_port())]
+    with _serve(oomguard_exe, ["--", *command], tmp_path, limited) as run:
+        code = run.wait_exit(120)
+    assert code == 1, run.summary()
+    failure = run.of_kind("failure")[0]
+    assert failure["kind"] == "memory" and "failed to allocate CPU buffer" in failure["text"], failure
+    heal = run.of_kind("heal")[0]
+    assert heal["healed"] is False and "host" in heal["summary"], heal
+    alternatives = run.of_kind("alternatives")[0]["alternatives"]
+    needed_gib = run.of_kind("plan")[0]["prediction"]["per_device_gib"]["CPU"]
+    assert any("q8_0" in a["title"] and a["host_gib"] < needed_gib - 0.3 for a in alternatives), alternatives
+    assert len(run.of_kind("launch")) == 1
