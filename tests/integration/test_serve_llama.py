@@ -134,16 +134,16 @@ def test_serve_heals_a_device_allocation_failure_by_lowering_the_split(
 def test_serve_restarts_a_killed_llama_server_and_stops_cleanly(
     llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
 ) -> None:
-    args = [str(gguf), "--p99-tokens", "512", "--concurrency", "2", "--port", str(free_port())]
+    args = [str(gguf), "--p99-tokens", "256", "--concurrency", "2", "--port", str(free_port())]
     with _serve(oomguard_exe, args, tmp_path, llama_server_binary) as run:
         plan = run.wait_for("plan", 60)
         assert plan["engine"] == "llama.cpp" and plan["prediction"]["context"]["slots"] == 2
-        assert plan["prediction"]["context"]["n_ctx_per_slot"] == 512
+        assert plan["prediction"]["context"]["n_ctx_per_slot"] == 256
         first = run.wait_for("ready", 120)
         assert all(r["in_range"] for r in first["comparison"]), first["comparison"]
         probes = [run.wait_for("probe", 120, lambda e, n=name: e.get("probe") == n) for name in ("longest", "burst")]
         assert all(p["passed"] for p in probes), probes
-        assert probes[0]["prompt_tokens"] == 511 and probes[1]["requests"] == 2
+        assert probes[0]["prompt_tokens"] == 255 and probes[1]["requests"] == 2
         os.kill(int(first["pid"]), signal.SIGKILL)
         crash = run.wait_for("failure", 60, lambda e: e.get("launch") == first["launch"])
         assert crash["kind"] == "crash", crash
