@@ -70,18 +70,41 @@ def fixes_for(s: Situation, cause: str, verdict: Verdict | None) -> list[Fix]:
 
 
 def _checked(s: Situation, fixes: list[Fix]) -> list[Fix]:
-    """Drop the flag fixes the memory model predicts to fail (with less free memory)."""
+    """Keep the flag fixes the memory model predicts to start (with free memory 0.5 GiB
+    lower); a fix that then fails only the length check gets the fitting ``--max-model-len``
+    as its companion. When every flag fix fails, an action says what the model predicts."""
     free = s.get("startup_free_gib")
     drifted = float(free) - FREE_DRIFT_GIB if free is not None else None
     out: list[Fix] = []
-    base = current_settings(s)
+    dropped: list[str] = []
     for fix in fixes:
-        settings = apply_fix(base, fix) if fix.is_flag else None
-        prediction = predict_run(s, settings, drifted) if settings is not None else None
-        if prediction is not None and not prediction.fits:
-            continue
-        out.append(fix)
+        checked, problem = _check_one(s, fix, drifted)
+        if checked is not None:
+            out.append(checked)
+        elif problem:
+            dropped.append(f"{fix.as_text}: {problem}")
+    if dropped and not any(f.is_flag for f in out):
+        out.insert(0, Fix("action", "no setting of this engine starts on what this device has "
+                          "free (the memory model predicts " + "; ".join(dropped) + "): free the "
+                          "GPU, or use a smaller or quantized model", ""))
     return out
+
+
+def _check_one(s: Situation, fix: Fix, free_gib: float | None) -> tuple[Fix | None, str]:
+    """``fix`` (or it with a length companion) if predicted to start, else (None, why)."""
+    settings = apply_fix(current_settings(s), fix) if fix.is_flag else None
+    prediction = predict_run(s, settings, free_gib) if settings is not None else None
+    if prediction is None or prediction.fits:
+        return fix, ""
+    codes = {p.code for p in prediction.problems}
+    estimate = prediction.estimated_max_model_len
+    if codes == {"max_len_exceeds_kv"} and estimate and "--max-model-len" not in fix.flags():
+        length = nice_max_model_len(max(int(estimate * LENGTH_KEEP), 1), prediction.block_size)
+        joined = Fix(fix.flag, fix.value, f"{fix.why}; with --max-model-len {length:,}, 90 % of "
+                     f"the {estimate:,} tokens the smaller KV cache holds",
+                     also=(*fix.also, ("--max-model-len", str(length))))
+        return _check_one(s, joined, free_gib) if length > 0 else (None, "")
+    return None, "; ".join(p.message.split(". ")[0] for p in prediction.problems)
 
 
 # --- per cause ------------------------------------------------------------------------------------
@@ -94,10 +117,9 @@ def _kv_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
         return _cpu_budget_fixes(s)
     if verdict is not None and verdict.mechanism == "budget_arithmetic":
         return _low_util_fixes(s, verdict)
+    # a shorter length never needs more memory: it comes before a larger pool
     fixes: list[Fix] = []
     kv_bytes = _kv_bytes_fix(s)
-    if kv_bytes is not None:
-        fixes.append(kv_bytes)
     capacity = s.get("estimated_max_model_len") or s.get("kv_capacity_tokens")
     if verdict is not None:
         capacity = int(verdict.numbers.get("kv_capacity_tokens", capacity or 0)) or capacity
@@ -108,6 +130,8 @@ def _kv_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
                          f"the KV cache holds about {int(capacity):,} tokens; {length:,} keeps "
                          f"{1 - LENGTH_KEEP:.0%} of it spare (a multiple of the "
                          f"{s.block_size}-token block)"))
+    if kv_bytes is not None:
+        fixes.append(kv_bytes)
     raise_util = _kv_util_raise(s)
     if raise_util is not None and kv_bytes is None:
         fixes.append(raise_util)

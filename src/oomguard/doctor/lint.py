@@ -6,8 +6,9 @@ named GPU. vLLM's KV cache is paged: a sequence holds the blocks its tokens use,
 workload's length (the P99 when given, else a typical request), never ÷ ``max_model_len``.
 
 A flag vLLM does not have is an error (:class:`BadInput`, exit code 2) naming the closest real
-flag. Findings are ``problem`` (the command will fail, or the stated workload will overflow
-the pool: exit code 1) or ``tip`` (worth changing, not wrong: exit code 0).
+flag. Findings are ``problem`` (the command will not start, leaves no headroom, or the pool
+cannot hold the stated workload: exit code 1) or ``tip`` (worth changing, not wrong — a
+max_num_seqs above what the pool serves at the P99, a max_model_len far above it: exit 0).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
         "vLLM's KV cache is paged: a sequence holds the blocks its tokens use. A burst of "
         "max_num_seqs requests of this length overflows the pool, and vLLM preempts and "
         "recomputes them.",
-        severity="problem" if p99 else "tip", confidence=0.85 if p99 else 0.6)
+        severity="tip", confidence=0.85 if p99 else 0.6)
 
 
 def _pool_too_small(c: _Command, length: int, served: int, wanted: int) -> LintFinding:

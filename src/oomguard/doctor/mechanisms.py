@@ -33,6 +33,10 @@ ACTIVATION_SHARE = 0.25
 HELD_BEFORE_SHARE = 0.25
 # TP ranks whose other-process memory differs by this share of the device are asymmetric
 RANK_ASYMMETRY_SHARE = 0.2
+# the highest utilization worth raising to, and the share of the device a raised budget must
+# then leave for the KV cache for "the utilization is too low" rather than "the weights fill it"
+MAX_UTIL = 0.95
+ROOM_FOR_KV_SHARE = 0.1
 # a utilization set at or below this plans for sharing the device with another workload
 SHARED_UTIL = 0.6
 # reserved-but-unallocated memory is fragmentation only when it is this many times the
@@ -211,7 +215,8 @@ def check_budget(s: Situation) -> Verdict | None:
     w = float(weights.value)
     if w >= WEIGHTS_FILL_SHARE * budget:
         numbers = {"weights_gib": w, "budget_gib": budget, "total_gib": total}
-        if w >= WEIGHTS_FILL_SHARE * total:
+        act = float(s.get("activation_gib") or 1.0)
+        if MAX_UTIL * total - w - act < ROOM_FOR_KV_SHARE * total:
             return _budget_verdict(
                 s, ev, "weights_dont_fit", numbers,
                 f"the weights take {w:.1f} GiB of a {total:.1f} GiB device",
@@ -493,8 +498,8 @@ def check_allocator_conflict(s: Situation) -> Verdict | None:
 MECHANISMS: tuple[Callable[[Situation], Verdict | None], ...] = (
     check_allocator_conflict,
     check_host_memory,
-    check_explicit_pool,
     check_kv_fit,
+    check_explicit_pool,
     check_cpu_kv_budget,
     check_startup_free_memory,
     check_rank_asymmetry,
