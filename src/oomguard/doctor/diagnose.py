@@ -121,7 +121,7 @@ def _sure_finding(s: Situation, verdict: Verdict, confidence: float) -> Finding:
 
 def _ranked_finding(s: Situation, cause: str, p: float, model: CauseModel) -> Finding:
     values = extract(s, [])
-    cues = [_cue_text(name) for name in model.contributions(values, cause)]
+    cues = [c for name in model.contributions(values, cause, top=8) if (c := _cue_text(name))][:4]
     summary = LABELS[cause] + (f" (the log shows {', '.join(cues)})" if cues else "")
     return Finding(
         cause=cause,
@@ -134,17 +134,21 @@ def _ranked_finding(s: Situation, cause: str, p: float, model: CauseModel) -> Fi
     )
 
 
-def _cue_text(feature: str) -> str:
+def _cue_text(feature: str) -> str | None:
+    """How a feature that pushed a cause up reads in a summary (None: not worth saying)."""
     kind, _, name = feature.partition(":")
     if kind == "sig" and name.startswith("said_"):
         return "words about " + name.removeprefix("said_").replace("_", " ")
-    name = name.replace("_", " ")
-    return {
-        "sig": name,
-        "phase": f"a failure during {name}",
-        "oom": f"a {name} out-of-memory error" if name != "several" else "several OOM errors",
-        "mech": "a mechanism check",
-    }.get(kind, feature.replace("_", " ").replace(":", " "))
+    words = name.replace("_", " ")
+    if kind == "sig":
+        return words
+    if kind == "phase" and name != "none":
+        return f"a failure during {words}"
+    if kind == "oom":
+        return "several out-of-memory errors" if name == "several" else f"a {words} OOM"
+    if kind in ("util", "oom_tried", "oom_own", "max_model_len", "max_num_seqs"):
+        return f"{kind.replace('_', ' ')} {words}"
+    return None
 
 
 def _evidence_lines(s: Situation) -> list[Evidence]:

@@ -69,7 +69,8 @@ _FACTS = (
         "but unallocated",
         frozenset({"fragmentation", "leak_or_other_process", "concurrency_or_batch",
                    "weights_dont_fit"}),
-        lambda s: s.parsed.first_oom is not None and s.parsed.first_oom.total_gib is not None,
+        # only a PyTorch OOM whose figures were cut lacks it
+        lambda s: s.parsed.first_oom is None or s.parsed.first_oom.total_gib is not None,
     ),
     _Fact(
         "the command line",
@@ -97,13 +98,12 @@ _FACTS = (
 
 def what_would_settle(s: Situation, candidates: list[str], limit: int = 4) -> list[Need]:
     """The missing facts that tell ``candidates`` (best first) apart, most useful first."""
-    wanted = set(candidates)
     scored: list[tuple[int, int, Need]] = []
     for order, fact in enumerate(_FACTS):
         if fact.present(s):
             continue
         settles = tuple(c for c in candidates if c in fact.causes)
-        if not settles or (len(settles) == 1 and len(wanted) > 1 and settles[0] != candidates[0]):
+        if not settles:
             continue
         scored.append((-len(settles), order, Need(fact.what, fact.how, settles)))
     return [need for _, _, need in sorted(scored, key=lambda t: (t[0], t[1]))][:limit]
