@@ -17,6 +17,7 @@ one exists (``oomguard serve`` applies it), actions follow.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 
 from oomguard.doctor.findings import Fix
@@ -33,6 +34,8 @@ KV_BYTES_FACTOR = 1.25
 # free memory may move by this much between the failure and the restart
 FREE_DRIFT_GIB = 0.5
 MAX_UTIL = 0.95
+# vllm 0.32 cpu_worker: "… less than requested memory for kv (-0.37/0.25 GiB)"
+_CPU_KV_REQUEST = re.compile(r"requested memory for kv \((-?[\d.]+)(?:/([\d.]+))? GiB\)")
 _STARTUP_PHASES = (
     Phase.STARTUP,
     Phase.WEIGHT_LOADING,
@@ -195,9 +198,7 @@ def _cpu_budget_fixes(s: Situation) -> list[Fix]:
     total = s.get("startup_total_gib") or s.total_gib
     util = s.util
     text = s.parsed.signatures["cpu_kv_allocation_failed"].text
-    import re
-
-    m = re.search(r"requested memory for kv \((-?[\d.]+)(?:/([\d.]+))? GiB\)", text)
+    m = _CPU_KV_REQUEST.search(text)
     if not (m and total and util is not None):
         return [Fix("action", "raise --gpu-memory-utilization: on the CPU backend it is the "
                     "share of node memory, and it must exceed what the worker already holds", "")]
@@ -291,7 +292,7 @@ def _batch_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
                     f"each running sequence holds one of the {blocks} state blocks; "
                     f"{target} keeps 10 % spare")]
     seqs = int(s.get("sampler_warmup_oom_seqs") or s.get("max_num_seqs") or _default_seqs(s))
-    target = max(1 << (max(seqs // 4, 1).bit_length() - 1), 1)
+    target = power_of_two_at_most(seqs // 4)
     fixes = [Fix("--max-num-seqs", str(target),
                  f"the sampler warm-up and profiling batch are sized for {seqs} sequences; "
                  f"{target} needs a quarter of that")]
@@ -300,11 +301,16 @@ def _batch_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if tokens and oom is not None and oom.tried_gib and oom.free_gib is not None:
         keep = max(oom.free_gib / oom.tried_gib, 0.1)
         if keep < 1:
-            new_tokens = max(1 << (max(int(int(tokens) * keep * 0.8), 1).bit_length() - 1), 256)
+            new_tokens = max(power_of_two_at_most(int(int(tokens) * keep * 0.8)), 256)
             fixes.append(Fix("--max-num-batched-tokens", str(new_tokens),
                              f"the activation peak grows with the tokens per batch: {int(tokens)} "
                              f"× {keep:.2f} (free ÷ requested) with a margin"))
     return fixes
+
+
+def power_of_two_at_most(n: int) -> int:
+    """The largest power of two ≤ n (1 for n < 2)."""
+    return 1 << (max(n, 1).bit_length() - 1)
 
 
 def _default_seqs(s: Situation) -> int:
@@ -318,7 +324,7 @@ def _default_seqs(s: Situation) -> int:
 def _multimodal_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     """The encoder's profiling run on maximal items: fewer items, smaller items."""
     seqs = int(s.get("max_num_seqs") or _default_seqs(s))
-    target = max(1 << (max(seqs // 4, 1).bit_length() - 1), 1)
+    target = power_of_two_at_most(seqs // 4)
     return [
         Fix("--limit-mm-per-prompt", '{"image": 1}',
             "vLLM profiles the encoder on the most items a prompt may carry; one image per "
