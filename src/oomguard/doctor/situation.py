@@ -277,6 +277,9 @@ def _add_weights(s: Situation, parsed: ParsedLog) -> None:
     model = s.get("model")
     if model:
         spec = _resolve_model(str(model))
+        if spec is None and s.context.model and s.context.model != model:
+            # the log's model is a path from another machine: the user's --model is here
+            spec = _resolve_model(s.context.model)
         if spec is not None:
             s.model_spec = spec
             weights_total = _weights_from_spec(spec, s)
