@@ -54,7 +54,12 @@ def doctor_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch."""
+    """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch.
+
+    Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log, 4 the log does not settle the cause (the doctor says what would), 2 bad input.
+
+    Linting (--command): 0 no problems, 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
+    """
     from oomguard.doctor.diagnose import diagnose_file
     from oomguard.doctor.lint import Workload, lint_command
     from oomguard.doctor.render import render_diagnosis, render_findings

@@ -98,10 +98,11 @@ def _decide(
         findings.append(_sure_finding(s, verdict, confidence))
         left = 1.0 - rest.pop(verdict.cause, 0.0)
         rest = {c: p * (1.0 - confidence) / left for c, p in rest.items()} if left > 0 else {}
+    values = extract(s, [])
     for cause, p in rest.items():
         if len(findings) >= MAX_FINDINGS or (findings and p < SHOW_FROM):
             break
-        findings.append(_ranked_finding(s, cause, p, model))
+        findings.append(_ranked_finding(s, cause, p, model, values))
     return findings
 
 
@@ -119,8 +120,9 @@ def _sure_finding(s: Situation, verdict: Verdict, confidence: float) -> Finding:
     )
 
 
-def _ranked_finding(s: Situation, cause: str, p: float, model: CauseModel) -> Finding:
-    values = extract(s, [])
+def _ranked_finding(
+    s: Situation, cause: str, p: float, model: CauseModel, values: dict[str, float]
+) -> Finding:
     cues = [c for name in model.contributions(values, cause, top=8) if (c := _cue_text(name))][:4]
     summary = LABELS[cause] + (f" (the log shows {', '.join(cues)})" if cues else "")
     return Finding(
