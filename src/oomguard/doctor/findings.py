@@ -107,11 +107,10 @@ class Finding:
         return list(self.fixes)
 
     def flag_changes(self) -> dict[str, str | None]:
-        """The vLLM flags of the first fix that is a flag change (empty when there is none)."""
-        for fix in self.fixes:
-            if fix.is_flag:
-                return fix.flags()
-        return {}
+        """The vLLM flags of the first fix, ``{"--max-model-len": "7168"}``; empty when the
+        first fix is not a flag change (an action to take, an environment variable), so a
+        caller that applies it never applies a later, unsized fix instead."""
+        return self.fixes[0].flags() if self.fixes else {}
 
     def to_dict(self) -> dict[str, Any]:
         return {
