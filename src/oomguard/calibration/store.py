@@ -101,6 +101,12 @@ class Observation:
     kv_cache_dtype: str | None = None
     user_set: tuple[str, ...] = ()  # which of SETTINGS the user's own arguments set
     args_stated: bool = False  # the log shows the user's arguments: the others were defaults
+    # measured under load by `oomguard bench` (None for observations from start-up logs): the
+    # most requests of ``bench_sequence_tokens`` (prompt + max_tokens) the pool held without a
+    # preemption, and its bytes per token where the server stated its pool in bytes
+    max_safe_concurrency: int | None = None
+    bench_sequence_tokens: int | None = None
+    kv_bytes_per_token: float | None = None
 
     @property
     def key(self) -> str:
