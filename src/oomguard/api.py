@@ -188,6 +188,7 @@ def plan(
     kwargs: dict[str, Any] = {}
     if command is not None:
         parsed: ParsedCommand = parse_command(command)
+        parsed.check_flags()  # a misspelt flag is an error naming the closest real one
         if model is not None and model != parsed.model:
             raise BadInput(
                 f"two models given: {model!r} and {parsed.model!r} in the command",

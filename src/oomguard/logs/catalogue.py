@@ -509,7 +509,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "cuda graphs can take additional",
             "cudagraph_capture_sizes",
         ),
-        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|cudagraph_capture_sizes",
+        # ``cudagraph_capture_sizes`` starts a capture only as a line of its own (V0's
+        # "cudagraph_capture_sizes [2,1]"), not as a key of the engine's configuration dump
+        # (``'cudagraph_capture_sizes': []``), which vLLM prints before the weights load.
+        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|(?<![\w'\"])cudagraph_capture_sizes(?![\w'\"])",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(

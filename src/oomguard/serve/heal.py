@@ -150,9 +150,11 @@ def decide(ctx: HealContext) -> HealDecision:
 def _doctor_candidate(fix: Any) -> Candidate | None:
     flag = str(fix.flag)
     if flag.startswith("--"):
-        return Candidate(
-            {flag: None if fix.value in (None, "") else str(fix.value)}, fix.why, "doctor"
-        )
+        # The fix's flag with its companions (``also``): they are one change.
+        changes = {
+            name: None if value in (None, "") else str(value) for name, value in fix.flags().items()
+        }
+        return Candidate(changes, fix.why, "doctor")
     if _ENV_NAME.fullmatch(flag) and fix.value is not None:
         return Candidate({flag: str(fix.value)}, fix.why, "doctor")
     return None
@@ -191,6 +193,10 @@ def _accept(ctx: HealContext, candidate: Candidate, decision: HealDecision) -> b
         decision.rejected.append((candidate.text, reason))
         return False
     prediction = _predict(ctx, new)
+    reason = _pool_problem(ctx, new, prediction)
+    if reason:
+        decision.rejected.append((candidate.text, reason))
+        return False
     if prediction is not None and not prediction.fits:
         problem = prediction.problems[0] if prediction.problems else "does not fit"
         decision.rejected.append(
@@ -252,6 +258,30 @@ def _margin_problem(ctx: HealContext, new: EngineCommand) -> str | None:
         return (
             f"utilization {util:g} asks {util * total / GIB:.2f} GiB; {free / GIB:.2f} GiB are free "
             f"and {margin / GIB:.2f} GiB must stay free"
+        )
+    return None
+
+
+def _pool_problem(ctx: HealContext, new: EngineCommand, prediction: Prediction | None) -> str | None:
+    """A larger explicit pool (``--kv-cache-memory-bytes``) is allocated whatever the
+    utilization: the engine's predicted non-KV memory (at the top of its range) and the new
+    pool must fit in the memory free now, with the margin."""
+    before = ctx.command.parsed().settings_kwargs.get("kv_cache_memory_bytes")
+    pool = new.parsed().settings_kwargs.get("kv_cache_memory_bytes")
+    if pool is None or (before is not None and int(pool) <= int(before)):
+        return None
+    free, total = _free_bytes(ctx), _total_bytes(ctx)
+    if free is None or total is None:
+        return None
+    non_kv = 0
+    if prediction is not None:
+        m = prediction.memory
+        non_kv = sum(e.high_bytes for e in (m.weights, m.activation, m.non_torch, m.cudagraph))
+    margin = util_margin_bytes(total)
+    if int(pool) + non_kv > free - margin:
+        return (
+            f"a pool of {int(pool) / GIB:.3f} GiB and {non_kv / GIB:.2f} GiB beside it need more than "
+            f"the {free / GIB:.2f} GiB free less the {margin / GIB:.2f} GiB margin"
         )
     return None
 

@@ -98,15 +98,13 @@ def test_never_the_same_configuration_twice(model_dir: Path, tiny_spec: ModelSpe
 def test_utilization_keeps_a_margin_below_free_memory(
     model_dir: Path, tiny_spec: ModelSpec
 ) -> None:
-    """The doctor's 0.86 fits the free memory of the recording machine (10.91 GiB) by 0.08 GiB;
-    with 10 GiB free now it does not, and serve's own utilization leaves the margin."""
+    """The doctor sizes its utilization on the free memory of the recording machine
+    (10.91 GiB); with 10 GiB free now it does not leave the margin, and serve's own
+    utilization does."""
     ctx = _context("cpu_startup_free_memory_check", model_dir, tiny_spec, free_gib=10.0)
     decision = decide(ctx)
-    refused = dict(decision.rejected)
-    assert (
-        "--gpu-memory-utilization 0.86" in refused
-        and "must stay free" in refused["--gpu-memory-utilization 0.86"]
-    )
+    refused = {text: why for text, why in decision.rejected if "utilization" in text}
+    assert refused and all("must stay free" in why for why in refused.values()), decision.rejected
     assert decision.candidate is not None and decision.candidate.source == "serve"
     util = decision.command.parsed().settings_kwargs["gpu_memory_utilization"]  # type: ignore[union-attr]
     total, free = 12.59 * GIB, 10.0 * GIB
@@ -139,9 +137,10 @@ def test_util_below_process_memory_healed_with_the_measured_memory(
     first = predict_command(ctx.command, tiny_spec, device, "0.32.0", use_calibration=False)
     ctx.session_logs = [(follower.parsed(), first.memory)]
     decision = decide(ctx)
-    assert decision.candidate is not None and decision.candidate.changes == {
-        "--gpu-memory-utilization": "0.11"
-    }
+    assert decision.candidate is not None
+    assert list(decision.candidate.changes) == ["--gpu-memory-utilization"]
+    util = float(decision.candidate.changes["--gpu-memory-utilization"] or 0)
+    assert util * 12.59 > 0.62 + 0.25  # above what the worker held, with room for a pool
     assert decision.prediction is not None and decision.prediction.fits
     assert "launch 1 of this session" in decision.prediction.measured_from
     non_kv = decision.prediction.terms["cpu_non_kv"]
@@ -163,7 +162,8 @@ def test_nothing_runnable_explains_every_refusal(model_dir: Path, tiny_spec: Mod
     refused = dict(decision.rejected)
     assert "P99" in refused["--max-model-len 512"]
     assert "numerics" in refused["--kv-cache-dtype fp8"]
-    assert any("the memory model predicts it still fails" in r for r in refused.values())
+    pool = [why for text, why in refused.items() if text.startswith("--kv-cache-memory-bytes")]
+    assert pool and "free" in pool[0], refused
 
 
 def test_a_precision_change_needs_the_users_consent(model_dir: Path, tiny_spec: ModelSpec) -> None:
