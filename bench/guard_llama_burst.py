@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 from burst import GuardProcess  # noqa: E402
-from test_guard_llama import PROMPT, SlotWatch, _burst  # noqa: E402
+from test_guard_llama import HTTP_THREADS, PROMPT, SlotWatch, _burst  # noqa: E402
 from tiny_gguf import SHAPES, write_tiny_gguf  # noqa: E402
 
 from oomguard.tiering.server import find_llama_server, running_llama_server  # noqa: E402
@@ -48,6 +48,7 @@ def one_burst(label: str, url: str, llama_url: str, requests: int, max_tokens: i
     ok = [a for status, a, _ in answers if status == 200]
     tokens = sum(int(a["usage"]["completion_tokens"]) for a in ok)  # type: ignore[index,call-overload]
     return {"label": label, "requests": requests, "succeeded": len(ok), "max_busy_slots": watch.max_busy,
+            "samples": watch.samples,
             "max_deferred": watch.max_deferred, "wall_s": round(wall_s, 2),
             "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0}  # fmt: skip
 
@@ -68,7 +69,7 @@ def main() -> int:
         root = Path(tmp)
         gguf = write_tiny_gguf(root / "tiny-q8_0.gguf", SHAPES["q8_0"])
         settings = LlamaCppSettings(ctx_size=args.slots * args.ctx_per_slot, parallel=args.slots)
-        with running_llama_server(gguf, settings, binary=binary, extra=("--metrics",)) as server:
+        with running_llama_server(gguf, settings, binary=binary, extra=HTTP_THREADS) as server:
             config = root / "guard.yaml"
             config.write_text(yaml.safe_dump({"backends": [{"url": server.url, "kv_unified": False}]}))
             for _ in range(args.rounds):
