@@ -18,8 +18,10 @@ from typing import Any
 
 import aiohttp
 
+from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
+from oomguard.guard.llama_backend import SlotLayout
 from oomguard.guard.metrics_parse import VllmMetrics, parse_vllm_metrics
 
 log = logging.getLogger("oomguard.guard")
@@ -44,6 +46,8 @@ class Backend:
         self.tokenize_supported = True
         self.tokenize_retry_at_s = 0.0
         self.next_models_refresh_s = 0.0
+        self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
+        self.llama_layout: SlotLayout | None = None
 
     def serves(self, model: str | None) -> bool:
         """Whether this backend can take a request for ``model`` (None: the default model)."""
@@ -106,6 +110,7 @@ class Backend:
             "requests_waiting": self.metrics.requests_waiting,
             "requests_running": self.metrics.requests_running,
             "ejections": self.ejections,
+            **llama_backend.status_fields(self),
         }
 
 
@@ -190,6 +195,9 @@ class BackendPool:
 
     async def _fetch_metrics(self, backend: Backend) -> VllmMetrics:
         assert self._session is not None
+        from_llama = await llama_backend.poll(self._session, backend)
+        if from_llama is not None:
+            return from_llama
         async with self._session.get(backend.url + "/metrics") as resp:
             if resp.status == 404:
                 # Not a vLLM server with metrics: fall back to a liveness probe; capacity then
@@ -215,6 +223,7 @@ class BackendPool:
         backend.models = {
             str(m["id"]): m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
         }
+        llama_backend.note_models(backend)
 
     def _poll_failed(self, backend: Backend, reason: str) -> None:
         backend.consecutive_failures += 1

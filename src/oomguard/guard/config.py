@@ -21,6 +21,9 @@ class BackendConfig(BaseModel):
     num_gpu_blocks: int | None = Field(default=None, ge=2)
     block_size: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
+    # "auto": llama-server when /props answers as its does (oomguard.guard.llama_backend)
+    engine: Literal["auto", "vllm", "llama.cpp"] = "auto"
+    kv_unified: bool | None = None  # llama-server: one KV pool shared by all slots (None: assumed)
 
     @field_validator("url")
     @classmethod
