@@ -493,16 +493,22 @@ def pick_backend(
 
 
 def never_fit_reason(
-    candidates: Sequence[BackendAdmission], cost: RequestCost, max_model_len: int | None
+    candidates: Sequence[BackendAdmission],
+    cost: RequestCost,
+    max_model_len: int | None,
+    prompt_is_lower_bound: bool = False,
 ) -> str | None:
     """Why the request can never run on any known backend, or None if it may.
 
     Returns None while no backend's capacity is known (nothing can be said yet).
+    ``prompt_is_lower_bound``: the cost's prompt is the fewest tokens it can have (the cheap
+    check made before tokenizing); the message then says "at least".
     """
+    least = "at least " if prompt_is_lower_bound else ""
     if max_model_len is not None and cost.sequence_tokens > max_model_len:
         return (
-            f"This request needs {cost.sequence_tokens} tokens of context "
-            f"({cost.prompt_tokens} prompt + {cost.max_new_tokens} max_tokens) but the "
+            f"This request needs {least}{cost.sequence_tokens} tokens of context "
+            f"({least}{cost.prompt_tokens} prompt + {cost.max_new_tokens} max_tokens) but the "
             f"model's maximum context length is {max_model_len} tokens; "
             "shorten the prompt or lower max_tokens."
         )
@@ -515,8 +521,8 @@ def never_fit_reason(
     assert largest.capacity_blocks is not None and largest.block_size is not None
     capacity_tokens = largest.capacity_blocks * largest.block_size
     return (
-        f"This request needs {cost.total_tokens} tokens of KV cache "
-        f"({cost.num_sequences} × ({cost.prompt_tokens} prompt + {cost.max_new_tokens} "
+        f"This request needs {least}{cost.total_tokens} tokens of KV cache "
+        f"({cost.num_sequences} × ({least}{cost.prompt_tokens} prompt + {cost.max_new_tokens} "
         f"max_tokens), {cost.blocks(largest.block_size)} blocks of {largest.block_size}) but "
         f"the largest backend holds {capacity_tokens} tokens ({largest.capacity_blocks} blocks); "
         "lower max_tokens or n, or shorten the prompt."

@@ -104,10 +104,14 @@ class Gate:
             ahead, time.monotonic(), self.retry_fallback_s, self.max_retry_after_s
         )
 
-    def never_fit_reason(self, cost: RequestCost, model: str | None) -> str | None:
+    def never_fit_reason(
+        self, cost: RequestCost, model: str | None, prompt_is_lower_bound: bool = False
+    ) -> str | None:
         """Why ``cost`` can never run on the backends serving ``model``, or None."""
         serving = [b.admission for b in self.pool.backends if b.serves(model)]
-        return never_fit_reason(serving, cost, self.pool.max_model_len(model))
+        return never_fit_reason(
+            serving, cost, self.pool.max_model_len(model), prompt_is_lower_bound
+        )
 
     def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
         cands = self.pool.candidates(model)

@@ -21,6 +21,7 @@ _FAMILIES = (
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",
     "vllm:cache_config_info",
+    "process_start_time_seconds",
 )
 _PREFIXES = (
     _FAMILIES + tuple(f"# TYPE {f}" for f in _FAMILIES) + tuple(f"# HELP {f}" for f in _FAMILIES)
@@ -37,6 +38,9 @@ class VllmMetrics:
     requests_running: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    prefix_caching: bool | None = None
+    # Unix time the server process started (prometheus_client's process collector).
+    process_start_time_s: float | None = None
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
@@ -59,6 +63,8 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
     running: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    prefix_caching: bool | None = None
+    started: float | None = None
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name, value = sample.name, sample.value
@@ -75,6 +81,10 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
             elif name == "vllm:cache_config_info" and num_gpu_blocks is None:
                 num_gpu_blocks = _int_label(sample.labels, "num_gpu_blocks")
                 block_size = _int_label(sample.labels, "block_size")
+                flag = sample.labels.get("enable_prefix_caching")
+                prefix_caching = None if flag is None else flag == "True"
+            elif name == "process_start_time_seconds" and started is None:
+                started = value
     return VllmMetrics(
         kv_cache_usage=usage if usage is not None else legacy_usage,
         preemptions_total=preemptions,
@@ -82,4 +92,6 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         requests_running=running,
         num_gpu_blocks=num_gpu_blocks,
         block_size=block_size,
+        prefix_caching=prefix_caching,
+        process_start_time_s=started,
     )

@@ -30,6 +30,7 @@ OUTCOMES = (
     "upstream_failed",
     "stream_error",
     "client_disconnected",
+    "no_backend",
 )
 
 _LATENCY_BUCKETS_S = (
@@ -172,6 +173,11 @@ class Telemetry:
         self.retries = Counter(
             "oomguard_retries",
             "Upstream attempts retried after a backend failure",
+            registry=self.registry,
+        )
+        self.priority_ignored = Counter(
+            "oomguard_priority_ignored",
+            "Requests that asked for a priority their API key does not allow (served at 0)",
             registry=self.registry,
         )
         self.estimated_prompts = Counter(
