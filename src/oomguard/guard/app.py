@@ -360,9 +360,7 @@ class GuardApp:
         ``Retry-After`` from the health checks (the expected end of a restart, else the time
         the next polls take)."""
         now = time.monotonic()
-        retry = min(
-            math.ceil(self.pool.expected_back_in_s(now)), self.config.max_retry_after_s
-        )
+        retry = min(math.ceil(self.pool.expected_back_in_s(now)), self.config.max_retry_after_s)
         states = "; ".join(
             f"{b.url} {b.state}" + (f" ({b.last_error})" if b.last_error else "")
             for b in self.pool.backends

@@ -249,9 +249,7 @@ def _checked_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         raise bad_request(f"'{where}' must be a non-empty array of messages", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(
-                f"{where}[{i}] must be an object with a string 'role'", "messages"
-            )
+            raise bad_request(f"{where}[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise bad_request(

@@ -339,7 +339,6 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
             if r.transport is not None:
                 s.active_transports.discard(r.transport)
 
-
     async def _events(
         self, r: web.Request, prompt_tokens: int, n_tokens: int, events: Any
     ) -> web.StreamResponse:
@@ -354,9 +353,7 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(r)
             for i, (name, payload) in enumerate(events):
-                await resp.write(
-                    f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
-                )
+                await resp.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode())
                 if i == 1 and s.stream_gate is not None:
                     await s.stream_gate.wait()
                 elif s.token_rate:

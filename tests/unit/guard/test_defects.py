@@ -51,9 +51,7 @@ async def test_many_prompts_are_tokenized_with_bounded_concurrency_and_others_pa
     fake: FakeVllm, make_guard: GuardFactory, client: aiohttp.ClientSession
 ) -> None:
     fake.state.tokenize_delay_s = 0.1
-    guard = await make_guard(
-        [fake.url], tokenize_concurrency=6, tokenize_concurrency_per_request=3
-    )
+    guard = await make_guard([fake.url], tokenize_concurrency=6, tokenize_concurrency_per_request=3)
     url = guard.url + "/v1/completions"
     # 100 prompts of 1 block each fit the 128-block pool; tokenizing them takes ≥ 3.4 s.
     prompts = [f"{PROMPT} {i}" for i in range(100)]

@@ -275,12 +275,16 @@ async def test_priority_classes_are_served_in_order_for_keys_that_may_set_them(
         await wait_status(client, guard.url, lambda s: s["backends"][0]["reserved_blocks"] == 63)
         tasks = [asyncio.create_task(run("low-1", ops, completion(1000, priority=5)))]
         await wait_status(client, guard.url, depth(1))
-        tasks.append(asyncio.create_task(run("low-2", {**ops, "x-priority": "5"}, completion(1000))))
+        tasks.append(
+            asyncio.create_task(run("low-2", {**ops, "x-priority": "5"}, completion(1000)))
+        )
         await wait_status(client, guard.url, depth(2))
         # A key without the priority role asks to jump the queue: served at 0, not -1.
         tasks.append(asyncio.create_task(run("app", {**app, "x-priority": "-1"}, completion(1000))))
         await wait_status(client, guard.url, depth(3))
-        tasks.append(asyncio.create_task(run("high", {**ops, "x-priority": "-1"}, completion(1000))))
+        tasks.append(
+            asyncio.create_task(run("high", {**ops, "x-priority": "-1"}, completion(1000)))
+        )
         await wait_status(client, guard.url, depth(4))
         await asyncio.gather(hold, *tasks)
         assert done == ["hold", "high", "app", "low-1", "low-2"]
