@@ -80,9 +80,11 @@ class AdmissionSettings:
     # of the effective capacity — below that the plain reservation fits anyway.
     track_mode: TrackMode = "auto"
     track_above_fraction: float = 0.25
-    stagger: bool = True
+    stagger: bool = False
     stagger_above_fraction: float = 0.5
     progress: ProgressSettings = field(default_factory=ProgressSettings)
+    # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
+    share_prefix_blocks: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class RequestCost:
     num_sequences: int = 1
     prompt_exact: bool = True
     trackable: bool = False
+    # Prompts (or conversations) in the request; its n sequences each share one.
+    inputs: int = 1
 
     @property
     def sequence_tokens(self) -> int:
@@ -109,9 +113,24 @@ class RequestCost:
     def total_tokens(self) -> int:
         return self.sequence_tokens * self.num_sequences
 
-    def blocks(self, block_size: int) -> int:
+    def shared_tokens(self, block_size: int, prefix_caching: bool) -> int:
+        """Prompt tokens in full blocks that all sequences share (0 when they may not).
+
+        vLLM caches a prompt's full blocks as it allocates them, so the ``n`` sequences of one
+        prompt hold them once. Counted only for one exactly measured prompt: with an estimate,
+        moving tokens from private to shared blocks could undercount.
+        """
+        if not prefix_caching or self.num_sequences < 2 or self.inputs != 1:
+            return 0
+        if not self.prompt_exact:
+            return 0
+        return (self.prompt_tokens // block_size) * block_size
+
+    def blocks(self, block_size: int, prefix_caching: bool = False) -> int:
         """KV blocks this request needs on a backend with ``block_size`` tokens per block."""
-        return blocks_for_tokens(self.sequence_tokens, block_size) * self.num_sequences
+        shared = self.shared_tokens(block_size, prefix_caching)
+        private = blocks_for_tokens(self.sequence_tokens - shared, block_size)
+        return shared // block_size + private * self.num_sequences
 
 
 @dataclass
@@ -125,6 +144,8 @@ class BackendAdmission:
     settings: AdmissionSettings = field(default_factory=AdmissionSettings)
     capacity_blocks: int | None = None
     block_size: int | None = None
+    # vLLM's enable_prefix_caching (cache_config_info); None while unknown (nothing shared).
+    prefix_caching: bool | None = None
     effective_fraction: float = 1.0
     reserved_blocks: int = 0
     reserved_tokens: int = 0
@@ -148,10 +169,24 @@ class BackendAdmission:
         self.rate = DecodeRate(self.settings.progress)
 
     # -- capacity -------------------------------------------------------------------------
-    def set_capacity(self, num_gpu_blocks: int, block_size: int) -> None:
+    def set_capacity(
+        self, num_gpu_blocks: int, block_size: int, prefix_caching: bool | None = None
+    ) -> None:
         """Record the pool size as vLLM reports it (``num_gpu_blocks`` includes the null block)."""
         self.capacity_blocks = max(num_gpu_blocks - 1, 0)
         self.block_size = block_size
+        if prefix_caching is not None:
+            self.prefix_caching = prefix_caching
+
+    @property
+    def sharing(self) -> bool:
+        """Whether prompt blocks shared by a request's sequences are counted once."""
+        return bool(self.prefix_caching) and self.settings.share_prefix_blocks
+
+    def need_blocks(self, cost: RequestCost) -> int:
+        """Blocks ``cost`` needs here at its largest (shared prompt blocks counted once)."""
+        assert self.block_size is not None
+        return cost.blocks(self.block_size, self.sharing)
 
     @property
     def usage_ceiling(self) -> float:
@@ -221,9 +256,8 @@ class BackendAdmission:
             return False
         if mode == "always":
             return True
-        assert self.block_size is not None
         eff = self.effective_capacity_blocks
-        full = self.reserved_blocks + cost.blocks(self.block_size)
+        full = self.reserved_blocks + self.need_blocks(cost)
         return full > self.settings.track_above_fraction * eff
 
     # -- admission ------------------------------------------------------------------------
@@ -232,7 +266,7 @@ class BackendAdmission:
         if not self.known:
             return False
         assert self.capacity_blocks is not None and self.block_size is not None
-        return cost.blocks(self.block_size) <= self.capacity_blocks
+        return self.need_blocks(cost) <= self.capacity_blocks
 
     def _refresh_latch(self, now_s: float) -> None:
         if not self.paused:
@@ -252,7 +286,7 @@ class BackendAdmission:
         if not self.known:
             return None
         assert self.block_size is not None and self.capacity_blocks is not None
-        need = cost.blocks(self.block_size)
+        need = self.need_blocks(cost)
         if need > self.capacity_blocks:
             return None
         self._refresh_latch(now_s)
@@ -272,7 +306,12 @@ class BackendAdmission:
             return None
         current = self.footprints(now_s)
         extra = new_request_footprints(
-            cost.prompt_tokens, cost.max_new_tokens, cost.num_sequences, self.rate, track
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            self.rate,
+            track,
+            cost.shared_tokens(self.block_size, self.sharing),
         )
         fps = [*current, *extra]
         bs = self.block_size
@@ -335,16 +374,18 @@ class BackendAdmission:
     def reserve(self, cost: RequestCost, now_s: float = 0.0) -> RequestProgress:
         """Admit the request: record it in flight; returns the handle to report progress on."""
         assert self.block_size is not None
+        tracked = self.should_track(cost)
         progress = RequestProgress(
             cost.prompt_tokens,
             cost.max_new_tokens,
             cost.num_sequences,
             now_s,
-            tracked=self.should_track(cost),
+            tracked=tracked,
             prompt_exact=cost.prompt_exact,
+            shared_tokens=cost.shared_tokens(self.block_size, self.sharing),
         )
         progress.handle = next(self._ids)
-        progress.reserved_blocks = cost.blocks(self.block_size)
+        progress.reserved_blocks = self.need_blocks(cost)
         progress.reserved_tokens = cost.total_tokens
         self.inflight[progress.handle] = progress
         limit = self.settings.high_watermark * self.effective_capacity_blocks
@@ -523,7 +564,7 @@ def never_fit_reason(
     return (
         f"This request needs {least}{cost.total_tokens} tokens of KV cache "
         f"({cost.num_sequences} × ({least}{cost.prompt_tokens} prompt + {cost.max_new_tokens} "
-        f"max_tokens), {cost.blocks(largest.block_size)} blocks of {largest.block_size}) but "
+        f"max_tokens), {largest.need_blocks(cost)} blocks of {largest.block_size}) but "
         f"the largest backend holds {capacity_tokens} tokens ({largest.capacity_blocks} blocks); "
         "lower max_tokens or n, or shorten the prompt."
     )

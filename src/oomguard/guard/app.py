@@ -187,10 +187,13 @@ class GuardApp:
             track_mode=config.track_progress,
             track_above_fraction=config.track_above_fraction,
             stagger=config.stagger_admissions,
+            share_prefix_blocks=config.share_prefix_blocks,
             progress=ProgressSettings(
                 lag_s=config.progress_lag_s,
                 lag_floor_tokens=config.progress_lag_floor_tokens,
                 start_allowance_s=config.progress_start_allowance_s,
+                rate_quantile=config.rate_quantile,
+                start_quantile=config.start_latency_quantile,
             ),
         )
         self.chars_per_token = CharsPerTokenLearner(config.estimate_chars_per_token)
@@ -210,6 +213,7 @@ class GuardApp:
             retry_fallback_s=min(config.queue_timeout_s, 30.0),
             max_retry_after_s=config.max_retry_after_s,
             on_queue_wait=self.telemetry.queue_wait.observe,
+            max_head_bypass=config.max_head_bypass,
         )
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
@@ -580,6 +584,7 @@ class GuardApp:
             prompt_tokens=prompt,
             max_new_tokens=new_tokens,
             num_sequences=req.num_sequences * max(req.inputs, 1),
+            inputs=max(req.inputs, 1),
             prompt_exact=exact,
             trackable=_trackable(req),
         )

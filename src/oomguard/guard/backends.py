@@ -220,7 +220,9 @@ class BackendPool:
             and metrics.num_gpu_blocks is not None
             and metrics.block_size is not None
         ):
-            a.set_capacity(metrics.num_gpu_blocks, metrics.block_size)
+            a.set_capacity(metrics.num_gpu_blocks, metrics.block_size, metrics.prefix_caching)
+        elif metrics.prefix_caching is not None:
+            a.prefix_caching = metrics.prefix_caching
         a.observe(metrics.kv_cache_usage, metrics.preemptions_total, now)
         backend.consecutive_failures = 0
         backend.last_error = None

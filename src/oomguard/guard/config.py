@@ -95,7 +95,7 @@ class GuardConfig(BaseModel):
     stagger_admissions: bool = False
     # A request that fits may pass a queue head that does not, at most this many times per head.
     max_head_bypass: int = Field(default=8, ge=0)
-    # Count the full prompt blocks shared by requests in flight once (vLLM's prefix cache).
+    # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
     share_prefix_blocks: bool = True
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)

@@ -5,7 +5,8 @@ line of the queue is empty and a backend admits the request; otherwise the reque
 bounded queue until ``pump`` places it, it times out, or its client goes away. ``pump`` runs
 whenever a request ends, a poll changes the picture, or (throttled) progress of a tracked
 request moves the projected peak. Each model has its own line, so a head that does not fit
-blocks only requests for the same model.
+holds back only requests for the same model, and those that fit may pass it a bounded number
+of times.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
 from oomguard.guard.projection import RequestProgress
-from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting
 
 # Progress of tracked requests re-runs admission at most this often (seconds).
 PROGRESS_PUMP_INTERVAL_S = 0.005
@@ -86,6 +87,7 @@ class Gate:
         retry_fallback_s: float,
         max_retry_after_s: int,
         on_queue_wait: Callable[[float], None] = lambda _s: None,
+        max_head_bypass: int = 8,
     ) -> None:
         self.pool = pool
         self.queue = queue
@@ -93,6 +95,7 @@ class Gate:
         self.retry_fallback_s = retry_fallback_s
         self.max_retry_after_s = max_retry_after_s
         self.on_queue_wait = on_queue_wait
+        self.max_head_bypass = max_head_bypass
         self._pumping = False
         self._last_progress_pump_s = 0.0
         self._tick: asyncio.TimerHandle | None = None
@@ -211,36 +214,14 @@ class Gate:
             self.pump()
 
     def pump(self) -> None:
-        """Admit queued requests: each line's head, best first, while any head fits.
-
-        A head that does not fit (yet) leaves its line waiting and the next line is tried.
-        """
+        """Admit queued requests: each line's head first, best line first; a request that fits
+        may pass a head that does not, ``max_head_bypass`` times per head (see
+        :func:`admit_waiting`)."""
         if self._pumping:
             return
         self._pumping = True
         try:
-            progressed = True
-            while progressed and self.queue.depth:
-                progressed = False
-                for waiter in self.queue.heads():
-                    pending: _Pending = waiter.data
-                    if pending.future.done():
-                        self.queue.remove(waiter)
-                        progressed = True
-                        continue
-                    ticket = self._place(pending.cost, pending.model)
-                    if ticket is None:
-                        reason = self.never_fit_reason(pending.cost, pending.model)
-                        if reason is None:
-                            continue
-                        self.queue.remove(waiter)
-                        pending.future.set_exception(NeverFits(reason))
-                        progressed = True
-                        continue
-                    self.queue.remove(waiter)
-                    self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
-                    pending.future.set_result(ticket)
-                    progressed = True
+            admit_waiting(self.queue, self._place_waiter, self.max_head_bypass)
         finally:
             self._pumping = False
         if self.queue.depth and self._tick is None:
@@ -249,6 +230,22 @@ class Gate:
             except RuntimeError:
                 return
             self._tick = loop.call_later(WAITING_PUMP_INTERVAL_S, self._on_tick)
+
+    def _place_waiter(self, waiter: Waiter) -> bool:
+        """Admit one queued request if it fits now; True when it leaves the queue."""
+        pending: _Pending = waiter.data
+        if pending.future.done():
+            return True  # its client went away or it timed out
+        ticket = self._place(pending.cost, pending.model)
+        if ticket is None:
+            reason = self.never_fit_reason(pending.cost, pending.model)
+            if reason is None:
+                return False
+            pending.future.set_exception(NeverFits(reason))
+            return True
+        self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
+        pending.future.set_result(ticket)
+        return True
 
     def _on_tick(self) -> None:
         self._tick = None
