@@ -121,6 +121,7 @@ def _error_response(err: ApiError) -> web.Response:
 
 def _sse_error(message: str, code: int = 502, kind: RouteKind = "completions") -> bytes:
     """The event that ends a broken stream, in the form the route's clients parse."""
+    event: dict[str, Any]
     if kind == "responses":
         event = {"type": "error", "code": "upstream_error", "message": message, "param": None}
         return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
