@@ -80,7 +80,7 @@ class AdmissionSettings:
     # of the effective capacity — below that the plain reservation fits anyway.
     track_mode: TrackMode = "auto"
     track_above_fraction: float = 0.25
-    stagger: bool = False
+    stagger: bool = True
     stagger_above_fraction: float = 0.5
     progress: ProgressSettings = field(default_factory=ProgressSettings)
     # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
@@ -357,15 +357,23 @@ class BackendAdmission:
         return int(cost.max_new_tokens * mean_blocks / limit_blocks)
 
     def _stagger_ok(self, cost: RequestCost, limit_blocks: float, now_s: float) -> bool:
+        """Whether ``cost`` would not end in the same cohort as the last pressed admission.
+
+        Only a request that would finish within ``stagger_tokens`` steps of the last request
+        admitted under pressure waits (identical requests admitted together end together);
+        requests of other lengths end apart anyway and pass at once.
+        """
         last = self._last_pressed
         if last is None or last.handle not in self.inflight or not last.tracked:
             return True
-        if not last.started:
-            return False
         done = max(
             (g for g, f in zip(last.generated, last.finished, strict=True) if not f), default=None
         )
-        return done is None or done >= self.stagger_tokens(cost, limit_blocks)
+        if done is None and last.started:
+            return True
+        remaining = last.max_new_tokens - (done or 0)
+        gap = abs(remaining - cost.max_new_tokens)
+        return gap >= self.stagger_tokens(cost, limit_blocks)
 
     def can_admit(self, cost: RequestCost, now_s: float = 0.0) -> bool:
         """Whether ``cost`` may be admitted now (see :meth:`admit_margin`)."""

@@ -92,7 +92,7 @@ class GuardConfig(BaseModel):
     progress_start_allowance_s: float = Field(default=0.5, gt=0.0)
     rate_quantile: float = Field(default=0.9, gt=0.0, le=1.0)
     start_latency_quantile: float = Field(default=0.95, gt=0.0, le=1.0)
-    stagger_admissions: bool = False
+    stagger_admissions: bool = True
     # A request that fits may pass a queue head that does not, at most this many times per head.
     max_head_bypass: int = Field(default=8, ge=0)
     # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
