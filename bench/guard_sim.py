@@ -55,7 +55,7 @@ from oomguard.guard.projection import (  # noqa: E402
     blocks_for_tokens,
     projected_peak_blocks,
 )
-from oomguard.guard.queue import AdmissionQueue, Waiter, admit_waiting  # noqa: E402
+from oomguard.guard.queue import AdmissionQueue, Waiter, admit_waiting, run_now  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ def run_guard(
     def push(at_s: float, kind: str, seq: _Seq, generated: int = 0) -> None:
         heapq.heappush(events, _Event(at_s, next(counter), kind, seq, generated))
 
-    def place(waiter: Waiter) -> bool:
+    async def place(waiter: Waiter) -> bool:
         seq: _Seq = waiter.data
         cost = RequestCost(seq.shape.prompt_tokens, seq.shape.max_tokens, trackable=True)
         if not adm.can_admit(cost, now):
@@ -292,7 +292,7 @@ def run_guard(
 
     for seq in seqs:
         queue.push(Waiter(0, seq.shape.prompt_tokens + seq.shape.max_tokens, 0.0, seq))
-    admit_waiting(queue, place, max_head_bypass)
+    run_now(admit_waiting(queue, place, max_head_bypass))
     done = 0
     next_poll = 0.0
     engine_now = 0.0
@@ -310,19 +310,19 @@ def run_guard(
             if finished:
                 adm.release(handle, now)
                 done += 1
-            admit_waiting(queue, place, max_head_bypass)
+            run_now(admit_waiting(queue, place, max_head_bypass))
         now = engine_now
         if now >= next_poll:
             usage = engine.used_blocks / m.capacity_blocks
             adm.observe(usage, float(engine.preemptions), now)
             next_poll = now + m.poll_s
-            admit_waiting(queue, place, max_head_bypass)
+            run_now(admit_waiting(queue, place, max_head_bypass))
         if not engine.running and not engine.waiting:
             if not events:
                 if done < len(seqs) and queue.depth:
                     engine_now += 0.01  # the guard's periodic pump
                     now = engine_now
-                    admit_waiting(queue, place, max_head_bypass)
+                    run_now(admit_waiting(queue, place, max_head_bypass))
                     continue
                 break
             engine_now = max(engine_now, events[0].at_s)

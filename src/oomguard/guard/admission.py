@@ -158,6 +158,9 @@ class BackendAdmission:
     inflight: dict[int, RequestProgress] = field(default_factory=dict)
     external_blocks: int = 0
     last_projected_blocks: int = 0
+    # While replicas fall back to static shares (their Redis is away): this replica's blocks.
+    # Admission then counts only its own requests against them.
+    static_share_blocks: int | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _last_preemptions: float | None = None
     _calm_since_s: float | None = None
@@ -208,11 +211,22 @@ class BackendAdmission:
     def effective_capacity_blocks(self) -> int:
         if self.capacity_blocks is None:
             return 0
-        return int(self.capacity_blocks * self.effective_fraction)
+        eff = int(self.capacity_blocks * self.effective_fraction)
+        if self.static_share_blocks is not None:
+            return min(eff, self.static_share_blocks)
+        return eff
+
+    @property
+    def _external(self) -> int:
+        """KV of traffic not admitted here (under a static share, the others' share)."""
+        return 0 if self.static_share_blocks is not None else self.external_blocks
 
     @property
     def used_blocks(self) -> int:
-        """Blocks in use as far as we know: reservations or the backend's report, the larger."""
+        """Blocks in use as far as we know: reservations or the backend's report, the larger
+        (only reservations under a static share: the report includes the other replicas)."""
+        if self.static_share_blocks is not None:
+            return self.reserved_blocks
         observed = 0
         if self.capacity_blocks:
             observed = math.ceil(self.observed_usage * self.capacity_blocks)
@@ -241,7 +255,7 @@ class BackendAdmission:
         if self.block_size is None:
             return 0
         peak = projected_peak_blocks(self.footprints(now_s), self.block_size)
-        self.last_projected_blocks = peak + self.external_blocks
+        self.last_projected_blocks = peak + self._external
         return self.last_projected_blocks
 
     @property
@@ -315,19 +329,19 @@ class BackendAdmission:
         )
         fps = [*current, *extra]
         bs = self.block_size
-        unknown = unknown_blocks(fps, bs) + self.external_blocks
+        unknown = unknown_blocks(fps, bs) + self._external
         if unknown <= limit:
-            peak = projected_peak_blocks(fps, bs) + self.external_blocks
+            peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit:
                 return eff - peak
             # Only the projection is over: it falls as the tracked requests progress, which
             # re-runs admission; no latch needed (the projection does not flap).
-            self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
+            self.last_projected_blocks = projected_peak_blocks(current, bs) + self._external
             return None
         # The requests of unknown progress reach the high watermark. Latch only when they are
         # in the high band; a large request that does not fit while usage is low just waits.
-        base = unknown_blocks(current, bs) + self.external_blocks
-        self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
+        base = unknown_blocks(current, bs) + self._external
+        self.last_projected_blocks = projected_peak_blocks(current, bs) + self._external
         if base >= self.settings.low_watermark * eff:
             self.paused = True
             self.pause_count += 1
@@ -381,8 +395,17 @@ class BackendAdmission:
 
     def reserve(self, cost: RequestCost, now_s: float = 0.0) -> RequestProgress:
         """Admit the request: record it in flight; returns the handle to report progress on."""
+        progress = self.prepare(cost, now_s)
+        self.register(progress)
+        return progress
+
+    def prepare(
+        self, cost: RequestCost, now_s: float = 0.0, track: bool | None = None
+    ) -> RequestProgress:
+        """The in-flight record ``cost`` would get here (not yet registered; ``track``
+        overrides :meth:`should_track`)."""
         assert self.block_size is not None
-        tracked = self.should_track(cost)
+        tracked = self.should_track(cost) if track is None else track and cost.trackable
         progress = RequestProgress(
             cost.prompt_tokens,
             cost.max_new_tokens,
@@ -395,6 +418,10 @@ class BackendAdmission:
         progress.handle = next(self._ids)
         progress.reserved_blocks = self.need_blocks(cost)
         progress.reserved_tokens = cost.total_tokens
+        return progress
+
+    def register(self, progress: RequestProgress) -> None:
+        """Record a prepared request as in flight here."""
         self.inflight[progress.handle] = progress
         limit = self.settings.high_watermark * self.effective_capacity_blocks
         pressed = self.used_blocks + progress.reserved_blocks > (
@@ -404,7 +431,6 @@ class BackendAdmission:
             self._last_pressed = progress  # admitted under pressure: the next waits for it
         self.reserved_blocks += progress.reserved_blocks
         self.reserved_tokens += progress.reserved_tokens
-        return progress
 
     def release(self, progress: RequestProgress, now_s: float = 0.0) -> None:
         """The request ended (any way): forget it and give its reservation back."""

@@ -43,6 +43,7 @@ from oomguard.guard.openai_body import (
 )
 from oomguard.guard.projection import ProgressSettings
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+from oomguard.guard.shared import SharedAdmission
 from oomguard.guard.sse import (
     SseSplitter,
     StreamAssembler,
@@ -206,7 +207,25 @@ class GuardApp:
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self.drain = DrainRateMeter()
         self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
-        self.telemetry = Telemetry(self.pool, self.queue, self.drain, self.chars_per_token)
+        self.shared: SharedAdmission | None = None
+        if config.redis_url:
+            self.shared = SharedAdmission(
+                config.redis_url,
+                config.redis_prefix,
+                lease_s=config.lease_s,
+                snapshot_max_age_s=config.snapshot_max_age_s,
+                timeout_s=config.redis_timeout_s,
+                replicas=config.replicas,
+                watermarks=(
+                    config.high_watermark,
+                    config.low_watermark,
+                    config.projected_watermark,
+                ),
+            )
+            self.pool.shared = self.shared
+        self.telemetry = Telemetry(
+            self.pool, self.queue, self.drain, self.chars_per_token, self.shared
+        )
         self.gate = Gate(
             self.pool,
             self.queue,
@@ -215,6 +234,8 @@ class GuardApp:
             max_retry_after_s=config.max_retry_after_s,
             on_queue_wait=self.telemetry.queue_wait.observe,
             max_head_bypass=config.max_head_bypass,
+            shared=self.shared,
+            track_mode=config.track_progress,
         )
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
@@ -234,10 +255,14 @@ class GuardApp:
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
+        if self.shared is not None:
+            await self.shared.start()
         await self.pool.start()
 
     async def cleanup(self, _app: web.Application) -> None:
         await self.pool.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -282,6 +307,7 @@ class GuardApp:
                 },
                 "watermarks": {"high": c.high_watermark, "low": c.low_watermark},
                 "tokenizer": c.tokenizer,
+                "shared_state": None if self.shared is None else self.shared.status(),
                 "estimate_chars_per_token": {
                     "value": round(self.chars_per_token.value, 4),
                     "configured": c.estimate_chars_per_token,
@@ -1005,13 +1031,33 @@ async def start_guard(config: GuardConfig) -> GuardServer:
 
 
 def run_guard(config: GuardConfig) -> None:
-    """Serve the gateway until interrupted (blocking; one process, one event loop)."""
+    """Serve the gateway until interrupted (blocking).
+
+    One process, or with ``workers`` > 1 that many processes listening on the same port
+    (``SO_REUSEPORT``: the kernel spreads connections over them), each a replica on the shared
+    Redis state; a worker that dies is started again.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if config.workers <= 1:
+        _serve_one(config, reuse_port=False)
+        return
+    from oomguard.guard.workers import run_workers
+
+    run_workers(config, _serve_worker)
+
+
+def _serve_worker(config: GuardConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _serve_one(config, reuse_port=True)
+
+
+def _serve_one(config: GuardConfig, reuse_port: bool) -> None:
     web.run_app(
         create_app(config),
         host=config.host,
         port=config.port,
         access_log=None,
         handler_cancellation=True,
+        reuse_port=reuse_port or None,
         print=lambda msg: log.info("%s", msg),
     )

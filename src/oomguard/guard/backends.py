@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ import aiohttp
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
 from oomguard.guard.metrics_parse import VllmMetrics, parse_vllm_metrics
+from oomguard.guard.shared import SharedAdmission
 
 log = logging.getLogger("oomguard.guard")
 
@@ -167,6 +169,7 @@ class BackendPool:
         self.config = config
         self.backends = [Backend(b, settings) for b in config.backends]
         self.on_change = on_change
+        self.shared: SharedAdmission | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -224,6 +227,11 @@ class BackendPool:
         elif metrics.prefix_caching is not None:
             a.prefix_caching = metrics.prefix_caching
         a.observe(metrics.kv_cache_usage, metrics.preemptions_total, now)
+        if self.shared is not None:
+            observed = None
+            if metrics.kv_cache_usage is not None and a.capacity_blocks:
+                observed = math.ceil(metrics.kv_cache_usage * a.capacity_blocks)
+            await self.shared.snapshot(backend.url, a, observed)
         backend.consecutive_failures = 0
         backend.last_error = None
         if not backend.healthy:

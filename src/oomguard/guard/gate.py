@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
 from oomguard.guard.projection import RequestProgress
-from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
+from oomguard.guard.shared import SharedAdmission
 
 # Progress of tracked requests re-runs admission at most this often (seconds).
 PROGRESS_PUMP_INTERVAL_S = 0.005
@@ -88,6 +90,8 @@ class Gate:
         max_retry_after_s: int,
         on_queue_wait: Callable[[float], None] = lambda _s: None,
         max_head_bypass: int = 8,
+        shared: SharedAdmission | None = None,
+        track_mode: str = "auto",
     ) -> None:
         self.pool = pool
         self.queue = queue
@@ -96,6 +100,10 @@ class Gate:
         self.max_retry_after_s = max_retry_after_s
         self.on_queue_wait = on_queue_wait
         self.max_head_bypass = max_head_bypass
+        self.shared = shared
+        self.track_mode = track_mode
+        self._background: set[asyncio.Future[None]] = set()
+        self._pump_again = False
         self._pumping = False
         self._last_progress_pump_s = 0.0
         self._tick: asyncio.TimerHandle | None = None
@@ -116,19 +124,75 @@ class Gate:
             serving, cost, self.pool.max_model_len(model), prompt_is_lower_bound
         )
 
-    def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
+    async def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
+        """Reserve ``cost`` on the backend that admits it now, or None.
+
+        With replicas on Redis the shared check-and-reserve decides; while Redis is away each
+        backend is admitted against this replica's static share.
+        """
         cands = self.pool.candidates(model)
         if not cands:
             return None
         now = time.monotonic()
+        shared = self.shared
+        if shared is not None and shared.active:
+            self._set_static_shares(cands, None)
+            placed = await self._place_shared(shared, cands, cost, now)
+            if placed is not False:
+                return placed
+            # Redis failed during this request: the static share decides it.
+        if shared is not None:
+            self._set_static_shares(cands, shared)
         i = pick_backend([b.admission for b in cands], cost, now)
         if i is None:
             return None
         backend = cands[i]
         progress = backend.admission.reserve(cost, now)
+        return self._ticket(backend, progress, now)
+
+    def _ticket(self, backend: Backend, progress: RequestProgress, now_s: float) -> Ticket:
         backend.in_flight += 1
-        self.drain.record(now)
+        self.drain.record(now_s)
+        if self.shared is not None:
+            self.shared.track(backend.url, backend.admission, progress)
         return Ticket(backend, progress)
+
+    @staticmethod
+    def _set_static_shares(cands: list[Backend], shared: SharedAdmission | None) -> None:
+        for b in cands:
+            a = b.admission
+            a.static_share_blocks = (
+                None
+                if shared is None
+                else shared.static_share_blocks(b.url, a.capacity_blocks or 0)
+            )
+
+    async def _place_shared(
+        self, shared: SharedAdmission, cands: list[Backend], cost: RequestCost, now_s: float
+    ) -> Ticket | None | Literal[False]:
+        """Try the backends (most locally free first) through Redis; False if Redis failed."""
+        track = self.track_mode != "off"
+        for backend in sorted(cands, key=lambda b: b.admission.free_blocks, reverse=True):
+            a = backend.admission
+            if not a.known or not a.fits_ever(cost):
+                continue
+            progress = a.prepare(cost, now_s, track=track)
+            ok = await shared.reserve(backend.url, a, progress, now_s)
+            if ok is None:
+                return False
+            if ok:
+                if not backend.healthy:
+                    # It went away while Redis answered: give the lease back.
+                    self._spawn(shared.release(backend.url, a, progress))
+                    continue
+                a.register(progress)
+                return self._ticket(backend, progress, now_s)
+        return None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def acquire(
         self,
@@ -146,7 +210,7 @@ class Gate:
         exempt from the queue bounds. Cancellation removes the request or frees its ticket.
         """
         if self.queue.depth_of(model) == 0:
-            ticket = self._place(cost, model)
+            ticket = await self._place(cost, model)
             if ticket is not None:
                 return ticket
         loop = asyncio.get_running_loop()
@@ -184,6 +248,9 @@ class Gate:
             return
         ticket.released = True
         b = ticket.backend
+        if self.shared is not None:
+            self.shared.forget(b.url, ticket.progress)
+            self._spawn(self.shared.release(b.url, b.admission, ticket.progress))
         b.admission.release(ticket.progress, time.monotonic())
         b.in_flight -= 1
         self.pump()
@@ -216,14 +283,33 @@ class Gate:
     def pump(self) -> None:
         """Admit queued requests: each line's head first, best line first; a request that fits
         may pass a head that does not, ``max_head_bypass`` times per head (see
-        :func:`admit_waiting`)."""
+        :func:`admit_waiting`). In-process admission runs here and now; through Redis it runs
+        in one task at a time (a pump asked for meanwhile runs again after it)."""
         if self._pumping:
+            self._pump_again = True
             return
         self._pumping = True
+        if self.shared is None:
+            try:
+                run_now(admit_waiting(self.queue, self._place_waiter, self.max_head_bypass))
+            finally:
+                self._pumping = False
+            self._schedule_tick()
+            return
+        self._spawn(self._pump_shared())
+
+    async def _pump_shared(self) -> None:
         try:
-            admit_waiting(self.queue, self._place_waiter, self.max_head_bypass)
+            again = True
+            while again:
+                self._pump_again = False
+                await admit_waiting(self.queue, self._place_waiter, self.max_head_bypass)
+                again = self._pump_again
         finally:
             self._pumping = False
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
         if self.queue.depth and self._tick is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -231,12 +317,16 @@ class Gate:
                 return
             self._tick = loop.call_later(WAITING_PUMP_INTERVAL_S, self._on_tick)
 
-    def _place_waiter(self, waiter: Waiter) -> bool:
+    async def _place_waiter(self, waiter: Waiter) -> bool:
         """Admit one queued request if it fits now; True when it leaves the queue."""
         pending: _Pending = waiter.data
         if pending.future.done():
             return True  # its client went away or it timed out
-        ticket = self._place(pending.cost, pending.model)
+        ticket = await self._place(pending.cost, pending.model)
+        if pending.future.done():
+            if ticket is not None:
+                self.release(ticket)  # the client left while Redis answered
+            return True
         if ticket is None:
             reason = self.never_fit_reason(pending.cost, pending.model)
             if reason is None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -209,9 +211,9 @@ class DrainRateMeter:
         return int(min(max(math.ceil(seconds), 1), max_s))
 
 
-def admit_waiting(
+async def admit_waiting(
     queue: AdmissionQueue,
-    place: Callable[[Waiter], bool],
+    place: Callable[[Waiter], Awaitable[bool]],
     max_head_bypass: int,
     scan_limit: int = 32,
 ) -> int:
@@ -228,7 +230,9 @@ def admit_waiting(
         progressed = False
         for line in queue.lines():
             head = line[0]
-            if place(head):
+            if head.removed:
+                continue
+            if await place(head):
                 queue.remove(head)
                 admitted += 1
                 progressed = True
@@ -238,9 +242,21 @@ def admit_waiting(
                     break
                 if later.priority != head.priority:
                     break  # a lower class never passes a higher one
-                if place(later):
+                if later.removed:
+                    continue
+                if await place(later):
                     queue.remove(later)
                     head.bypassed += 1
                     admitted += 1
                     progressed = True
     return admitted
+
+
+def run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (the in-process admission) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return cast(T, stop.value)
+    coro.close()
+    raise RuntimeError("run_now: the coroutine suspended")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from oomguard.guard.backends import BackendPool
     from oomguard.guard.openai_body import CharsPerTokenLearner
     from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+    from oomguard.guard.shared import SharedAdmission
 
 OUTCOMES = (
     "ok",
@@ -57,9 +58,11 @@ class _StateCollector(Collector):
         queue: AdmissionQueue,
         drain: DrainRateMeter,
         chars_per_token: CharsPerTokenLearner | None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.pool, self.queue, self.drain = pool, queue, drain
         self.chars_per_token = chars_per_token
+        self.shared = shared
 
     def collect(self) -> Iterable[Metric]:
         return list(self._collect())
@@ -84,6 +87,8 @@ class _StateCollector(Collector):
                 "Characters per token the prompt estimate uses (learned from exact counts)",
                 value=self.chars_per_token.value,
             )
+        if self.shared is not None:
+            yield from self._shared_metrics(self.shared)
         now = time.monotonic()
         g = {
             name: GaugeMetricFamily(name, doc, labels=["backend"])
@@ -143,6 +148,32 @@ class _StateCollector(Collector):
         yield pre
         yield pauses
 
+    def _shared_metrics(self, shared: SharedAdmission) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "oomguard_shared_state_up",
+            "1 while admission is shared through Redis, 0 while the static share applies",
+            value=1.0 if shared.active else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "oomguard_replicas",
+            "Guard replicas the static share divides by (0 while unknown)",
+            value=float(shared.replicas or 0),
+        )
+        yield CounterMetricFamily(
+            "oomguard_shared_state_failures",
+            "Redis calls that failed (each one decided by the static share)",
+            value=shared.failures,
+        )
+        share = GaugeMetricFamily(
+            "oomguard_static_share_blocks",
+            "KV blocks this replica may use per backend while Redis is away",
+            labels=["backend"],
+        )
+        for b in self.pool.backends:
+            cap = b.admission.capacity_blocks or 0
+            share.add_metric([b.url], float(shared.static_share_blocks(b.url, cap)))
+        yield share
+
 
 class Telemetry:
     """All gateway metrics; ``registry`` is what ``/metrics`` renders."""
@@ -153,6 +184,7 @@ class Telemetry:
         queue: AdmissionQueue,
         drain: DrainRateMeter,
         chars_per_token: CharsPerTokenLearner | None = None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         requests = Counter(
@@ -197,4 +229,4 @@ class Telemetry:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(pool, queue, drain, chars_per_token))
+        self.registry.register(_StateCollector(pool, queue, drain, chars_per_token, shared))
