@@ -223,8 +223,7 @@ class Gate:
             raise QueueFull(self.retry_after_s())
         self.pump()
         try:
-            if not fut.done():
-                await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            await self._wait(fut, model, start, timeout_s)
         except asyncio.TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 return fut.result()
@@ -241,6 +240,26 @@ class Gate:
             self.pump()
             raise
         return fut.result()
+
+    async def _wait(
+        self, fut: asyncio.Future[Ticket], model: str | None, start_s: float, timeout_s: float
+    ) -> None:
+        """Wait for ``fut`` up to ``timeout_s``; while no backend for ``model`` is healthy the
+        wait goes on up to the restart wait (an accepted request outlives a restart)."""
+        deadline = start_s + timeout_s
+        while not fut.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.pool.candidates(model):
+                    raise asyncio.TimeoutError
+                outage_deadline = start_s + max(timeout_s, self.pool.restart_wait_s())
+                left = min(outage_deadline - time.monotonic(), 1.0)
+                if left <= 0:
+                    raise asyncio.TimeoutError
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), left)
+            except asyncio.TimeoutError:
+                continue
 
     def release(self, ticket: Ticket) -> None:
         """The request ended: give its reservation back (idempotent) and admit who now fits."""

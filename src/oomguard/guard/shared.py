@@ -53,6 +53,13 @@ def encode_footprints(fps: Iterable[Footprint]) -> str:
     )
 
 
+def backend_keys(prefix: str, backend_url: str) -> _BackendKeys:
+    """The Redis keys of one backend's shared state (one cluster slot per backend)."""
+    tag = hashlib.sha1(backend_url.encode()).hexdigest()[:12]
+    base = f"{{{prefix}:{tag}}}"
+    return _BackendKeys(f"{base}:leases", f"{base}:data", f"{base}:state", f"{base}:released")
+
+
 @dataclass
 class _BackendKeys:
     leases: str
@@ -107,7 +114,7 @@ class SharedAdmission:
             connection_pool=BlockingConnectionPool.from_url(
                 url,
                 max_connections=_MAX_CONNECTIONS,
-                timeout=timeout_s,
+                timeout=None,  # a busy pool is not a Redis failure; socket_timeout bounds calls
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
             )
@@ -141,9 +148,8 @@ class SharedAdmission:
         return self.replicas_seen
 
     def keys(self, backend_url: str) -> _BackendKeys:
-        tag = hashlib.sha1(backend_url.encode()).hexdigest()[:12]
-        base = f"{{{self.prefix}:{tag}}}"
-        return _BackendKeys(f"{base}:leases", f"{base}:data", f"{base}:state", f"{base}:released")
+        """The Redis keys of ``backend_url``'s shared state."""
+        return backend_keys(self.prefix, backend_url)
 
     def _went_down(self, exc: BaseException) -> None:
         self.failures += 1

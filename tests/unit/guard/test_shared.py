@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from hypothesis import strategies as st
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission, RequestCost
 from oomguard.guard.shared import SharedAdmission
 
-from .conftest import GuardFactory
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
+from redis_server import RedisServer  # noqa: E402
+
+from .conftest import GuardFactory  # noqa: E402
 from .fake_vllm import start_fake
-from .redis_server import RedisServer
 from .test_gateway import completion, post, status, wait_status
 
 BACKEND = "http://127.0.0.1:1"
