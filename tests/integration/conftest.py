@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from tinymodel import TinyModel, create_tiny_model  # noqa: E402
-from vllm_server import vllm_venv, vllm_venv_problem  # noqa: E402
+from vllm_server import VllmServer, vllm_venv, vllm_venv_problem  # noqa: E402
 
 DATA_DIR = HERE / "data"
 
@@ -74,3 +76,56 @@ def oomguard_exe() -> list[str]:
 def data_dir() -> Path:
     """``tests/integration/data``: real vLLM logs recorded by ``record_logs.py``."""
     return DATA_DIR
+
+
+# --- one vLLM server shared by the tests that only send it traffic ------------------------
+
+SHARED_POOL_BLOCKS = 16  # 16 blocks x 128 tokens = 2,048 tokens of KV
+SHARED_MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(
+    vllm_venv_path: Path, tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """One real vLLM server for the whole run: the tiny model, a pool of 2,048 tokens
+    (16 blocks of 128), ``--max-model-len 1024``, vLLM's default ``--max-num-seqs`` (128 on
+    CPU), so a burst of long requests really preempts.
+
+    Tests that only send traffic and read ``/metrics`` share it instead of starting their
+    own (each start costs 20-40 s on 2 cores). A test must leave it idle: wait for its own
+    requests to end (``wait_vllm_idle``). A test that needs other flags, a crash or a restart
+    starts its own server.
+    """
+    from scenarios import BLOCK_BYTES
+    from vllm_server import ServeConfig, VllmServer
+
+    log_path = tmp_path_factory.mktemp("shared-vllm") / "vllm.log"
+    config = ServeConfig(
+        model_dir=tiny_model.path,
+        kv_cache_memory_bytes=SHARED_POOL_BLOCKS * BLOCK_BYTES,
+        max_model_len=SHARED_MAX_MODEL_LEN,
+    )
+    server = VllmServer(config, log_path, vllm_venv_path)
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=600)
+        yield server
+    finally:
+        server.stop()
+
+
+def wait_vllm_idle(base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the server runs and queues no request (read from its ``/metrics``)."""
+    from vllm_server import fetch_metrics, metric_value
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = fetch_metrics(base_url)
+        if (
+            metric_value(text, "vllm:num_requests_running") == 0
+            and metric_value(text, "vllm:num_requests_waiting") == 0
+        ):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"vLLM at {base_url} still busy after {timeout_s:.0f} s")

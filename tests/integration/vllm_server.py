@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oomguard.engine import EngineLeftBehind, EngineProcess, group_pids, http_ok
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 VENV_ENV_VAR = "OOMGUARD_VLLM_VENV"
@@ -163,23 +165,6 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # fields after the parenthesised command: state ppid pgrp ...
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
 def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """Stop ``proc``'s whole process group: SIGTERM, then SIGKILL after ``grace_s``.
 
@@ -206,17 +191,11 @@ def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         raise AssertionError(f"vLLM processes left after SIGKILL: {left}")
 
 
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    """Whether GET ``url`` answers 200 within ``timeout_s`` (any error counts as no)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 class VllmServer:
-    """One vLLM server process group. Use :func:`running_vllm` rather than this directly."""
+    """One vLLM server process group (an :class:`oomguard.engine.EngineProcess`).
+
+    Use :func:`running_vllm` rather than this directly.
+    """
 
     def __init__(self, config: ServeConfig, log_path: Path, venv: Path | None = None) -> None:
         self.venv = venv or vllm_venv()
@@ -224,9 +203,19 @@ class VllmServer:
             config = ServeConfig(**{**config.__dict__, "port": free_port()})
         self.config = config
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
+        self.engine: EngineProcess | None = None
         self.startup_s: float | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The API server's process (its pid is the process-group id)."""
+        return self.engine.proc if self.engine is not None else None
+
+    @property
+    def started_at(self) -> float:
+        """``time.monotonic()`` at start."""
+        assert self.engine is not None and self.engine.started_at is not None
+        return self.engine.started_at
 
     @property
     def port(self) -> int:
@@ -241,8 +230,8 @@ class VllmServer:
     @property
     def pid(self) -> int:
         """Pid of the API server process (also the process group id)."""
-        assert self.proc is not None
-        return self.proc.pid
+        assert self.engine is not None
+        return self.engine.pid
 
     def log_text(self) -> str:
         """Everything the server printed so far."""
@@ -253,36 +242,29 @@ class VllmServer:
         problem = vllm_venv_problem(self.venv)
         if problem:
             raise RuntimeError(problem)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.config.argv(self.venv),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=vllm_env(),
-                start_new_session=True,
-                cwd=str(self.log_path.parent),
-            )
-        self.started_at = time.monotonic()
+        if self.log_path.exists():
+            self.log_path.unlink()
+        self.engine = EngineProcess(
+            self.config.argv(self.venv), env=vllm_env(), log_path=self.log_path,
+            cwd=self.log_path.parent,
+        )  # fmt: skip
+        self.engine.start()
 
     def wait_healthy(self, timeout_s: float = 300.0) -> float:
         """Wait until ``/health`` answers 200; return the seconds since start.
 
         Raises RuntimeError with the log's tail if the process exits or the timeout passes.
         """
-        assert self.proc is not None
-        deadline = self.started_at + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with code {self.proc.returncode} before becoming healthy; "
-                    f"log {self.log_path}:\n{self.log_text()[-4000:]}"
-                )
-            if http_ok(self.base_url + "/health"):
-                self.startup_s = time.monotonic() - self.started_at
-                return self.startup_s
-            time.sleep(0.25)
+        assert self.engine is not None
+        if self.engine.wait_healthy(self.base_url + "/health", timeout_s):
+            self.startup_s = self.engine.elapsed_s()
+            return self.startup_s
+        if not self.engine.running:
+            self.engine.wait_output_done()
+            raise RuntimeError(
+                f"vLLM exited with code {self.engine.returncode} before becoming healthy; "
+                f"log {self.log_path}:\n{self.log_text()[-4000:]}"
+            )
         raise RuntimeError(
             f"vLLM not healthy after {timeout_s:.0f} s; log {self.log_path}:\n"
             f"{self.log_text()[-4000:]}"
@@ -290,15 +272,16 @@ class VllmServer:
 
     def crash(self) -> None:
         """SIGKILL every process of the server at once (a crash, no graceful shutdown)."""
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        kill_group(self.proc, grace_s=0)
+        assert self.engine is not None
+        self.engine.kill()
 
     def stop(self) -> None:
         """Stop the whole process group and verify that nothing of it is left."""
-        if self.proc is not None:
-            kill_group(self.proc)
+        if self.engine is not None:
+            try:
+                self.engine.stop()
+            except EngineLeftBehind as exc:
+                raise AssertionError(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -341,7 +324,8 @@ def start_expecting_failure(
         while time.monotonic() < deadline:
             if server.proc.poll() is not None:
                 # The API server has exited; give its children a moment to flush their logs.
-                kill_group(server.proc, grace_s=5)
+                assert server.engine is not None
+                server.engine.stop(grace_s=5)
                 return FailedStart(
                     returncode=server.proc.returncode,
                     log_text=server.log_text(),
