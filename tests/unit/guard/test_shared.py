@@ -221,3 +221,73 @@ async def test_two_gateways_on_one_redis_do_not_double_book(
         assert st["shared_state"]["replicas"] == 2
     finally:
         await fake.stop()
+
+
+async def test_workers_serve_one_port_as_replicas_of_one_store(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from .test_failures import free_port, kill, spawn_fake
+
+    fake_port = free_port()
+    fake = await spawn_fake(fake_port)
+    port = free_port()
+    log = open(tmp_path / "guard.log", "wb")  # noqa: SIM115
+    guard = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "oomguard.cli",
+            "guard",
+            "--backend",
+            f"http://127.0.0.1:{fake_port}",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--redis-url",
+            redis_server.url,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        seen: set[str] = set()
+        ok = 0
+        deadline = asyncio.get_running_loop().time() + 60
+        while (len(seen) < 2 or ok < 10) and asyncio.get_running_loop().time() < deadline:
+            try:
+                # A new connection each time: the kernel spreads them over the workers.
+                async with aiohttp.ClientSession() as session:
+                    base = f"http://127.0.0.1:{port}"
+                    async with session.get(base + "/status") as r:
+                        shared = (await r.json())["shared_state"]
+                        if shared["mode"] == "shared":
+                            seen.add(shared["replica_id"])
+                    code, _, _ = await post(session, base + "/v1/completions", completion(4))
+                    ok += code == 200
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.2)
+        assert len(seen) == 2, (seen, (tmp_path / "guard.log").read_text()[-2000:])
+        assert ok >= 10
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGTERM)
+        guard.wait(20)
+        log.close()
+        kill(fake)
+    # Every worker (and multiprocessing's helper) goes with the parent.
+    for _ in range(50):
+        leftover = subprocess.run(
+            ["pgrep", "-g", str(guard.pid)], capture_output=True, text=True
+        ).stdout.split()
+        if not leftover:
+            break
+        await asyncio.sleep(0.1)
+    assert not leftover, subprocess.run(
+        ["ps", "-o", "pid,args", "-p", ",".join(leftover)], capture_output=True, text=True
+    ).stdout
