@@ -85,6 +85,12 @@ class AdmissionSettings:
     progress: ProgressSettings = field(default_factory=ProgressSettings)
     # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
     share_prefix_blocks: bool = True
+    # Requests sent ahead of a slot freeing, to wait in vLLM's own queue (see
+    # BackendAdmission._early_margin): at most this many not yet started per backend.
+    engine_queue_requests: int = 2
+    # The smallest first prefill chunk vLLM schedules for a waiting request (its token budget
+    # per step is at least this): a request needs this much of its prompt in free blocks.
+    first_chunk_tokens: int = 512
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ class BackendAdmission:
     _last_tighten_s: float | None = None
     _last_pressed: RequestProgress | None = None
     _recent_releases: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    # Set by admit_margin when it admits ahead of a slot freeing; read by prepare().
+    _early_start_s: float | None = None
 
     def __post_init__(self) -> None:
         self.rate = DecodeRate(self.settings.progress)
@@ -297,6 +305,7 @@ class BackendAdmission:
         so a large request is never starved by its own size. When the plain reservations
         already fit, the projection is not computed (the hot path stays O(1)).
         """
+        self._early_start_s = None
         if not self.known:
             return None
         assert self.block_size is not None and self.capacity_blocks is not None
@@ -334,6 +343,10 @@ class BackendAdmission:
             peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit:
                 return eff - peak
+            if track:
+                early = self._early_margin(cost, extra, proj_limit, now_s)
+                if early is not None:
+                    return early
             # Only the projection is over: it falls as the tracked requests progress, which
             # re-runs admission; no latch needed (the projection does not flap).
             self.last_projected_blocks = projected_peak_blocks(current, bs) + self._external
@@ -346,6 +359,65 @@ class BackendAdmission:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _early_margin(
+        self, cost: RequestCost, extra: list[Footprint], proj_limit: float, now_s: float
+    ) -> int | None:
+        """Admit ``cost`` ahead of a slot freeing, to wait in vLLM's own queue, when safe.
+
+        vLLM starts a waiting request only when its first prefill chunk fits the free blocks.
+        If the started requests of a set S certainly hold so much that it cannot fit while all
+        of S live, it starts only after some A in S has ended; so it is safe when, for every A
+        in S, the projection without A and with the new request starting now fits. Its start
+        may then come as late as the longest-lived member of S ends, which its deadline allows.
+        At most ``engine_queue_requests`` such requests wait unstarted at a time.
+        """
+        s = self.settings
+        assert self.block_size is not None and self.capacity_blocks is not None
+        waiting = sum(1 for p in self.inflight.values() if p.extra_start_s > 0 and not p.started)
+        if waiting >= s.engine_queue_requests or self.static_share_blocks is not None:
+            return None
+        rate_low = self.rate.low_tokens_per_s
+        if not rate_low:
+            return None
+        bs = self.block_size
+        first = blocks_for_tokens(min(cost.prompt_tokens, s.first_chunk_tokens), bs)
+        holders = sorted(
+            (
+                (p.blocks_held_at_least(bs), p)
+                for p in self.inflight.values()
+                if p.tracked and p.started
+            ),
+            key=lambda x: x[0],
+            reverse=True,
+        )
+        chosen: list[RequestProgress] = []
+        held = 0
+        for blocks, p in holders:
+            if self.capacity_blocks - held < first:
+                break
+            chosen.append(p)
+            held += blocks
+        if not chosen or self.capacity_blocks - held >= first:
+            return None
+        worst = 0
+        for a in chosen:
+            others = [
+                f
+                for p in self.inflight.values()
+                if p is not a
+                for f in p.footprints(self.rate, now_s)
+            ]
+            peak = projected_peak_blocks([*others, *extra], bs) + self._external
+            if peak > proj_limit:
+                return None
+            worst = max(worst, peak)
+        longest_steps = max(
+            (f.remaining_steps or 0 for a in chosen for f in a.footprints(self.rate, now_s)),
+            default=0,
+        )
+        self._early_start_s = longest_steps / rate_low
+        return int(self.effective_capacity_blocks - worst)
 
     def stagger_tokens(self, cost: RequestCost, limit_blocks: float) -> int:
         """Engine steps between admissions that let requests like ``cost`` finish staggered.
@@ -415,6 +487,9 @@ class BackendAdmission:
             prompt_exact=cost.prompt_exact,
             shared_tokens=cost.shared_tokens(self.block_size, self.sharing),
         )
+        if tracked and self._early_start_s is not None:
+            progress.extra_start_s = self._early_start_s
+        self._early_start_s = None
         progress.handle = next(self._ids)
         progress.reserved_blocks = self.need_blocks(cost)
         progress.reserved_tokens = cost.total_tokens

@@ -213,6 +213,9 @@ class RequestProgress:
     last_step_tokens: int = 0
     # Prompt tokens in full blocks that the sequences share (n > 1, vLLM's prefix cache).
     shared_tokens: int = 0
+    # Sent ahead of a slot freeing (it waits in vLLM's queue): its start may come this much
+    # later than the usual deadline.
+    extra_start_s: float = 0.0
     _first_seen: list[tuple[float, int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -280,7 +283,7 @@ class RequestProgress:
             )
         s = rate.settings
         waited_s = max(now_s - self.sent_at_s, 0.0)
-        deadline_s = rate.start_deadline_s()
+        deadline_s = rate.start_deadline_s() + self.extra_start_s
         unseen = 0
         out: list[Footprint] = []
         lag = (
@@ -308,6 +311,22 @@ class RequestProgress:
         ends = [f.remaining_steps for f in out]
         longest = None if not out or None in ends else max(e or 0 for e in ends)
         return self._with_shared(out, longest) if out else out
+
+    def blocks_held_at_least(self, block_size: int) -> int:
+        """Blocks the request certainly holds for as long as it lives: its seen, unfinished
+        sequences at their observed length (a sequence only grows until it ends)."""
+        if not self.tracked:
+            return 0
+        held = 0
+        for i in range(self.num_sequences):
+            if self.finished[i] or self._first_seen[i] is None:
+                continue
+            seen_prompt = self.prompt_of[i]
+            prompt = self.prompt_tokens if seen_prompt is None else seen_prompt
+            held += blocks_for_tokens(prompt + self.generated[i] - self.shared_tokens, block_size)
+        if held and self.shared_tokens:
+            held += self.shared_tokens // block_size
+        return held
 
     def _unseen_footprint(
         self, rate: DecodeRate, unseen: int, waited_s: float, deadline_s: float

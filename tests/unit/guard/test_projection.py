@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission, RequestCost
@@ -166,6 +166,7 @@ class _Live:
     handle: RequestProgress
     admitted_step: int
     generated: int = 0
+    started: bool = False
     history: list[int] = field(default_factory=list)  # generated after each step
     engine_done_step: int | None = None
 
@@ -201,11 +202,24 @@ def simulate(
         now = step * STEP_S
         while pending and pending[0].at_step <= step:
             queue.append(pending.popleft())
-        # Engine: every started, unfinished sequence gains one token in this step.
+        # Engine: like vLLM, a request starts (after its delay) only when its prompt fits the
+        # free blocks; every started, unfinished sequence gains one token in this step.
+        held = sum(
+            blocks_for_tokens(lv.arrival.prompt + lv.generated, block_size)
+            for lv in live
+            if lv.started and lv.engine_done_step is None
+        )
+        for lv in live:
+            ready = step >= lv.admitted_step + lv.arrival.start_delay
+            if ready and not lv.started:
+                need = blocks_for_tokens(lv.arrival.prompt + 1, block_size)
+                if held + need <= capacity_blocks:
+                    lv.started = True
+                    held += need
         used = 0
         running = 0
         for lv in live:
-            if lv.engine_done_step is None and step >= lv.admitted_step + lv.arrival.start_delay:
+            if lv.engine_done_step is None and lv.started:
                 lv.generated += 1
                 if lv.generated >= lv.arrival.stop_after:
                     lv.engine_done_step = step
@@ -263,6 +277,7 @@ arrival_st = st.builds(
     max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 @given(
     st.lists(arrival_st, min_size=1, max_size=24),
