@@ -190,6 +190,8 @@ class GuardApp:
             track_above_fraction=config.track_above_fraction,
             stagger=config.stagger_admissions,
             share_prefix_blocks=config.share_prefix_blocks,
+            engine_queue_requests=config.engine_queue_requests,
+            first_chunk_tokens=config.first_chunk_tokens,
             progress=ProgressSettings(
                 lag_s=config.progress_lag_s,
                 lag_floor_tokens=config.progress_lag_floor_tokens,

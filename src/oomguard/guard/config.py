@@ -97,6 +97,9 @@ class GuardConfig(BaseModel):
     max_head_bypass: int = Field(default=8, ge=0)
     # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
     share_prefix_blocks: bool = True
+    # Requests sent ahead of a slot freeing to wait in vLLM's queue, per backend (0: none).
+    engine_queue_requests: int = Field(default=2, ge=0)
+    first_chunk_tokens: int = Field(default=512, ge=1)
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)
     max_queue_tokens: int = Field(default=4_000_000, ge=0)
