@@ -45,6 +45,8 @@ from vllm_server import (
 
 from oomguard.guard.shared import backend_keys
 
+QUEUE_600 = ["--queue-timeout", "600"]
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
@@ -84,7 +86,9 @@ def test_guard_prevents_preemption_storm(
     direct = run_burst(
         "direct", vllm.base_url, vllm.base_url, model, direct_prompts, scenarios.GUARD_MAX_TOKENS
     )
-    with GuardProcess([vllm.base_url], tmp_path / "guard.log") as guard:
+    # A long queue timeout: on a loaded 2-core machine draining the queue may take minutes,
+    # and this test is about preemptions and completions, not about shedding.
+    with GuardProcess([vllm.base_url], tmp_path / "guard.log", QUEUE_600) as guard:
         guarded = run_burst(
             "through guard",
             guard.url,
@@ -128,7 +132,7 @@ def test_three_replicas_on_redis_share_one_backend(
     redis_server = RedisServer(tmp_path / "redis").start()
     config = tmp_path / "guard.yaml"
     lease_s = 3.0
-    config.write_text(f"lease_s: {lease_s}\nqueue_timeout_s: 300\n")
+    config.write_text(f"lease_s: {lease_s}\nqueue_timeout_s: 600\n")
     args = ["--redis-url", redis_server.url, "--config", str(config)]
     model = str(guard_model.path)
     shapes = MIXES["uniform"]()
@@ -249,7 +253,7 @@ def test_guard_survives_backend_crash_with_a_slow_restart(
 ) -> None:
     """vLLM is SIGKILLed mid-burst and comes back only after 125 s (longer than the fixed
     120 s the guard used to wait): every accepted request still completes, with the guard's
-    default settings."""
+    default restart wait."""
     n = scenarios.GUARD_BURST_REQUESTS
     prompts = make_prompts(guard_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 2 * n)
     first = VllmServer(_config(guard_model), tmp_path / "vllm-1.log")
@@ -258,7 +262,8 @@ def test_guard_survives_backend_crash_with_a_slow_restart(
     try:
         first.wait_healthy()
         port = first.port
-        with GuardProcess([first.base_url], tmp_path / "guard.log") as guard:
+        # The restart wait is the guard's default; only the queue timeout is long (see above).
+        with GuardProcess([first.base_url], tmp_path / "guard.log", QUEUE_600) as guard:
             outcome: dict[str, BurstResult] = {}
 
             def send() -> None:

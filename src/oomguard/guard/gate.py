@@ -244,20 +244,22 @@ class Gate:
     async def _wait(
         self, fut: asyncio.Future[Ticket], model: str | None, start_s: float, timeout_s: float
     ) -> None:
-        """Wait for ``fut`` up to ``timeout_s``; while no backend for ``model`` is healthy the
-        wait goes on up to the restart wait (an accepted request outlives a restart)."""
+        """Wait for ``fut`` up to ``timeout_s``; time during which no backend serving ``model``
+        is healthy does not count (an accepted request outlives a restart), up to the restart
+        wait in all."""
         deadline = start_s + timeout_s
+        hard = start_s + max(timeout_s, self.pool.restart_wait_s())
+        last = start_s
         while not fut.done():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if not self.pool.candidates(model):
+                deadline += now - last
+            last = now
+            left = min(deadline, hard) - now
             if left <= 0:
-                if self.pool.candidates(model):
-                    raise asyncio.TimeoutError
-                outage_deadline = start_s + max(timeout_s, self.pool.restart_wait_s())
-                left = min(outage_deadline - time.monotonic(), 1.0)
-                if left <= 0:
-                    raise asyncio.TimeoutError
+                raise asyncio.TimeoutError
             try:
-                await asyncio.wait_for(asyncio.shield(fut), left)
+                await asyncio.wait_for(asyncio.shield(fut), min(left, 1.0))
             except asyncio.TimeoutError:
                 continue
 

@@ -129,7 +129,12 @@ class SharedAdmission:
         self.last_error: str | None = None
         self.replicas_seen: int | None = None
         self.views: dict[str, SharedView] = {}
-        self._usable_from_s = 0.0
+        # After an outage: the other replicas known before it, and when Redis came back (its
+        # clock); sharing resumes once each has re-registered since (having republished its
+        # leases first) or a lease period has passed.
+        self.members: set[str] = set()
+        self._recovering = False
+        self._recover_ms: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.own: dict[str, list[tuple[str, BackendAdmission, RequestProgress]]] = {}
         self.failures = 0
@@ -138,7 +143,7 @@ class SharedAdmission:
     @property
     def active(self) -> bool:
         """Whether admission goes through Redis now (else the static share applies)."""
-        return self.up and time.monotonic() >= self._usable_from_s
+        return self.up and not self._recovering
 
     @property
     def replicas(self) -> int | None:
@@ -166,15 +171,34 @@ class SharedAdmission:
 
     def _came_up(self) -> None:
         if not self.up:
-            # Every replica republishes its leases within a renewal period or two: only then
-            # does Redis hold the whole picture again.
-            grace_s = 0.0 if not self.ever_up else 3 * self.renew_interval_s + 0.2
-            self._usable_from_s = time.monotonic() + grace_s
             if self.ever_up:
-                log.warning("Redis %s reachable again: shared admission resumes", self.url)
+                # Redis may have lost the leases, and requests were admitted meanwhile: wait
+                # until every replica has republished before sharing again.
+                self._recovering = True
+                self._recover_ms = None
+                log.warning(
+                    "Redis %s reachable again: shared admission resumes once every replica "
+                    "has republished its leases",
+                    self.url,
+                )
             self.up = True
             self.ever_up = True
             self.last_error = None
+
+    def _note_members(self, now_ms: int, members: dict[str, int]) -> None:
+        """Live replicas (id → last registration, Redis ms); ends a recovery when due."""
+        others = {m: beat for m, beat in members.items() if m != self.replica_id}
+        if not self._recovering:
+            self.members = set(others)
+            return
+        if self._recover_ms is None:
+            self._recover_ms = now_ms
+        fresh = {m for m, beat in others.items() if beat >= self._recover_ms}
+        waited_out = now_ms - self._recover_ms >= self.lease_ms
+        if self.members <= fresh or waited_out:
+            self._recovering = False
+            self.members = set(others)
+            log.warning("Redis %s: every replica republished; admission is shared again", self.url)
 
     def static_share_blocks(self, backend_url: str, capacity_blocks: int) -> int:
         """This replica's share of ``capacity_blocks`` while Redis is away (0: unknown)."""
@@ -316,17 +340,24 @@ class SharedAdmission:
             self._came_up()
 
     async def heartbeat_once(self) -> None:
-        """Count the live replicas (this one included)."""
+        """Republish the own leases, then register and count the live replicas (a replica
+        that registers has its leases in Redis: recoveries rely on that order)."""
+        await self.renew_once()
+        ttl_ms = max(self.lease_ms, 3000)
         try:
-            n = await self._heartbeat(
-                keys=[f"{{{self.prefix}}}:replicas"],
-                args=[self.replica_id, max(self.lease_ms, 3000)],
+            out = await self._heartbeat(
+                keys=[f"{{{self.prefix}}}:replicas"], args=[self.replica_id, ttl_ms]
             )
         except Exception as exc:
             self._went_down(exc)
             return
         self._came_up()
-        self.replicas_seen = max(int(n), 1)
+        now_ms = int(out[0])
+        members = {
+            _text(out[i]): int(float(out[i + 1])) - ttl_ms for i in range(1, len(out) - 1, 2)
+        }
+        self.replicas_seen = max(len(members), 1)
+        self._note_members(now_ms, members)
 
     async def _loop(self, interval_s: float, step: Any) -> None:
         while True:

@@ -253,11 +253,15 @@ return out
 """
 )
 
-# KEYS: replicas; ARGV: replica id, ttl_ms. Returns the live replicas' count.
+# KEYS: replicas; ARGV: replica id, ttl_ms. Registers the replica (it has just republished
+# its leases); returns {now_ms, id, expiry_ms, id, expiry_ms, …} of the live replicas.
 HEARTBEAT = r"""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-return redis.call('ZCARD', KEYS[1])
+local out = {now}
+local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for i = 1, #members do out[#out + 1] = members[i] end
+return out
 """

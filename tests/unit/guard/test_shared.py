@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def test_a_thousand_simultaneous_attempts_never_reserve_more_than_the_pool(
 ) -> None:
     rng = random.Random(seed)
     sizes = [rng.randint(1, largest) for _ in range(1000)]
-    admitted, full, leases = asyncio.run(_storm(redis_server.url, f"prop{seed}", sizes))
+    prefix = f"prop{uuid.uuid4().hex}"  # a fresh state for every example
+    admitted, full, leases = asyncio.run(_storm(redis_server.url, prefix, sizes))
     assert 0 < admitted <= 0.9 * CAPACITY  # the high watermark of plain reservations
     assert full == admitted  # Redis's own count agrees with what the replicas were told
     assert leases >= 1
@@ -198,7 +200,7 @@ async def test_two_gateways_on_one_redis_do_not_double_book(
 ) -> None:
     fake = await start_fake(delay_s=0.3)  # 128 usable blocks
     try:
-        prefix = f"pair{random.randrange(10**9)}"
+        prefix = f"pair{uuid.uuid4().hex}"
         guards = [
             await make_guard([fake.url], redis_url=redis_server.url, redis_prefix=prefix)
             for _ in range(2)
