@@ -317,6 +317,8 @@ class BackendAdmission:
             return None
         eff = self.effective_capacity_blocks
         limit = self.settings.high_watermark * eff
+        if self.static_share_blocks is not None and need > limit:
+            return None  # under a static share even an idle replica keeps to its share
         if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
             return eff - need
         simple = self.used_blocks + need
