@@ -356,8 +356,11 @@ class SharedAdmission:
         members = {
             _text(out[i]): int(float(out[i + 1])) - ttl_ms for i in range(1, len(out) - 1, 2)
         }
-        self.replicas_seen = max(len(members), 1)
         self._note_members(now_ms, members)
+        seen = len(members)
+        if self._recovering:  # the replicas known before the outage still count
+            seen = max(seen, len(self.members) + 1)
+        self.replicas_seen = max(seen, 1)
 
     async def _loop(self, interval_s: float, step: Any) -> None:
         while True:

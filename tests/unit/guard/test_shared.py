@@ -293,3 +293,40 @@ async def test_workers_serve_one_port_as_replicas_of_one_store(
     assert not leftover, subprocess.run(
         ["ps", "-o", "pid,args", "-p", ",".join(leftover)], capture_output=True, text=True
     ).stdout
+
+
+async def test_after_an_outage_sharing_waits_for_every_replica_to_republish(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    a, a_adm = replica(server.url, "recover")
+    b, b_adm = replica(server.url, "recover")
+    try:
+        await a.heartbeat_once()
+        await b.heartbeat_once()
+        await a.heartbeat_once()
+        assert a.active and a.members == {b.replica_id} and a.replicas == 2
+        # B holds a lease when Redis dies (and loses everything on its restart).
+        await b.snapshot(BACKEND, b_adm, 0)
+        progress = b_adm.prepare(RequestCost(100 * BS - 1, 1), 0.0)
+        assert await b.reserve(BACKEND, b_adm, progress, 0.0)
+        b_adm.register(progress)
+        b.track(BACKEND, b_adm, progress)
+        server.kill()
+        await a.heartbeat_once()
+        await b.heartbeat_once()
+        assert not a.active and not b.active and a.replicas == 2
+        server.start()
+        await a.heartbeat_once()
+        # Redis answers, but B has not republished its lease yet: A keeps to its share.
+        assert a.up and not a.active
+        assert a.replicas == 2 and a.static_share_blocks(BACKEND, CAPACITY) == CAPACITY // 2
+        await b.heartbeat_once()  # republishes its lease, then registers
+        await a.heartbeat_once()
+        assert a.active
+        keys = a.keys(BACKEND)
+        assert await a.redis.zcard(keys.leases) == 1  # B's lease is back in Redis
+    finally:
+        await a.stop()
+        await b.stop()
+        server.stop()
