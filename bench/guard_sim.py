@@ -352,6 +352,8 @@ VARIANTS: dict[str, Callable[[AdmissionSettings], AdmissionSettings]] = {
         s,
         progress=replace(s.progress, rate_quantile=0.99, start_quantile=0.99, start_margin=2.0),
     ),
+    "no queue kept inside vLLM": lambda s: replace(s, engine_queue_requests=0),
+    "n sequences not sharing prompt blocks": lambda s: replace(s, share_prefix_blocks=False),
     "no progress tracking": lambda s: replace(s, track_mode="off"),
 }
 
