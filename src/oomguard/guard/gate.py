@@ -171,11 +171,11 @@ class Gate:
         self, shared: SharedAdmission, cands: list[Backend], cost: RequestCost, now_s: float
     ) -> Ticket | None | Literal[False]:
         """Try the backends (most locally free first) through Redis; False if Redis failed."""
-        track = self.track_mode != "off"
         for backend in sorted(cands, key=lambda b: b.admission.free_blocks, reverse=True):
             a = backend.admission
             if not a.known or not a.fits_ever(cost):
                 continue
+            track = self._track_shared(shared, backend, cost)
             progress = a.prepare(cost, now_s, track=track)
             ok = await shared.reserve(backend.url, a, progress, now_s)
             if ok is None:
@@ -188,6 +188,17 @@ class Gate:
                 a.register(progress)
                 return self._ticket(backend, progress, now_s)
         return None
+
+    def _track_shared(self, shared: SharedAdmission, backend: Backend, cost: RequestCost) -> bool:
+        """Whether to read a request's progress when all replicas' reservations count:
+        ``auto`` tracks once they (this one included) pass ``track_above_fraction``."""
+        if self.track_mode != "auto":
+            return self.track_mode == "always"
+        a = backend.admission
+        view = shared.views.get(backend.url)
+        others = view.full_blocks if view is not None else 0
+        full = max(others, a.reserved_blocks) + a.need_blocks(cost)
+        return full > a.settings.track_above_fraction * a.effective_capacity_blocks
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
