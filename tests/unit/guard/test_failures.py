@@ -17,7 +17,7 @@ import aiohttp
 
 from .conftest import GuardFactory
 from .fake_vllm import FakeVllm
-from .test_gateway import completion, post, read_sse, status
+from .test_gateway import completion, metric, post, read_sse, status
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 
@@ -50,14 +50,6 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-async def metric(client: aiohttp.ClientSession, guard_url: str, name: str) -> float:
-    async with client.get(guard_url + "/metrics") as r:
-        for line in (await r.text()).splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exported")
 
 
 async def test_sigkill_and_restart_on_same_port_loses_no_request(
