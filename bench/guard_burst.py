@@ -236,7 +236,9 @@ def main() -> int:
             out["vllm_startup_s"] = round(startup_s, 1)
             print(json.dumps(out, indent=None if args.json else 2))
             return 0
-        guard_args: tuple[str, ...] = ()
+        # The burst measures admission, not shedding: on a loaded machine draining a queue can
+        # take longer than the default 60 s queue timeout (then requests would get 503s).
+        guard_args: tuple[str, ...] = ("--queue-timeout", "600")
         if args.track_progress:
             guard_args = ("--track-progress", args.track_progress)
         guard_args += tuple(args.guard_arg)
