@@ -205,9 +205,11 @@ def plan(
     fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
     base = EngineSettings(**kwargs)
 
-    from oomguard.facts.resolve import resolve_model_with_quantization
+    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
 
     spec = resolve_model_with_quantization(model, base.quantization, allow_hub=allow_hub)
+    model = serve_reference(model)
+    notes.extend(spec.caveats)  # generic reader, a sibling's or base model's config
 
     # -- workload -------------------------------------------------------------------------------
     if margin < 0:
@@ -249,14 +251,20 @@ def plan(
 
     # -- GPU ------------------------------------------------------------------------------------
     gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
-    world = base.tensor_parallel_size * base.pipeline_parallel_size
+    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
     if gpu_count is not None and gpu_count < 1:
         raise BadInput(f"--gpu-count {gpu_count} must be at least 1", "pass the number of GPUs")
     count = gpu_count or (max(world, detected_count or 1) if detected_count else world)
     if world > count:
         raise BadInput(
-            f"tensor × pipeline parallel = {world} GPUs, but only {count} available",
-            "lower --tensor-parallel-size/--pipeline-parallel-size or raise --gpu-count",
+            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
+            "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
+            "raise --gpu-count",
+        )
+    if base.enable_expert_parallel and spec.moe is None:
+        notes.append(
+            f"--enable-expert-parallel has no effect: {spec.name} has no MoE layers "
+            "(every rank holds the whole model)"
         )
 
     from oomguard.facts.gpus import list_gpus
@@ -320,6 +328,8 @@ def plan(
         )
     if measured is not None and measured.error:
         notes.append(measured.error)
+    if gpu_spec.unified_memory:
+        notes.append(unified_memory_note(gpu_spec, version))
     if gpu_source == "nvml" and free_bytes is not None:
         notes.append(
             f"NVML: {free_bytes / GIB:.2f} GiB free of {gpu_spec.total_gib:.2f} GiB on the fullest GPU"
@@ -336,6 +346,25 @@ def plan(
         notes=tuple(notes),
         other_flags=other_flags,
         elapsed_s=time.perf_counter() - started,
+    )
+
+
+def unified_memory_note(gpu: GPUSpec, vllm_version: str) -> str:
+    """What a GPU that shares the host's memory (GB10, Jetson) changes for the plan, in one line."""
+    from oomguard.memory.versions import resolve_era
+
+    era = resolve_era(vllm_version)
+    free_from = (
+        "what the OS reports available"
+        if era.uma_free_from_os
+        else "CUDA's free figure, which counts the page cache as used"
+    )
+    return (
+        f"{gpu.name} shares its {gpu.total_gib:.2f} GiB with the host: vLLM {era.label} compares "
+        f"gpu_memory_utilization × total with {free_from}, and the OS, the page cache of earlier "
+        "loads (vllm#48140) and every other process draw from the same pool; keep the "
+        "utilization below available ÷ total (see `free -g`) or pass --headroom-gib for what "
+        "else runs"
     )
 
 

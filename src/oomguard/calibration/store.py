@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from oomguard.errors import BadInput, MalformedConfig, OomguardError
-from oomguard.logs import ParsedLog, parse_file
 from oomguard.memory.engine import MeasuredTerms
+
+if TYPE_CHECKING:  # the log parser is loaded only to record logs: planning reads JSON only
+    from oomguard.logs import ParsedLog
 
 GIB = 2**30
 STORE_VERSION = 1
@@ -484,6 +486,8 @@ def record_logs(
     pp: int | None = None,
 ) -> tuple[list[Observation], list[str]]:
     """Parse each log and store what it measured; returns (stored, skipped-with-reason)."""
+    from oomguard.logs import parse_file
+
     store = store or Store()
     observations: list[Observation] = []
     skipped: list[str] = []
@@ -534,6 +538,8 @@ def lookup(
     matching settings; a term none matches is left None for the estimate to fill.
     """
     store = store or Store()
+    if not store.path.exists():
+        return None  # nothing calibrated yet: the common case, answered without reading
     family = model_family(model_name)
     rows = _rows_for(store, gpu_name, vllm_version, family, tp, pp)
     filters: dict[str, Any] = {

@@ -7,6 +7,7 @@ local files, so the catalogue exercises the reader rather than bypassing it.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from dataclasses import dataclass, field
@@ -19,6 +20,11 @@ from oomguard.facts.config_reader import spec_from_config
 from oomguard.memory.spec import ModelSpec, QuantSpec
 
 CATALOGUE_DIR = Path(__file__).parent / "catalogue" / "models"
+# what to do instead of naming an unknown model (every face takes the model the same way)
+LOCAL_MODEL_HINT = (
+    "give the path of the model's local directory, its config.json or a .gguf file "
+    "in place of the name"
+)
 _REQUIRED_KEYS = ("id", "config")
 
 
@@ -40,13 +46,16 @@ class ParamCheck:
     computed: int
     published: int
     rounding: int | None = None
+    # a wider relative band, for an entry whose own file explains why (a tower whose size is
+    # known only from its name): ``published_params_tolerance``
+    tolerance: float = PARAM_TOLERANCE
 
     @property
     def allowance(self) -> float:
         """Largest accepted absolute difference, in parameters."""
         coarse = self.rounding is not None and self.rounding * 10 > self.published
         half_unit = self.rounding / 2 if self.rounding and not coarse else 0.0
-        return max(PARAM_TOLERANCE * self.published, half_unit)
+        return max(self.tolerance * self.published, half_unit)
 
     @property
     def error(self) -> float:
@@ -61,7 +70,7 @@ class ParamCheck:
     @property
     def needs_rounding_allowance(self) -> bool:
         """True when only the rounding half-unit (not the 1 % band) accepts the count."""
-        return self.ok and abs(self.error) > PARAM_TOLERANCE
+        return self.ok and abs(self.error) > self.tolerance
 
     def describe(self) -> str:
         """One line: computed vs published, the difference, and the allowance used."""
@@ -91,6 +100,7 @@ class CatalogueEntry:
     notes: str = ""
     published_params_rounding: int | None = None
     published_params_includes_tied_lm_head: bool = False
+    published_params_tolerance: float = PARAM_TOLERANCE
     base_model: str = ""
 
     @property
@@ -118,7 +128,8 @@ class CatalogueEntry:
             raise MalformedConfig(f"catalogue entry {self.id} records no published_params",
                                   f"add published_params to {self.path.name}")  # fmt: skip
         spec = spec or self.spec()
-        total = spec.total_params
+        # weights vLLM allocates beyond the checkpoint (Gemma 4's V copy) are not published
+        total = spec.total_params - sum(g.count for g in spec.params if g.name == "runtime_copy")
         mtp = sum(g.count for g in spec.params if g.name == "mtp")
         extra = 0
         if self.published_params_includes_tied_lm_head and spec.tie_word_embeddings:
@@ -127,7 +138,7 @@ class CatalogueEntry:
         computed = min(candidates, key=lambda n: abs(n - self.published_params))  # type: ignore[operator]
         return ParamCheck(
             entry_id=self.id, computed=computed, published=self.published_params,
-            rounding=self.published_params_rounding,
+            rounding=self.published_params_rounding, tolerance=self.published_params_tolerance,
         )  # fmt: skip
 
 
@@ -185,7 +196,19 @@ def load_entry(path: Path) -> CatalogueEntry:
             data.get("published_params_includes_tied_lm_head", False)
         ),
         base_model=base_model,
+        published_params_tolerance=_tolerance(data, path),
     )
+
+
+def _tolerance(data: dict[str, Any], path: Path) -> float:
+    """``published_params_tolerance`` (relative), at least the default 1 %, at most 5 %."""
+    value = data.get("published_params_tolerance", PARAM_TOLERANCE)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        PARAM_TOLERANCE <= value <= 0.05
+    ):
+        raise MalformedConfig(f"catalogue file {path}: published_params_tolerance is {value!r}, "
+                              "not between 0.01 and 0.05", f"fix it in {path.name}")  # fmt: skip
+    return float(value)
 
 
 def _published_params(data: dict[str, Any], path: Path) -> tuple[int | None, int | None]:
@@ -254,6 +277,73 @@ def lookup_entry(name: str, directory: Path | None = None) -> CatalogueEntry | N
     return None
 
 
+ALIASES_PATH = Path(__file__).parent / "catalogue" / "aliases.json"
+
+
+@dataclass(frozen=True)
+class AliasEntry:
+    """A re-release or fine-tune served with a catalogued model's architecture."""
+
+    id: str
+    base: str
+    overrides: dict[str, Any] = field(hash=False, compare=False)
+    source: str = ""
+
+    def config(self, base: CatalogueEntry) -> dict[str, Any]:
+        """The base entry's config with the overrides put where the base keeps each key
+        (the text config of a multimodal model, else the top level)."""
+        config = copy.deepcopy(base.config)
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else None
+        for key, value in self.overrides.items():
+            target = text if text is not None and key in text else config
+            target[key] = value
+        return config
+
+    def spec(self, directory: Path | None = None) -> ModelSpec:
+        """The ModelSpec: the base's config with the overrides, named and sourced as the alias."""
+        base = find_entry(self.base, directory)
+        changed = ", ".join(f"{k} {v}" for k, v in self.overrides.items())
+        return spec_from_config(
+            self.config(base), name=self.id,
+            source=f"alias of catalogue {base.id} ({changed}; {self.source})",
+            param_bytes_by_dtype=base.param_bytes_by_dtype or None,
+        )  # fmt: skip
+
+
+@lru_cache(maxsize=4)
+def _load_aliases(path: Path) -> tuple[AliasEntry, ...]:
+    if not path.is_file():
+        return ()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        rows = data["aliases"]
+        return tuple(
+            AliasEntry(id=str(r["id"]), base=str(r["base"]), overrides=dict(r.get("overrides") or {}),
+                       source=str(r.get("source") or ""))  # fmt: skip
+            for r in rows
+        )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise MalformedConfig(f"catalogue alias file {path} is malformed ({exc})",
+                              "fix the file or reinstall oomguard") from None  # fmt: skip
+
+
+def list_aliases(path: Path | None = None) -> list[AliasEntry]:
+    """Every alias of the catalogue (cached)."""
+    return list(_load_aliases(path or ALIASES_PATH))
+
+
+def lookup_alias(name: str, path: Path | None = None) -> AliasEntry | None:
+    """The alias whose id matches ``name`` (case-insensitive; another org's copy matches by
+    the part after the org), or None."""
+    wanted = _norm(name)
+    aliases = list_aliases(path)
+    for alias in aliases:
+        if _norm(alias.id) == wanted:
+            return alias
+    short = wanted.rsplit("/", 1)[-1]
+    return next((a for a in aliases if _short(a.id) == short), None)
+
+
 def closest_names(name: str, directory: Path | None = None, n: int = 5) -> list[str]:
     """Catalogue ids closest to ``name`` (difflib), best first."""
     entries = list_entries(directory)
@@ -306,6 +396,5 @@ def find_entry(name: str, directory: Path | None = None) -> CatalogueEntry:
     near = f"; closest catalogue names: {', '.join(close)}" if close else ""
     raise UnknownModel(
         f"model {name!r} is not in the built-in catalogue{near}",
-        "pass a local model directory or config.json (--model /path/to/dir), a .gguf file, "
-        "or a Hugging Face repo id with network access",
+        f"{LOCAL_MODEL_HINT}, or a Hugging Face repo id with network access",
     )

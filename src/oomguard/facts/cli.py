@@ -10,6 +10,22 @@ from rich.console import Console
 from rich.table import Table
 
 
+def _print_rows(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A rich table on a terminal; tab-separated lines, never cut, when piped (``| cat``, grep)."""
+    console = Console()
+    if not console.is_terminal:
+        for line in [header, *rows]:
+            typer.echo("\t".join(line))
+        return
+    table = Table(title=title)
+    for i, col in enumerate(header):
+        # names are what people copy: wrap them rather than cutting them with an ellipsis
+        table.add_column(col, overflow="fold", no_wrap=i > 0)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
 def register(app: typer.Typer) -> None:
     """Add the catalogue listing commands to the main app."""
 
@@ -44,18 +60,20 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             return
-        table = Table(title=f"{len(rows)} catalogue models")
-        for col in ("model", "architecture", "params (B)", "context", "quant"):
-            table.add_column(col)
-        for r in rows:
-            table.add_row(
-                str(r["id"]),
-                str(r["architecture"]),
-                f"{r['params_b']:.2f}",
-                f"{r['max_model_len']:,}",
-                str(r["quantization"] or "-"),
-            )
-        Console().print(table)
+        _print_rows(
+            f"{len(rows)} catalogue models",
+            ["model", "architecture", "params (B)", "context", "quant"],
+            [
+                [
+                    str(r["id"]),
+                    str(r["architecture"]),
+                    f"{r['params_b']:.2f}",
+                    f"{r['max_model_len']:,}",
+                    str(r["quantization"] or "-"),
+                ]
+                for r in rows
+            ],
+        )
 
     @app.command("gpus")
     def gpus(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
@@ -80,10 +98,16 @@ def register(app: typer.Typer) -> None:
                 )
             )
             return
-        table = Table(title=f"{len(items)} GPUs (total as CUDA reports it)")
-        for col in ("GPU", "on the box", "CUDA total (GiB)", "total is"):
-            table.add_column(col)
-        for g in items:
-            kind = g.source.split(":", 1)[0] if ":" in g.source else "catalogue"
-            table.add_row(g.name, f"{g.marketing_gb:g} GB", f"{g.total_gib:.2f}", kind)
-        Console().print(table)
+        _print_rows(
+            f"{len(items)} GPUs (total as CUDA reports it)",
+            ["GPU", "on the box", "CUDA total (GiB)", "total is"],
+            [
+                [
+                    g.name,
+                    f"{g.marketing_gb:g} GB",
+                    f"{g.total_gib:.2f}",
+                    g.source.split(":", 1)[0] if ":" in g.source else "catalogue",
+                ]
+                for g in items
+            ],
+        )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from oomguard.errors import MalformedConfig, UnsupportedArchitecture
@@ -144,6 +144,12 @@ _GROUP_LAYOUT: dict[str, tuple[ParamSharding, bool, bool, str]] = {
     "router": (ParamSharding.REPLICATED, False, True, "layers"),
     "norm": (ParamSharding.REPLICATED, False, True, "layers"),
     "mamba": (ParamSharding.TP, True, True, "layers"),
+    "indexer": (ParamSharding.REPLICATED, True, True, "layers"),
+    # per-layer embedding table (Gemma 3n / Gemma 4 E-models): vocab-parallel, first stage
+    "embed_per_layer": (ParamSharding.VOCAB, False, False, "first"),
+    # weights vLLM allocates that the checkpoint does not store (Gemma 4's V slot of
+    # attention_k_eq_v layers): memory, but not in the published parameter count
+    "runtime_copy": (ParamSharding.KV_REPLICATED, True, True, "layers"),
     "vision": (ParamSharding.TP, False, False, "first"),
     "mtp": (ParamSharding.TP, True, False, "last"),
 }
@@ -509,17 +515,17 @@ def _read_deepseek(c: _Cfg, acc: _Acc, vocab: int) -> None:
             f"{c.arch}: DeepSeek config without kv_lora_rank (DeepSeek-V1 style MHA) is not supported",
             "use a DeepSeek V2/V3 config (kv_lora_rank, qk_rope_head_dim, ...)",
         )
-    if c.has("index_topk"):
-        raise UnsupportedArchitecture(
-            f"{c.arch}: DeepSeek-V3.2 sparse attention (index_topk) is not modelled",
-            "no workaround yet: its fp8_ds_mla cache and indexer need their own accounting",
-        )
+    sparse = c.has("index_topk")  # DeepSeek-V3.2: sparse MLA plus a lightning indexer
     state: LayerSpec | None = None
     for i in range(n_layers):
         state = _add_mla(acc, c, hidden, heads)
         _add_deepseek_ffn(acc, c, hidden, i)
         acc.add("norm", 2 * hidden)
-        acc.layers.append(state)
+        if sparse:
+            acc.layers.append(replace(state, ds_sparse=True))
+            acc.layers.append(_add_v32_indexer(acc, c, hidden))
+        else:
+            acc.layers.append(state)
     acc.add("norm", hidden)
     n_mtp = c.int("num_nextn_predict_layers", 0)
     if n_mtp:
@@ -540,6 +546,25 @@ def _read_deepseek(c: _Cfg, acc: _Acc, vocab: int) -> None:
             n_exp, c.int("num_experts_per_tok"), moe_inter, n_shared, moe_inter * n_shared,
             sum(_deepseek_moe_layer(c, i) for i in range(n_layers)),
         )  # fmt: skip
+
+
+# vLLM's DeepSeek-V3.2 indexer keeps one fp8 key per token plus an fp32 scale per 128 elements
+# (model_executor/models/deepseek_v2.py DeepseekV32IndexerCache: head_dim + head_dim // 128 * 4
+# bytes, uint8), as an MLA-type cache of its own in every layer.
+V32_INDEXER_QUANT_BLOCK = 128
+
+
+def _add_v32_indexer(acc: _Acc, c: _Cfg, hidden: int) -> LayerSpec:
+    """Count one layer's indexer (wq_b, wk, k_norm, weights_proj) and return its K-cache entry."""
+    n_heads, head = c.int("index_n_heads"), c.int("index_head_dim")
+    q_lora = c.int("q_lora_rank", hidden)
+    # wq_b is replicated (not split by TP) and quantized with the checkpoint; the fused
+    # wk + weights_proj is replicated and kept in model dtype (vllm deepseek_v2.py Indexer)
+    acc.add("indexer", q_lora * n_heads * head)
+    acc.add("router", hidden * head + hidden * n_heads)
+    acc.add("norm", 2 * head)
+    cache_bytes = head + head // V32_INDEXER_QUANT_BLOCK * 4
+    return LayerSpec(kind=AttentionKind.MLA, num_kv_heads=1, head_size=cache_bytes, indexer=True)
 
 
 def _read_gpt_oss(c: _Cfg, acc: _Acc) -> None:
@@ -675,7 +700,9 @@ def _mamba2_state(inter: int, n_groups: int, state: int, n_heads: int, head_dim:
     )  # fmt: skip
 
 
-def _gdn_state(conv_k: int, nk: int, dk: int, nv: int, dv: int) -> LayerSpec:
+def _gdn_state(
+    conv_k: int, nk: int, dk: int, nv: int, dv: int, ssm_dtype: str | None = None
+) -> LayerSpec:
     """State layer of a Gated DeltaNet (or KDA) linear-attention layer."""
     return LayerSpec(
         kind=AttentionKind.MAMBA,
@@ -686,6 +713,7 @@ def _gdn_state(conv_k: int, nk: int, dk: int, nv: int, dv: int) -> LayerSpec:
             head_k_dim=dk,
             num_v_heads=nv,
             head_v_dim=dv,
+            ssm_dtype=str(ssm_dtype) if ssm_dtype else None,
         ),
     )
 
@@ -838,11 +866,13 @@ def _read_granite_hybrid(c: _Cfg, acc: _Acc) -> None:
     """Granite-4.0-H (GraniteMoeHybrid): Mamba2/attention per ``layer_types``, MoE + shared MLP."""
     hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
     (layer_types,) = c.req("layer_types")
-    m_heads, m_hd = c.int("mamba_n_heads"), c.int("mamba_d_head")
+    # granite-4.0-micro: the hybrid family's config with attention in every layer (no Mamba)
+    has_mamba = "mamba" in layer_types
+    m_heads, m_hd = (c.int("mamba_n_heads"), c.int("mamba_d_head")) if has_mamba else (0, 0)
     m_inter = m_heads * m_hd
     n_groups, d_state, conv_k = (
         c.int("mamba_n_groups", 1),
-        c.int("mamba_d_state"),
+        c.int("mamba_d_state") if has_mamba else 0,
         c.int("mamba_d_conv", 4),
     )
     n_exp = c.int("num_local_experts", 0)
@@ -882,9 +912,14 @@ def _read_granite_hybrid(c: _Cfg, acc: _Acc) -> None:
         )
 
 
-def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
-    """Qwen3-Next: Gated DeltaNet layers with gated full attention every ``full_attention_interval``;
-    512-expert MoE with a gated shared expert; optional MTP layer."""
+def _read_qwen3_next(c: _Cfg, acc: _Acc, model_type: str = "qwen3_next") -> None:
+    """Qwen3-Next and Qwen3.5: Gated DeltaNet layers with gated full attention every
+    ``full_attention_interval`` (or per ``layer_types``); MoE with a gated shared expert
+    (Qwen3.5 dense: a plain MLP per layer); optional MTP layers (``num_nextn_predict_layers``,
+    Qwen3.5 ``mtp_num_hidden_layers``). Qwen3.5 pins its SSM state dtype (``mamba_ssm_dtype``,
+    float32), which vLLM adopts for ``mamba_ssm_cache_dtype`` (model_executor/models/config.py
+    Qwen3_5ForConditionalGenerationConfig)."""
+    dense = model_type == "qwen3_5_text"
     hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
     nk, dk, nv, dv = (
         int(v)
@@ -903,16 +938,21 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
             "full_attention" if (i + 1) % interval == 0 else "linear_attention"
             for i in range(n_layers)
         ]
-    n_exp, topk, moe_inter = (
-        c.int("num_experts"),
-        c.int("num_experts_per_tok"),
-        c.int("moe_intermediate_size"),
-    )
+    if dense:
+        n_exp, topk, moe_inter = 0, 0, 0
+        sparse = [False] * n_layers
+    else:
+        n_exp, topk, moe_inter = (
+            c.int("num_experts"),
+            c.int("num_experts_per_tok"),
+            c.int("moe_intermediate_size"),
+        )
+        sparse = _moe_layer_indices(c, n_layers)
     shared_inter = c.int("shared_expert_intermediate_size", 0)
-    sparse = _moe_layer_indices(c, n_layers)
+    ssm_dtype = c.get("mamba_ssm_dtype")
 
     def add_ffn(i: int, target: _Acc) -> None:
-        if sparse[i] if i < n_layers else True:
+        if not dense and (sparse[i] if i < n_layers else True):
             target.add("router", hidden * n_exp)
             target.add("experts", n_exp * _gated_mlp(hidden, moe_inter))
             if shared_inter:
@@ -944,11 +984,11 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
                 + dv
                 + nv * dv * hidden,
             )
-            acc.layers.append(_gdn_state(conv_k, nk, dk, nv, dv))
+            acc.layers.append(_gdn_state(conv_k, nk, dk, nv, dv, ssm_dtype))
         add_ffn(i, acc)
         acc.add("norm", 2 * hidden)
     acc.add("norm", hidden)
-    n_mtp = c.int("num_nextn_predict_layers", 0)
+    n_mtp = c.int("num_nextn_predict_layers", c.int("mtp_num_hidden_layers", 0))
     if n_mtp:
         scratch = _Acc()
         for _ in range(n_mtp):
@@ -966,7 +1006,10 @@ def _read_qwen3_next(c: _Cfg, acc: _Acc) -> None:
         # fc (2H -> H), two pre-fc norms, final norm
         acc.add("mtp", sum(scratch.counts.values()) + n_mtp * (2 * hidden * hidden + 3 * hidden))
         acc.num_mtp_layers = n_mtp
-    acc.moe = MoESpec(n_exp, topk, moe_inter, 1 if shared_inter else 0, shared_inter, sum(sparse))
+    if not dense:
+        acc.moe = MoESpec(
+            n_exp, topk, moe_inter, 1 if shared_inter else 0, shared_inter, sum(sparse)
+        )
 
 
 def _read_kimi_linear(c: _Cfg, acc: _Acc) -> None:
@@ -1196,7 +1239,7 @@ def _vision_moonvit(config: Mapping[str, Any], arch: str, text_hidden: int) -> V
 
 
 _VisionReader = Callable[[Mapping[str, Any], str, int], VisionSpec]
-_VISION_BY_MODEL_TYPE: dict[str, _VisionReader] = {
+_VISION_BY_MODEL_TYPE: dict[str, _VisionReader] = {  # completed by _register_families()
     "gemma3": _vision_siglip_gemma3,
     "qwen2_5_vl": _vision_qwen2_5_vl,
     "qwen2_vl": _vision_qwen2_vl,
@@ -1259,6 +1302,7 @@ def _readers() -> dict[str, _Reader]:
             "qwen3_moe": _read_qwen_moe,
             "deepseek_v2": lambda c, a, t: _read_deepseek(c, a, c.int("vocab_size")),
             "deepseek_v3": lambda c, a, t: _read_deepseek(c, a, c.int("vocab_size")),
+            "deepseek_v32": lambda c, a, t: _read_deepseek(c, a, c.int("vocab_size")),
             "gpt_oss": lambda c, a, t: _read_gpt_oss(c, a),
             "llama4_text": lambda c, a, t: _read_llama4_text(c, a),
             "llama4": lambda c, a, t: _read_llama4_text(c, a),
@@ -1269,7 +1313,9 @@ def _readers() -> dict[str, _Reader]:
             "nemotron_h": lambda c, a, t: _read_nemotron_h(c, a),
             "falcon_h1": lambda c, a, t: _read_falcon_h1(c, a),
             "granitemoehybrid": lambda c, a, t: _read_granite_hybrid(c, a),
-            "qwen3_next": lambda c, a, t: _read_qwen3_next(c, a),
+            "qwen3_next": _read_qwen3_next,
+            "qwen3_5_text": _read_qwen3_next,
+            "qwen3_5_moe_text": _read_qwen3_next,
             "kimi_linear": lambda c, a, t: _read_kimi_linear(c, a),
             "mllama_text": lambda c, a, t: _read_mllama_text(c, a),
         }
@@ -1277,7 +1323,35 @@ def _readers() -> dict[str, _Reader]:
     return table
 
 
+def _register_families() -> None:
+    """Add the 2025–2026 families (``config_families``) to the dispatch tables."""
+    from oomguard.facts import config_families as fam
+
+    _READERS.update({
+        "gemma3n_text": fam.read_gemma3n_text,
+        "gemma4_text": fam.read_gemma4_text,
+        "exaone4": fam.read_exaone4,
+        "glm4_moe": fam.read_glm4_moe,
+    })  # fmt: skip
+    _VISION_BY_MODEL_TYPE.update({
+        "gemma3n": fam.vision_gemma3n,
+        "gemma4": fam.vision_gemma4,
+        "llava_next": fam.vision_llava_next,
+        "qwen3_vl": fam.vision_qwen3_vl,
+        "qwen3_vl_moe": fam.vision_qwen3_vl,
+        "qwen3_5": fam.vision_qwen3_vl,
+        "qwen3_5_moe": fam.vision_qwen3_vl,
+    })  # fmt: skip
+    _TEXT_ALIASES.update({
+        "qwen3_vl_text": "qwen3",
+        "qwen3_vl_moe_text": "qwen3_moe",
+        "gemma3n": "gemma3n_text",
+        "gemma4": "gemma4_text",
+    })  # fmt: skip
+
+
 _READERS = _readers()
+_register_families()
 
 
 def supported_model_types() -> list[str]:
@@ -1370,12 +1444,7 @@ def spec_from_config(
     if top_type == "kimi_vl" and text_type not in _READERS:
         text_type = "deepseek_v3"
     text_type = _TEXT_ALIASES.get(text_type, text_type)
-    reader = _READERS.get(text_type)
-    if reader is None:
-        raise UnsupportedArchitecture(
-            f"architecture {arch} (model_type {text_type!r}) is not supported",
-            f"supported model types: {', '.join(supported_model_types())}",
-        )
+    reader, caveats = _pick_reader(text, config, arch, text_type)
     vision_reader = _VISION_BY_MODEL_TYPE.get(top_type)
     if nested and "vision_config" in config and vision_reader is None:
         raise UnsupportedArchitecture(
@@ -1422,6 +1491,10 @@ def spec_from_config(
             if sharding is ParamSharding.VOCAB
             else 0
         )
+        cols = embed_cols if sharding is ParamSharding.VOCAB else 0
+        if gname == "embed_per_layer":
+            rows = c.int("vocab_size_per_layer_input", vocab)
+            cols = acc.counts[gname] // rows
         groups.append(
             ParamGroup(
                 name=gname,
@@ -1431,7 +1504,7 @@ def spec_from_config(
                 per_layer=per_layer,
                 stage=stage,
                 rows=rows,
-                cols=embed_cols if sharding is ParamSharding.VOCAB else 0,
+                cols=cols,
             )  # fmt: skip
         )
 
@@ -1456,6 +1529,8 @@ def spec_from_config(
         or "float32"
     )
     inter = c.get("intermediate_size") or c.get("moe_intermediate_size") or c.get("ffn_dim") or 0
+    if isinstance(inter, list):  # per-layer sizes (Gemma 3n): the widest sets the peak
+        inter = max(int(x) for x in inter)
     return ModelSpec(
         name=name,
         architecture=arch,
@@ -1478,7 +1553,43 @@ def spec_from_config(
         num_mtp_layers=acc.num_mtp_layers,
         checkpoint_bytes_by_dtype=dict(param_bytes_by_dtype or {}),
         source=source,
+        verified=not caveats,
+        caveats=tuple(caveats),
     )
+
+
+# model types known to need accounting the readers do not have (the generic reader must not
+# guess them): what is missing
+_NOT_MODELLED = {
+    "deepseek_v4": "DeepSeek-V4's compressed sparse attention (per-layer compress_ratios, a "
+    "separate sliding-window cache and compressor state per layer, hyper-connections) is not "
+    "modelled",
+}
+
+
+def _pick_reader(
+    text: Mapping[str, Any], config: Mapping[str, Any], arch: str, text_type: str
+) -> tuple[_Reader, list[str]]:
+    """The reader of ``text_type``, else the generic reader with its caveats (or a refusal)."""
+    reader = _READERS.get(text_type)
+    if reader is not None:
+        return reader, []
+    if text_type in _NOT_MODELLED:
+        raise UnsupportedArchitecture(
+            f"architecture {arch} (model_type {text_type!r}) is not supported: "
+            f"{_NOT_MODELLED[text_type]}",
+            "no workaround yet; plan a supported model of similar size for a rough figure",
+        )
+    from oomguard.facts import config_generic
+
+    try:
+        caveats = config_generic.generic_caveats(text, config, arch, text_type)
+    except UnsupportedArchitecture as exc:
+        raise UnsupportedArchitecture(
+            exc.message, f"{exc.hint}; model types with their own reader: "
+            f"{', '.join(supported_model_types())}",
+        ) from None  # fmt: skip
+    return config_generic.read_generic, caveats
 
 
 def _tie_word_embeddings(

@@ -33,7 +33,18 @@ _HOLDOUT = "bench/data/startup-logs-holdout.jsonl"
 # pair is ``nvlink=True`` via a custom GPU). AMD Instinct MI300X: xGMI, fully connected on the
 # 8-GPU platform. vLLM keys its custom all-reduce on this (custom_all_reduce.py).
 _NVLINK = frozenset({"V100 16GB SXM2", "V100 32GB SXM2", "A100 40GB SXM", "A100 80GB SXM", "H100 SXM",
-                     "H100 NVL", "H200", "H20", "H20 141GB", "GH200", "B200", "MI300X"})  # fmt: skip
+                     "H100 NVL", "H200", "H20", "H20 141GB", "GH200", "B200", "MI300X", "A800 80GB",
+                     "H800"})  # fmt: skip
+
+
+# NVSwitch systems of the Hopper/Blackwell generations (HGX boards; NVIDIA HGX data sheets): NCCL
+# can run NVLink SHARP (NVLS) there. A100 SXM has NVSwitch but no NVLS (third-generation
+# NVSwitch is Hopper's); NVL cards and GH200 link pairs or nothing.
+_NVLS = frozenset({"H100 SXM", "H800", "H200", "H20", "H20 141GB", "B200"})
+# Integrated GPUs that share the host's memory (torch ``is_integrated``): vLLM reads their free
+# memory from the OS (psutil) since 0.12, and everything else on the box competes for it.
+_UNIFIED = frozenset({"GB10", "Jetson AGX Thor", "Jetson AGX Orin 64GB", "Jetson AGX Orin 32GB"})
+_ADA_WS = "NVIDIA RTX Ada workstation data sheet"
 
 
 class NoGPUDetected(BadInput):
@@ -82,6 +93,17 @@ _ROWS: tuple[_Row, ...] = (
     _Row("RTX A6000", 48, 47.54, "8.6", "NVIDIA RTX A6000", f"derived: 49140 MiB (ECC off) {_SMI}", ("a6000",)),
     _Row("RTX 6000 Ada", 48, 47.50, "8.9", "NVIDIA RTX 6000 Ada Generation", f"derived: 49140 MiB (ECC off) {_SMI}",
          ("6000 ada", "rtx 6000 ada generation")),
+    _Row("RTX 2000 Ada", 16, 15.70, "8.9", "NVIDIA RTX 2000 Ada Generation",
+         f"derived: 16 GB GDDR6 ({_ADA_WS}), 16380 MiB like the other 16 GB Ada cards, {_SMI}",
+         ("rtx 2000 ada generation", "2000 ada", "rtx 2000 ada 16gb")),
+    _Row("RTX 4000 Ada", 20, 19.70, "8.9", "NVIDIA RTX 4000 Ada Generation",
+         f"derived: 20 GB GDDR6 ({_ADA_WS}), 20475 MiB {_SMI}", ("4000 ada", "rtx 4000 ada generation")),
+    _Row("RTX 4500 Ada", 24, 23.68, "8.9", "NVIDIA RTX 4500 Ada Generation",
+         f"derived: 24 GB GDDR6 ({_ADA_WS}), 24570 MiB {_SMI}", ("4500 ada", "rtx 4500 ada generation")),
+    _Row("RTX 5000 Ada", 32, 31.65, "8.9", "NVIDIA RTX 5000 Ada Generation",
+         f"derived: 32 GB GDDR6 ({_ADA_WS}), 32760 MiB {_SMI}", ("5000 ada", "rtx 5000 ada generation")),
+    _Row("RTX A4000", 16, 15.70, "8.6", "NVIDIA RTX A4000", f"derived: 16376 MiB {_SMI}", ("a4000",)),
+    _Row("RTX A5000", 24, 23.68, "8.6", "NVIDIA RTX A5000", f"derived: 24564 MiB {_SMI}", ("a5000",)),
     _Row("RTX PRO 6000 Blackwell", 96, 94.97, "12.0", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
          f"derived: 97887 MiB {_SMI}", ("rtx pro 6000", "pro 6000", "rtx pro 6000 96gb", "6000 blackwell")),
     # datacenter
@@ -101,6 +123,11 @@ _ROWS: tuple[_Row, ...] = (
     _Row("L4", 24, 22.17, "8.9", "NVIDIA L4", f"derived: 23034 MiB (ECC on) {_SMI}", ()),
     _Row("L40", 48, 44.39, "8.9", "NVIDIA L40", "derived: same 48 GB GDDR6 (ECC on) as the L40S observed at 44.39 GiB", ()),
     _Row("L40S", 48, 44.39, "8.9", "NVIDIA L40S", f"observed: vLLM log total 44.39 GiB ({_LOGS})", ()),
+    _Row("A40", 48, 44.39, "8.6", "NVIDIA A40",
+         "derived: 48 GB GDDR6 with ECC on (NVIDIA A40 data sheet), the same 46068 MiB as the L40S "
+         "observed at 44.39 GiB", ("nvidia a40", "a40 48gb")),
+    _Row("L20", 48, 44.39, "8.9", "NVIDIA L20",
+         "derived: 48 GB GDDR6 with ECC on, as the L40S observed at 44.39 GiB", ("l20 48gb",)),
     _Row("A100 40GB PCIe", 40, 39.39, "8.0", "NVIDIA A100-PCIE-40GB",
          "derived: same 40 GB HBM2 as the A100 40GB SXM observed at 39.39 GiB", ("a100 pcie 40gb", "a100-pcie-40gb")),
     _Row("A100 40GB SXM", 40, 39.39, "8.0", "NVIDIA A100-SXM4-40GB",
@@ -111,12 +138,17 @@ _ROWS: tuple[_Row, ...] = (
     _Row("A100 80GB SXM", 80, 79.35, "8.0", "NVIDIA A100-SXM4-80GB",
          f"observed: 'A100 80GB (79.35 GiB)' ({_OOMS}); 81920 MiB in nvidia-smi",
          ("a100", "a100 80gb", "a100-80gb", "a100 80g", "a100-sxm4-80gb")),
+    _Row("A800 80GB", 80, 79.33, "8.0", "NVIDIA A800-SXM4-80GB",
+         "observed: '8x A800 80GB (79.33 GiB)' (bench/data/oom-cases-holdout.jsonl, QwenLM/Qwen3#67)",
+         ("a800", "a800 80gb", "a800-sxm4-80gb")),
     _Row("H100 PCIe", 80, 79.19, "9.0", "NVIDIA H100 PCIe",
          "derived: same 81559 MiB as the H100 SXM observed at 79.19 GiB", ("h100 pcie 80gb",)),
     _Row("H100 SXM", 80, 79.19, "9.0", "NVIDIA H100 80GB HBM3",
          f"observed: vLLM logs total_gpu_memory 79.18-79.22 GiB, 79.19 in 42 rows ({_LOGS})",
          ("h100", "h100 80gb", "h100-80g", "h100 80g", "h100 80gb hbm3", "h100 sxm5", "h100-sxm5-80gb")),
     _Row("H100 NVL", 94, 93.10, "9.0", "NVIDIA H100 NVL", f"derived: 95830 MiB {_SMI}", ("h100 nvl 94gb",)),
+    _Row("H800", 80, 79.19, "9.0", "NVIDIA H800",
+         "derived: same 81559 MiB HBM3 as the H100 SXM observed at 79.19 GiB", ("h800 80gb",)),
     _Row("H200", 141, 139.72, "9.0", "NVIDIA H200",
          f"derived: same 141 GB HBM3e as the H20 141GB observed at 139.72 GiB ({_OOMS}, vllm-project/vllm#31273)",
          ("h200 141gb", "h200 sxm")),
@@ -124,6 +156,24 @@ _ROWS: tuple[_Row, ...] = (
     _Row("H20 141GB", 141, 139.72, "9.0", "NVIDIA H20",
          f"observed: 'H20 141GB (139.72 GiB)' ({_OOMS}, vllm-project/vllm#31273)", ("h20-141g", "h20 141g")),
     _Row("GH200", 96, 95.00, "9.0", "NVIDIA GH200 480GB", f"derived: 97871 MiB {_SMI}", ("gh200 96gb", "gh200 480gb")),
+    _Row("H200 NVL", 141, 139.72, "9.0", "NVIDIA H200 NVL",
+         "derived: same 141 GB HBM3e as the H20 141GB observed at 139.72 GiB", ("h200nvl",)),
+    _Row("GB10", 128, 121.69, "12.1", "NVIDIA GB10",
+         "observed: 'Free memory on device cuda:0 (8.88/121.69 GiB)' on a DGX Spark "
+         "(bench/data/oom-cases-holdout4.jsonl, Blackwellboy/model-serving-minefield#53); unified "
+         "LPDDR5X shared with the host", ("dgx spark", "spark", "gb10 dgx spark", "nvidia dgx spark")),
+    _Row("Jetson AGX Thor", 128, 121.69, "11.0", "NVIDIA Jetson AGX Thor",
+         "derived: 128 GB LPDDR5X unified memory (Jetson AGX Thor data sheet) less the share the "
+         "GB10's identical 128 GB leaves CUDA (121.69 GiB observed); give --gpu-memory-gib for yours",
+         ("thor", "agx thor", "jetson thor")),
+    _Row("Jetson AGX Orin 64GB", 64, 60.84, "8.7", "Orin",
+         "derived: 64 GB LPDDR5 unified memory (Jetson AGX Orin data sheet) with the GB10's "
+         "CUDA-visible share (121.69 of 128 GiB); give --gpu-memory-gib for yours",
+         ("agx orin", "jetson orin", "orin 64gb", "jetson agx orin")),
+    _Row("Jetson AGX Orin 32GB", 32, 30.42, "8.7", "Orin",
+         "derived: 32 GB LPDDR5 unified memory (Jetson AGX Orin data sheet) with the GB10's "
+         "CUDA-visible share (121.69 of 128 GiB); give --gpu-memory-gib for yours",
+         ("orin 32gb", "jetson agx orin 32gb")),
     _Row("B200", 180, 178.56, "10.0", "NVIDIA B200", f"derived: 183359 MiB {_SMI}", ("b200 180gb", "b200 192gb")),
     _Row("MI300X", 192, 191.98, "9.4", "AMD Instinct MI300X",
          "derived: 192 GiB HBM3 less the ROCm reserve seen in MI300X OOM messages", ("instinct mi300x", "mi300"), "amd"),
@@ -140,6 +190,8 @@ def _spec(row: _Row) -> GPUSpec:
         device_name=row.device_name,
         source=row.source,
         nvlink=row.name in _NVLINK,
+        nvls=row.name in _NVLS,
+        unified_memory=row.name in _UNIFIED,
     )
 
 

@@ -30,11 +30,11 @@ def hub_offline() -> bool:
 
 
 def _alternatives(repo_id: str) -> str:
-    from oomguard.facts.catalogue import closest_names
+    from oomguard.facts.catalogue import LOCAL_MODEL_HINT, closest_names
 
     close = closest_names(repo_id)
     near = f"closest catalogue names: {', '.join(close)}; " if close else ""
-    return f"{near}or pass a local model directory or config.json (--model /path/to/dir) or a .gguf file"
+    return f"{near}or " + LOCAL_MODEL_HINT
 
 
 def _with_deadline(fn: Callable[[], _T], timeout_s: float, what: str) -> _T:

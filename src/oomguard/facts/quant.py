@@ -22,24 +22,41 @@ MXFP4_UNQUANTIZED: tuple[str, ...] = DEFAULT_UNQUANTIZED + (
     "attn_qo", "attn_kv", "mlp", "shared_experts", "mamba", "mtp",
 )  # fmt: skip
 
-# module-name fragments in ignore / modules_to_not_convert lists → our parameter groups
-_MODULE_TO_GROUP: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("lm_head", ("lm_head",)),
-    ("embed", ("embed",)),
-    ("self_attn", ("attn_qo", "attn_kv")),
-    ("attention", ("attn_qo", "attn_kv")),
-    ("attn", ("attn_qo", "attn_kv")),
-    ("shared_expert", ("shared_experts",)),
-    ("router", ("router",)),
-    ("gate$", ("router",)),
-    ("mlp.gate", ("router",)),
-    ("visual", ("vision",)),
-    ("vision", ("vision",)),
-    ("multi_modal_projector", ("vision",)),
-    ("mamba", ("mamba",)),
-    ("mixer", ("mamba",)),
-    ("mtp", ("mtp",)),
-)
+# Module names in ignore / modules_to_not_convert lists → our parameter groups. A name is read
+# as dotted path components (``model.layers.0.post_attention_layernorm``); each rule names the
+# component it matches, so a norm whose name contains "attention" is a norm, never attention
+# (matching raw substrings priced every attention projection of Qwen3-MoE FP8 at bf16).
+_NORM_COMPONENT = re.compile(r"(^|_)(layer)?norm$|^(ln|norm)(_\w+)?$|_ln$|^[a-z]*norm\d*$")
+_COMPONENT_TO_GROUP: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple(
+    (re.compile(pattern), groups)
+    for pattern, groups in (
+        (r"^lm_head$", ("lm_head",)),
+        (r"^(embed_tokens|embeddings?|wte|word_embeddings|embed_tokens_per_layer)$", ("embed",)),
+        (r"^(self_attn|attn|attention|self_attention|linear_attn|cross_attn)$", ("attn_qo", "attn_kv")),
+        (r"^(q_proj|k_proj|v_proj|o_proj|qkv_proj|c_attn|query_key_value|wqkv|wo)$", ("attn_qo", "attn_kv")),
+        (r"^shared_experts?$", ("shared_experts",)),
+        (r"^(router|gate|shared_expert_gate)$", ("router",)),
+        (r"^(visual|vision_tower|vision_model|vision|multi_modal_projector|mm_projector|audio_tower)$", ("vision",)),
+        (r"^(mamba|mixer)$", ("mamba",)),
+        (r"^mtp$", ("mtp",)),
+    )
+)  # fmt: skip
+
+
+def _module_groups(module: Any) -> tuple[str, ...]:
+    """Parameter groups one ignored module name covers (empty: none we price separately)."""
+    parts = [p for p in re.split(r"[./]", str(module).lower()) if p and p != "*"]
+    if parts and _NORM_COMPONENT.search(parts[-1]):
+        return ("norm",)
+    if any(p.startswith("re:") for p in parts):  # compressed-tensors regex: test the whole name
+        text = str(module).lower()
+        parts = [p for p in re.split(r"[^a-z0-9_]+", text) if p]
+    for part in parts:
+        for pattern, groups in _COMPONENT_TO_GROUP:
+            if pattern.search(part):
+                return groups
+    return ()
+
 
 _AWQ_GPTQ_DEFAULT_GROUP = 128
 
@@ -47,12 +64,7 @@ _AWQ_GPTQ_DEFAULT_GROUP = 128
 def _groups_for_modules(modules: Iterable[Any]) -> tuple[str, ...]:
     out: list[str] = []
     for module in modules:
-        text = str(module).lower()
-        for fragment, groups in _MODULE_TO_GROUP:
-            hit = re.search(fragment, text) if fragment.endswith("$") else fragment in text
-            if hit:
-                out.extend(g for g in groups if g not in out)
-                break
+        out.extend(g for g in _module_groups(module) if g not in out)
     return tuple(out)
 
 

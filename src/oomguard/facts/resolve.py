@@ -7,10 +7,11 @@ Order: an existing local path (directory, ``config.json``, ``.gguf``) → the bu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.errors import UnknownModel
-from oomguard.facts.catalogue import closest_names, lookup_entry
+from oomguard.facts.catalogue import LOCAL_MODEL_HINT, closest_names, lookup_alias, lookup_entry
 from oomguard.facts.hub import spec_from_hub
 from oomguard.facts.local import spec_from_local
 from oomguard.facts.quant import apply_quantization_flag, quant_from_name, strip_quant_suffix
@@ -26,11 +27,14 @@ def _looks_like_path(ref: str) -> bool:
 
 
 def resolve_model(ref: str, *, allow_hub: bool = True) -> ModelSpec:
-    """ModelSpec for a local path, a catalogue name/alias, or a hub repo id.
+    """ModelSpec for a local path, a catalogue name or alias, or a hub repo id.
 
-    A quantized repo name (``…-AWQ``, ``…-FP8-dynamic``) not in the catalogue resolves to its
-    catalogued base model with the format taken from the name. Raises :class:`UnknownModel`
-    (listing close catalogue names and the local alternatives) when nothing matches.
+    Order: a local path; the catalogue (names and aliases: re-releases resolve to their base
+    config with their own positions); a quantized repo name (``…-AWQ``, ``…-FP8``) whose base
+    is catalogued, with the format from the name; the hub; last, a catalogued sibling
+    (``-Instruct`` ↔ base, ``-it`` ↔ ``-pt``…) whose config stands in, with a caveat shown in
+    the plan. Raises :class:`UnknownModel` (listing close catalogue names and the local
+    alternatives) when nothing matches.
     """
     ref = ref.strip()
     if not ref:
@@ -45,28 +49,102 @@ def resolve_model(ref: str, *, allow_hub: bool = True) -> ModelSpec:
             f"no such file or directory: {path}",
             "check the path to the model directory or config.json",
         )
-
-    entry = lookup_entry(ref)
-    if entry is not None:
-        return entry.spec()
-    quant = quant_from_name(ref)
-    if quant is not None:
-        base_entry = lookup_entry(strip_quant_suffix(ref))
-        if base_entry is not None:
-            base = base_entry.spec()
-            return dataclasses.replace(
-                base, name=ref, quant=quant, checkpoint_bytes_by_dtype={},
-                source=f"{base.source}; weight format {quant.method} from the name {ref!r}",
-            )  # fmt: skip
+    found = _catalogued(ref) or _quantized(ref, _catalogued)
+    if found is not None:
+        return found
     if allow_hub:
-        return spec_from_hub(ref)
+        try:
+            return spec_from_hub(ref)
+        except UnknownModel:
+            found = _sibling(ref) or _quantized(ref, _sibling)
+            if found is None:
+                raise
+            return found
+    found = _sibling(ref) or _quantized(ref, _sibling)
+    if found is not None:
+        return found
     close = closest_names(ref)
     near = f"; closest catalogue names: {', '.join(close)}" if close else ""
     raise UnknownModel(
         f"model {ref!r} is not in the built-in catalogue{near}",
-        "pass a local model directory or config.json (--model /path/to/dir), a .gguf file, "
-        "or allow hub access",
+        f"{LOCAL_MODEL_HINT}, or allow hub access (drop --offline / HF_HUB_OFFLINE)",
     )
+
+
+def _catalogued(ref: str) -> ModelSpec | None:
+    """The catalogue entry or alias named ``ref``."""
+    entry = lookup_entry(ref)
+    if entry is not None:
+        return entry.spec()
+    alias = lookup_alias(ref)
+    return alias.spec() if alias is not None else None
+
+
+def _quantized(ref: str, find: Callable[[str], ModelSpec | None]) -> ModelSpec | None:
+    """A quantized repo name resolved through ``find`` on its base name, format from the name."""
+    quant = quant_from_name(ref)
+    if quant is None:
+        return None
+    base = find(strip_quant_suffix(ref))
+    if base is None:
+        return None
+    return dataclasses.replace(
+        base, name=ref, quant=quant, checkpoint_bytes_by_dtype={},
+        source=f"{base.source}; weight format {quant.method} from the name {ref!r}",
+        caveats=(*base.caveats, f"{ref} is not catalogued: {base.name}'s config with the "
+                 f"{quant.method} weight format its name states"),
+    )  # fmt: skip
+
+
+# release suffixes of the same architecture: a base model and its instruction-tuned,
+# chat, thinking or converted (-hf) releases differ in weights, not in shape
+_SIBLING_SUFFIXES = ("-Instruct-hf", "-chat-hf", "-Instruct", "-Base", "-Chat", "-Thinking",
+                     "-it", "-pt", "-hf")  # fmt: skip
+
+
+def sibling_names(ref: str) -> list[str]:
+    """Names of ``ref``'s releases with another of the sibling suffixes (itself excluded)."""
+    org, _, name = ref.rpartition("/")
+    core = name
+    for suffix in _SIBLING_SUFFIXES:
+        if name.lower().endswith(suffix.lower()):
+            core = name[: -len(suffix)]
+            break
+    prefix = f"{org}/" if org else ""
+    names = [prefix + core + s for s in ("", *_SIBLING_SUFFIXES)]
+    return [n for n in names if n.lower() != ref.lower()]
+
+
+def _sibling(ref: str) -> ModelSpec | None:
+    """A catalogued sibling release's spec under ``ref``'s name, with the caveat to show."""
+    for name in sibling_names(ref):
+        spec = _catalogued(name)
+        if spec is None:
+            continue
+        caveat = (
+            f"{ref} is not catalogued: planned with the config of its sibling release "
+            f"{spec.name} (same architecture; check max_position_embeddings and vocab_size in "
+            f"the repo's own config.json, or pass its path)"
+        )
+        return dataclasses.replace(
+            spec, name=ref, source=f"{spec.source}; sibling of {ref}",
+            caveats=(*spec.caveats, caveat),
+        )  # fmt: skip
+    return None
+
+
+def serve_reference(ref: str) -> str:
+    """What goes after ``vllm serve`` for the model the user named as ``ref``.
+
+    vLLM loads a model from its directory (or a ``.gguf`` file), never from a ``config.json``:
+    a path to a config file becomes its directory. Names and other paths are kept as given.
+    """
+    text = ref.strip()
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".json" and path.is_file():
+        parent = str(path.parent)
+        return parent if text.startswith(("/", "~")) or parent != "." else "./"
+    return text
 
 
 def resolve_model_with_quantization(

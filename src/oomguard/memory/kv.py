@@ -29,6 +29,9 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+# DeepSeek's fp8_ds_mla token: 512 fp8 NoPE values, 4 fp32 scales, 64 bf16 RoPE values
+# (v1/attention/backends/mla/flashmla_sparse.py; kv_cache_interface.py MLAAttentionSpec)
+DS_MLA_FP8_TOKEN_BYTES = 656
 PER_TOKEN_HEAD_KV_DTYPES = ("int8_per_token_head", "fp8_per_token_head")
 KV_CACHE_DTYPES = (
     "auto",
@@ -348,6 +351,13 @@ def build_layer_specs(
         if layer.kind is AttentionKind.MLA:
             mla_dtype = "auto" if kv_cache_dtype == "auto" else kv_cache_dtype
             tb = head_token_bytes(mla_dtype, mbytes, layer.head_size)
+            if layer.indexer:  # uint8 key plus scales, whatever the KV dtype
+                tb = layer.head_size
+            elif layer.ds_sparse and (
+                kv_cache_dtype in FP8_KV_DTYPES
+                or (kv_cache_dtype == "auto" and era.ds_mla_fp8_default)
+            ):
+                tb = DS_MLA_FP8_TOKEN_BYTES
             window = layer.sliding_window if hybrid_manager else None
             return MLA(block_size=bs, token_bytes_=tb, sliding_window=window)
         hk = head_token_bytes(kv_cache_dtype, mbytes, layer.head_size)

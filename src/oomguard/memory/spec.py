@@ -68,6 +68,10 @@ class LayerSpec:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     mamba: MambaStateSpec | None = None
+    # DeepSeek-V3.2 sparse MLA: an fp8 cache uses the 656-byte fp8_ds_mla token layout
+    ds_sparse: bool = False
+    # a lightning-indexer key cache (DeepSeek-V3.2): ``head_size`` bytes per token, uint8
+    indexer: bool = False
 
 
 class ParamSharding(str, Enum):
@@ -166,6 +170,12 @@ class ModelSpec:
         default_factory=dict, hash=False, compare=False
     )
     source: str = ""  # where the facts came from (catalogue entry, path, hub repo)
+    # False when the config was read by the generic reader (an architecture the reader table
+    # does not know): estimates then carry wider ranges
+    verified: bool = True
+    # what the user must know about how the facts were obtained (generic reader, a sibling's
+    # config standing in for this repo's); shown with the plan
+    caveats: tuple[str, ...] = field(default=(), hash=False, compare=False)
 
     @property
     def total_params(self) -> int:
@@ -198,6 +208,13 @@ class GPUSpec:
     # > 2 needs full NVLink, 2 needs P2P). Default True: an unknown card is priced the
     # conservative way (the larger non-torch term).
     nvlink: bool = True
+    # NVSwitch Hopper/Blackwell (HGX H100/H200/H20/H800, B200): NCCL can use NVLink SHARP (NVLS),
+    # whose buffers vLLM 0.11+ (cuMem on) measures as non-torch memory under TP.
+    nvls: bool = False
+    # Integrated GPU sharing one memory with the host (DGX Spark GB10, Jetson): CUDA's total is
+    # the system RAM, and since vLLM 0.12 the startup free memory is what the OS reports
+    # available (page cache included) instead of cudaMemGetInfo's free figure.
+    unified_memory: bool = False
 
     @property
     def total_gib(self) -> float:

@@ -29,6 +29,12 @@ class VllmEra:
     engine: str = "v1"  # "v1" | "v0" (legacy engine, ≤0.10)
     default_gpu_memory_utilization: float = 0.9  # §3.1: 0.92 from 0.20
     tier_160gib: bool = False  # §3.2: ≥160 GiB tier (16384/1024) from 0.28
+    # §3.2: GB10 (DGX Spark, compute capability 12.1) kept on the small tier despite its
+    # unified 121 GiB (vllm 0.33 engine/arg_utils.py get_batch_defaults ``is_gb10``)
+    gb10_small_tier: bool = False
+    # §2.1: integrated GPUs read their free memory from the OS (psutil available, page cache
+    # included) since 0.12; before, cudaMemGetInfo's free figure (page cache counted as used)
+    uma_free_from_os: bool = True
     clamp_seqs_to_tokens: bool = False  # §3.2: max_num_seqs ≤ max_num_batched_tokens from 0.12
     performance_mode: bool = False  # §3.2: --performance-mode throughput from 0.17
     requested_ceil: bool = False  # §2.1: requested = ceil(total·util) from 0.14
@@ -59,10 +65,17 @@ class VllmEra:
     mamba_separate_dtypes: bool = True  # §4.6: 0.10.0 used one dtype for Mamba states
     new_kv_dtypes: bool = False  # §4.1: nvfp4, int8/fp8_per_token_head from 0.20
     int4_kv_dtype: bool = False  # §4.1: int4_per_token_head from 0.25
-    sampler_path: str = "pytorch"  # §2.3: full-sort top-k/top-p ("pytorch") vs Triton kernel
+    # §2.3: the sampler warm-up's top-k/top-p implementation: "sort_or_flashinfer" (0.10–0.11:
+    # FlashInfer when installed, else the full sort), "sort" (0.12–0.16: FlashInfer opt-in),
+    # "triton" (0.17+: apply_top_k_top_p_triton for 8 rows or more). V0 always sorts.
+    sampler_path: str = "sort"
     cpu_kv_budget: str = "util"  # §9: "space_4gib" ≤0.12, "half_numa" 0.13–0.19, "util" 0.20+
     cpu_block_size_128: bool = True  # §3.3: CPU 128 unconditionally from 0.12
     mla_block_blackwell: int = 128  # §3.3: CUTLASS MLA 0.11–0.14, FlashInfer MLA 64 from 0.15
+    # §4.2: DeepSeek-V3.2 caches its latent in the 656-byte fp8_ds_mla layout by default up to
+    # 0.13 (DeepseekV32ForCausalLM.verify_and_update_config: "auto" too); from 0.14 only when
+    # an fp8 KV cache is asked for, else in the model dtype
+    ds_mla_fp8_default: bool = False
     model_loading_form: str = "v14"  # §2.2: "v10" (%.4f GiB), "v12" (%.4f GiB memory), "v14"
     # V0 engine only: max_num_batched_tokens when chunked prefill is on and the user set none.
     # SchedulerConfig used 512 up to 0.6.4.post1 and 2048 from 0.6.5 (vllm PR #10544, merged
@@ -87,6 +100,8 @@ def _era_for_minor(minor: int) -> VllmEra:
         label=f"0.{m}",
         default_gpu_memory_utilization=0.92 if m >= 20 else 0.9,
         tier_160gib=m >= 28,
+        gb10_small_tier=m >= 33,
+        uma_free_from_os=m >= 12,
         clamp_seqs_to_tokens=m >= 12,
         performance_mode=m >= 17,
         requested_ceil=m >= 14,
@@ -114,12 +129,14 @@ def _era_for_minor(minor: int) -> VllmEra:
         mamba_separate_dtypes=True,
         new_kv_dtypes=m >= 20,
         int4_kv_dtype=m >= 25,
-        # Triton top-k/top-p kernel (vllm PR #33538, merged 2026-02): the 0.11 logs show the
-        # full-sort footprint (~38 B per logit), the 0.19 logs the Triton one (~15 B).
-        sampler_path="pytorch" if m <= 15 else "triton",
+        # v1/sample/ops/topk_topp_sampler.py of each wheel: FlashInfer used when importable up
+        # to 0.11 (``VLLM_USE_FLASHINFER_SAMPLER is not False``), opt-in from 0.12; the Triton
+        # kernel (``apply_top_k_top_p_triton``) first ships in 0.17.
+        sampler_path="sort_or_flashinfer" if m <= 11 else ("sort" if m <= 16 else "triton"),
         cpu_kv_budget="space_4gib" if m <= 12 else ("half_numa" if m <= 19 else "util"),
         cpu_block_size_128=m >= 12,
         mla_block_blackwell=128 if m <= 14 else 64,
+        ds_mla_fp8_default=m <= 13,
         model_loading_form="v10" if m <= 11 else ("v12" if m <= 13 else "v14"),
     )
 
@@ -212,11 +229,13 @@ def batch_defaults(
     device_total_bytes: int,
     device_name: str,
     world_size: int = 1,
+    compute_capability: str = "",
 ) -> BatchDefaults:
     """Default ``max_num_batched_tokens`` / ``max_num_seqs`` by GPU memory, name and context.
 
     ``usage_context`` is "server" (``vllm serve``), "llm" (``LLM(...)``) or "other" (engine used
     directly: SchedulerConfig defaults 2048/128). ``world_size`` = TP × PP (CPU rows scale by it).
+    ``compute_capability`` "12.1" is the GB10, which 0.33 keeps on the small tier.
     """
     if usage_context not in ("server", "llm", "other"):
         raise BadInput(
@@ -234,6 +253,7 @@ def batch_defaults(
     name = device_name.lower()
     if era.tier_160gib and memory_gib >= 160:
         return BatchDefaults(16384, 1024, ">=160GiB")
-    if memory_gib >= 70 and "a100" not in name:
+    gb10 = era.gb10_small_tier and compute_capability == "12.1"
+    if memory_gib >= 70 and "a100" not in name and not gb10:
         return BatchDefaults(8192 if server else 16384, 1024, ">=70GiB")
     return BatchDefaults(2048 if server else 8192, 256, "default")

@@ -47,6 +47,13 @@ def plan_command(
     ),
     tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
     pipeline_parallel_size: int = typer.Option(None, "--pipeline-parallel-size", "-pp"),
+    data_parallel_size: int = typer.Option(
+        None, "--data-parallel-size", "-dp", help="Independent engines, each with its own KV pool."
+    ),
+    enable_expert_parallel: bool = typer.Option(
+        None, "--enable-expert-parallel/--no-enable-expert-parallel", "-ep",
+        help="Split MoE experts over TP × DP ranks.",
+    ),  # fmt: skip
     gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization"),
     max_model_len: str = typer.Option(
         None, "--max-model-len", help="Tokens (8192, 8k, 32K) or 'auto'."
@@ -114,6 +121,8 @@ def plan_command(
     settings: dict[str, Any] = {
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
+        "data_parallel_size": data_parallel_size,
+        "enable_expert_parallel": enable_expert_parallel,
         "gpu_memory_utilization": gpu_memory_utilization,
         "max_model_len": None
         if max_model_len is None
@@ -131,7 +140,8 @@ def plan_command(
         "vllm_version": vllm_version,
     }
     _check_choices(settings)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "block_size"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                 "max_num_seqs", "block_size"):  # fmt: skip
         value = settings[name]
         if value is not None and value < 1:
             raise BadInput(

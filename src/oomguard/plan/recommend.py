@@ -27,6 +27,7 @@ from oomguard.errors import OomguardError
 from oomguard.facts import known_quantized_variants, resolve_model
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec, QuantSpec
+from oomguard.memory.weights import resolve_model_dtype
 from oomguard.plan.result import (
     Alternative,
     Candidate,
@@ -88,6 +89,20 @@ class SearchSpace:
     predictions: int = 0
     _default_util: float | None = None
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: independent engines, each with its own KV pool and sequences."""
+        return max(1, self.base.data_parallel_size)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs besides tensor parallelism that one configuration takes (PP × DP)."""
+        return self.base.pipeline_parallel_size * self.dp
+
+    def concurrency_per_rank(self) -> int:
+        """The workload's peak concurrency one data-parallel rank must hold (ceil split)."""
+        return -(-self.workload.concurrency // self.dp)
+
     def default_util(self) -> float:
         """vLLM's default ``gpu_memory_utilization`` for this version (or the user's value)."""
         if self.base.gpu_memory_utilization is not None:
@@ -144,7 +159,7 @@ class SearchSpace:
         if not kinds <= {AttentionKind.FULL, AttentionKind.MLA, AttentionKind.NONE}:
             return 1.0
         shared = min(w.shared_prefix_tokens, w.p99_tokens)
-        per_request = (w.p99_tokens - shared) + shared / w.concurrency
+        per_request = (w.p99_tokens - shared) + shared / self.concurrency_per_rank()
         return per_request / w.p99_tokens
 
     def serve_check(
@@ -157,9 +172,10 @@ class SearchSpace:
         """Does ``settings`` serve the workload? Uses vLLM's concurrency at max_model_len = P99."""
         w = self.workload
         factor = self.share_factor(settings)
-        effective = w.concurrency * factor
+        per_rank = self.concurrency_per_rank()  # each DP rank has its own pool
+        effective = per_rank * factor
         required = effective * (1 + w.margin)
-        needed_tokens = math.ceil(w.concurrency * w.p99_tokens * factor * (1 + w.margin))
+        needed_tokens = math.ceil(per_rank * w.p99_tokens * factor * (1 + w.margin))
         max_len = pred.settings.max_model_len
         check = pred
         reason = ""
@@ -180,7 +196,9 @@ class SearchSpace:
                 f"{required:.2f} needed (incl. {w.margin:.0%} margin)"
             )
         achieved = conc / effective - 1 if effective else 0.0
-        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason)
+        spread = tuple(float(c) for c in check.max_concurrency_range) if pred.fits else (0.0, 0.0)
+        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason,
+                          (spread[0], spread[1]))  # fmt: skip
 
     def candidate(
         self,
@@ -200,7 +218,7 @@ class SearchSpace:
             settings=settings,
             prediction=pred,
             serve=check,
-            weights_label=weights.label,
+            weights_label=_label_on(weights, gpu or self.gpu, settings),
             weights_key=weights.key,
         )
 
@@ -222,12 +240,27 @@ def valid_tp_sizes(model: ModelSpec, max_gpus: int) -> list[int]:
     return sizes
 
 
-def _dtype_label(model: ModelSpec) -> str:
+def _dtype_label(model: ModelSpec, gpu: GPUSpec | None = None, dtype: str = "auto") -> str:
+    """How the native weights load: the checkpoint's format, or the dtype vLLM picks on ``gpu``.
+
+    GPUs without bf16 (compute capability below 8.0: V100, T4) load a bf16 checkpoint as fp16.
+    """
     if model.quant.method:
         return f"{model.quant.method} checkpoint"
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "bf16 (fp32 checkpoint)"}.get(
-        model.dtype, model.dtype
-    )
+    loaded = resolve_model_dtype(model, dtype, gpu.compute_capability if gpu else "")
+    label = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(loaded, loaded)
+    if model.dtype == "float32" and loaded != "float32":
+        label += " (fp32 checkpoint)"
+    elif model.dtype == "bfloat16" and loaded == "float16" and dtype in ("auto", None):
+        label += " (no bf16 on this GPU)"
+    return label
+
+
+def _label_on(weights: WeightsOption, gpu: GPUSpec, settings: EngineSettings) -> str:
+    """The weights label of ``weights`` priced on ``gpu`` (native dtype follows the GPU)."""
+    if weights.key != "native" or weights.quantization or weights.model.quant.method:
+        return weights.label
+    return _dtype_label(weights.model, gpu, settings.dtype)
 
 
 # Preference among catalogued 4-bit formats: vLLM's Marlin kernels serve AWQ, GPTQ and
@@ -293,7 +326,7 @@ def weights_options(
     The int4 option is the catalogue's own quantized repo of the model, priced with that repo's
     ModelSpec; when the catalogue lists none, it is a hypothetical AWQ int4 (``known=False``).
     """
-    native = WeightsOption("native", _dtype_label(model) if not base.quantization else
+    native = WeightsOption("native", _dtype_label(model, gpu, base.dtype) if not base.quantization else
                            f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
     options = [native]
     if model.quant.method or base.quantization or "quantization" in fixed:
@@ -364,7 +397,7 @@ def base_settings(
         changes["max_model_len"] = space.workload.p99_tokens
         steps.append("max_model_len")
     if "max_num_seqs" not in space.fixed and space.workload.stated:
-        changes["max_num_seqs"] = space.workload.concurrency
+        changes["max_num_seqs"] = space.concurrency_per_rank()  # --max-num-seqs is per DP rank
         steps.append("max_num_seqs")
     return dataclasses.replace(s, **changes), steps
 
@@ -388,11 +421,10 @@ def search(
     if "tensor_parallel_size" in space.fixed:
         tps = [space.base.tensor_parallel_size]
     else:
-        pp = space.base.pipeline_parallel_size
         tps = (
             list(tp_sizes)
             if tp_sizes is not None
-            else valid_tp_sizes(model, max(1, space.gpu_count // pp))
+            else valid_tp_sizes(model, max(1, space.gpu_count // space.gpus_per_replica))
         )
     fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
     kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
@@ -564,8 +596,11 @@ def explain(
                                   f"{derived} would size every request's worst case for context you never use"))  # fmt: skip
     if "max_num_seqs" in steps:
         default_seqs = given.settings.max_num_seqs
+        whose = ("your peak concurrency" if space.dp == 1 else
+                 f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel ranks "
+                 "(each rank is its own engine with its own KV pool)")  # fmt: skip
         reasons.append(FlagReason("max-num-seqs", s.max_num_seqs,
-                                  f"your peak concurrency; vLLM's default {default_seqs} would admit more sequences than "
+                                  f"{whose}; vLLM's default {default_seqs} would admit more sequences than "
                                   "the KV pool holds and grows the sampler's profiled peak"))  # fmt: skip
     if s.max_num_batched_tokens is not None and "max_num_batched_tokens" not in space.fixed:
         before = given.activation.value_bytes
@@ -582,9 +617,12 @@ def explain(
     reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
     check = chosen.serve
     if check is not None:
-        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {w.concurrency} "
-                "with the shared prefix" if check.effective_concurrency < w.concurrency
-                else f"{w.concurrency} needed")  # fmt: skip
+        per_rank = space.concurrency_per_rank()
+        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
+                "with the shared prefix" if check.effective_concurrency < per_rank
+                else f"{per_rank} needed")  # fmt: skip
+        if space.dp > 1:
+            need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
         reasons.append(FlagReason("(verdict)", None,
                                   f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
                                   f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
@@ -639,11 +677,12 @@ def _sub_space(space: SearchSpace, gpu: GPUSpec, count: int) -> SearchSpace:
 
 def _more_gpus(space: SearchSpace) -> list[Candidate]:
     found: list[Candidate] = []
-    for count in _COUNTS:
+    for tp_count in _COUNTS:  # tensor-parallel sizes; PP × DP multiply the GPUs they take
+        count = tp_count * space.gpus_per_replica
         if count <= space.gpu_count:
             continue
         sub = _sub_space(space, space.gpu, count)
-        tps = [t for t in valid_tp_sizes(space.model, count) if t > 1]
+        tps = [t for t in valid_tp_sizes(space.model, tp_count) if t > 1]
         if not tps:
             continue
         outcome = search(sub, tp_sizes=tps[-1:])
@@ -665,12 +704,12 @@ def _larger_gpus(
         c = _smallest_count(space, native, gpu, weights_per_gpu_tp1)
         if c is not None:
             rows.append(c)
-    rows.sort(key=lambda c: (c.gpu_count * c.gpu.total_bytes, c.gpu_count))
+    rows.sort(key=lambda c: (c.gpus_used * c.gpu.total_bytes, c.gpus_used))
     seen: set[tuple[int, int]] = set()
     distinct = []
     for c in rows:  # GPUs of the same memory give the same numbers: name the first only
-        if (c.gpu.total_bytes, c.gpu_count) not in seen:
-            seen.add((c.gpu.total_bytes, c.gpu_count))
+        if (c.gpu.total_bytes, c.gpus_used) not in seen:
+            seen.add((c.gpu.total_bytes, c.gpus_used))
             distinct.append(c)
     return distinct[:3]
 
@@ -682,24 +721,29 @@ def _smallest_count(
     weights_per_gpu_tp1: int,
     counts: Iterable[int] = _COUNTS,
 ) -> Candidate | None:
-    """The smallest GPU count (valid TP) of ``gpu`` at which native weights serve the workload."""
+    """The smallest GPU count of ``gpu`` at which native weights serve the workload.
+
+    ``counts`` are tensor-parallel sizes; the user's pipeline and data parallelism multiply
+    them (a TP 2 × DP 8 layout occupies 16 GPUs).
+    """
     last: Candidate | None = None
-    for count in counts:
-        if count not in valid_tp_sizes(space.model, count):
+    pp = space.base.pipeline_parallel_size
+    for tp in counts:
+        if tp not in valid_tp_sizes(space.model, tp):
             continue
-        if weights_per_gpu_tp1 / count > gpu.total_bytes * 0.95:
+        if weights_per_gpu_tp1 / (tp * pp) > gpu.total_bytes * 0.95:
             continue  # weights alone do not fit: skip the prediction
         settings = dataclasses.replace(
             space.base,
-            tensor_parallel_size=count,
+            tensor_parallel_size=tp,
             max_model_len=space.workload.p99_tokens
             if "max_model_len" not in space.fixed else space.base.max_model_len,
-            max_num_seqs=space.workload.concurrency
+            max_num_seqs=space.concurrency_per_rank()
             if "max_num_seqs" not in space.fixed and space.workload.stated
             else space.base.max_num_seqs,
             gpu_memory_utilization=space.base.gpu_memory_utilization,
         )  # fmt: skip
-        c = space.candidate(native, settings, gpu=gpu, count=count)
+        c = space.candidate(native, settings, gpu=gpu, count=tp * space.gpus_per_replica)
         last = c
         if c.serves:
             return c
@@ -729,7 +773,7 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
 
     When even offloading every weight does not serve, returns that (non-serving) candidate.
     """
-    tps = valid_tp_sizes(space.model, space.gpu_count)
+    tps = valid_tp_sizes(space.model, max(1, space.gpu_count // space.gpus_per_replica))
     tp = tps[-1] if "tensor_parallel_size" not in space.fixed else space.base.tensor_parallel_size
     settings, _ = base_settings(space, space.default_util(), tp)
     settings = dataclasses.replace(settings, tensor_parallel_size=tp)
@@ -814,7 +858,7 @@ def alternatives(
     def numbers(c: Candidate) -> dict[str, Any]:
         return {
             "gpu": c.gpu.name,
-            "gpu_count": c.gpu_count,
+            "gpu_count": c.gpus_used,
             "weights": c.weights_label,
             "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
             "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
@@ -825,10 +869,8 @@ def alternatives(
 
     def label(c: Candidate) -> str:
         kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
-        tp = (
-            f", TP {c.settings.tensor_parallel_size}" if c.settings.tensor_parallel_size > 1 else ""
-        )
-        return f"{c.gpu_count}× {c.gpu.name} ({c.weights_label}{kv}{tp})"
+        layout = f", {c.parallel_label}" if c.parallel_label else ""
+        return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
 
     for c in _more_gpus(space):
         out.append(
@@ -945,7 +987,7 @@ def alternatives(
     def hardware(item: tuple[Any, ...]) -> float:
         c = item[6]
         return (
-            c.gpu_count * c.gpu.total_bytes
+            c.gpus_used * c.gpu.total_bytes
             if c is not None and item[0] in ("more_gpus", "larger_gpu")
             else 0
         )
@@ -987,7 +1029,7 @@ def sizing_table(
         check = c.serve
         rows.append((
             SizingRow(
-                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpu_count, serves=c.serves,
+                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpus_used, serves=c.serves,
                 kv_cache_tokens=c.prediction.kv_cache_tokens,
                 max_concurrency=check.max_concurrency if check else float(c.prediction.max_concurrency),
                 margin_achieved=check.margin_achieved if check else None,
@@ -996,5 +1038,5 @@ def sizing_table(
             ),
             c,
         ))  # fmt: skip
-    rows.sort(key=lambda rc: (rc[1].gpu_count * rc[1].gpu.total_bytes, rc[1].gpu_count))
+    rows.sort(key=lambda rc: (rc[1].gpus_used * rc[1].gpu.total_bytes, rc[1].gpus_used))
     return rows

@@ -10,7 +10,6 @@ import shlex
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -104,11 +103,20 @@ def header(result: PlanResult) -> RenderableType:
     s = c.prediction.settings
     text = Text()
     text.append(result.model_ref, style="bold cyan")
-    text.append(f" on {c.gpu_count}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    if not c.model.verified:
+        text.append(" [architecture not verified]", style="bold yellow")
+    text.append(f" on {c.gpus_used}× {c.gpu.name} ({c.gpu.total_gib:.2f} GiB)")
+    if c.parallel_label:
+        text.append(f", {c.parallel_label}")
+    if c.gpu_count > c.gpus_used and result.gpu_source != "sizing":
+        text.append(f" of {c.gpu_count}", style="dim")
     text.append(f", vLLM {s.vllm_version}", style="dim")
     w = result.workload
     if w is not None and w.stated:
         line = f"\nworkload: {w.concurrency} concurrent × {w.p99_tokens:,} tokens (P99)"
+        dp = s.data_parallel_size
+        if dp > 1:
+            line += f", {-(-w.concurrency // dp)} per data-parallel rank"
         if w.shared_prefix_tokens:
             line += f", {w.shared_prefix_tokens:,}-token shared prefix"
         line += f", +{w.margin:.0%} margin"
@@ -161,14 +169,20 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
             "[bold]KV cache[/]", f"[bold red]{_gib(p.kv_cache_bytes)}[/]", "nothing left for it"
         )
         return table
+    low, high = p.kv_cache_bytes_range
+    spread = f"; range {_gib(low)}–{_gib(high)}" if high > low else ""
     table.add_row(
         "[bold]KV cache[/]",
         f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB",
+        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB{spread}",
     )
     table.add_section()
+    t_low, t_high = p.kv_cache_tokens_range
+    t_spread = f"; range {t_low:,}–{t_high:,}" if t_high > t_low else ""
     table.add_row(
-        "KV cache tokens", f"{p.kv_cache_tokens:,}", f"{p.kv_bytes_per_token:,} B/token per GPU"
+        "KV cache tokens",
+        f"{p.kv_cache_tokens:,}",
+        f"{p.kv_bytes_per_token:,} B/token per GPU{t_spread}",
     )
     table.add_row(
         "max concurrency",
@@ -190,10 +204,26 @@ def verdict(result: PlanResult) -> Text:
     if result.fits:
         text.append("✓ fits", style="bold green")
         if w is not None and w.stated and c.serve is not None:
-            text.append(
-                f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
-                f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
-            )
+            dp = c.settings.data_parallel_size
+            if dp > 1:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit on "
+                    f"each of {dp} data-parallel ranks ({c.serve.max_concurrency * dp:.1f} in all), "
+                    f"{-(-w.concurrency // dp)} per rank needed for {w.concurrency} "
+                    f"({c.serve.margin_achieved:+.0%} spare)"
+                )
+            else:
+                text.append(
+                    f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit, "
+                    f"{w.concurrency} needed ({c.serve.margin_achieved:+.0%} spare)"
+                )
+            low = c.serve.max_concurrency_range[0]
+            if not c.serve.served_at_low_end and low > 0:
+                text.append(
+                    f"\n  ! at the low end of the estimates' range only {low:.2f} fit: "
+                    "`oomguard calibrate` with your own startup log makes the terms exact",
+                    style="yellow",
+                )
         return text
     if not c.fits:
         text.append("✗ does not start", style="bold red")
@@ -395,18 +425,14 @@ def commands(result: PlanResult) -> RenderableType:
     """``vllm serve``, ``LLM(...)`` and YAML forms of the planned configuration."""
     cmds = result.commands()
     title = "Run it" if result.fits else "Your configuration (does not fit as is)"
+    # plain styled text, not rich.syntax: highlighting loads pygments' lexers, the largest
+    # import of a plan (tens of ms on every run) for a few coloured words
     return Group(
         Text(title, style="bold"),
-        Syntax(cmds["vllm_serve_multiline"], "bash", theme="ansi_dark", background_color="default"),
-        Syntax(
-            "from vllm import LLM\nllm = " + cmds["llm"],
-            "python",
-            theme="ansi_dark",
-            background_color="default",
-            word_wrap=True,
-        ),
+        Text(cmds["vllm_serve_multiline"], style="green"),
+        Text("from vllm import LLM\nllm = " + cmds["llm"], style="green"),
         Text("# or: vllm serve --config plan.yaml", style="dim"),
-        Syntax(cmds["yaml"].rstrip(), "yaml", theme="ansi_dark", background_color="default"),
+        Text(cmds["yaml"].rstrip(), style="green"),
     )
 
 

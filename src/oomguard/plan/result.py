@@ -69,11 +69,20 @@ class ServeCheck:
     kv_tokens_needed: int
     margin_achieved: float  # spare capacity over the effective concurrency (0.25 = 25 %)
     reason: str = ""
+    # vLLM's concurrency at the low and high ends of the KV budget's range
+    max_concurrency_range: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def served_at_low_end(self) -> bool:
+        """Still served when every estimated term takes the worst end of its range."""
+        return self.served and self.max_concurrency_range[0] >= self.required_concurrency
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "served": self.served,
+            "served_at_low_end": self.served_at_low_end,
             "max_concurrency": round(self.max_concurrency, 2),
+            "max_concurrency_range": [round(c, 2) for c in self.max_concurrency_range],
             "required_concurrency": round(self.required_concurrency, 2),
             "kv_tokens_needed": self.kv_tokens_needed,
             "margin_achieved": round(self.margin_achieved, 3),
@@ -100,6 +109,27 @@ class Candidate:
         return bool(self.prediction.fits)
 
     @property
+    def gpus_used(self) -> int:
+        """GPUs the configuration occupies: tensor × pipeline × data parallel."""
+        s = self.settings
+        return s.tensor_parallel_size * s.pipeline_parallel_size * s.data_parallel_size
+
+    @property
+    def parallel_label(self) -> str:
+        """``TP 2 × DP 8 (EP)`` style description of the layout ("" on one GPU)."""
+        s = self.settings
+        parts = [
+            f"{name} {size}"
+            for name, size in (("TP", s.tensor_parallel_size), ("PP", s.pipeline_parallel_size),
+                               ("DP", s.data_parallel_size))
+            if size > 1
+        ]  # fmt: skip
+        text = " × ".join(parts)
+        if s.enable_expert_parallel and text:
+            text += " (EP)"
+        return text
+
+    @property
     def serves(self) -> bool:
         return self.fits and (self.serve is None or self.serve.served)
 
@@ -116,7 +146,7 @@ class Candidate:
         p = self.prediction
         return {
             "gpu": self.gpu.name,
-            "gpu_count": self.gpu_count,
+            "gpu_count": self.gpus_used,
             "weights": self.weights_label,
             "settings": {name: value for name, value in explicit_flags(self.settings)},
             "fits": self.fits,
@@ -252,6 +282,8 @@ def weights_known(c: Candidate) -> tuple[bool, str]:
     if est.basis.startswith("measured"):
         return False, "measured"
     quant = c.model.quant.method or c.settings.quantization
+    if not c.model.verified:
+        return True, "estimate ±5 %: architecture not verified (generic reader)"
     if quant:
         return True, f"estimate ±1.5 %: {quant} packing and scales"
     params_b = c.model.total_params / 1e9
@@ -358,11 +390,14 @@ class PlanResult:
         out: dict[str, Any] = {
             "model": self.model_ref,
             "model_name": self.plan.model.name,
+            # False: an architecture read by the generic reader (see notes; wider ranges)
+            "model_verified": self.plan.model.verified,
             "vllm_version": s.vllm_version,
             "gpu": {
                 "name": self.plan.gpu.name,
                 "total_gib": round(self.plan.gpu.total_gib, 2),
-                "count": self.plan.gpu_count,
+                "count": self.plan.gpus_used,
+                "available": self.plan.gpu_count,
                 "free_gib": _gib(p.free_bytes) if self.gpu_source == "nvml" else None,
                 "source": self.gpu_source,
             },
@@ -375,9 +410,13 @@ class PlanResult:
                 "non_torch_gib": _gib(p.non_torch.value_bytes),
                 "cudagraph_gib": _gib(p.cudagraph.value_bytes),
                 "kv_cache_gib": _gib(p.kv_cache_bytes),
+                # what the estimated terms' ranges allow (equal ends when all are measured)
+                "kv_cache_gib_range": [_gib(b) for b in p.kv_cache_bytes_range],
             },
             "kv_cache_tokens": p.kv_cache_tokens,
+            "kv_cache_tokens_range": list(p.kv_cache_tokens_range),
             "max_concurrency": round(float(p.max_concurrency), 2),
+            "max_concurrency_range": [round(float(c), 2) for c in p.max_concurrency_range],
             "kv_bytes_per_token": p.kv_bytes_per_token,
             "num_blocks": p.num_blocks,
             "bytes_per_block": p.bytes_per_block,

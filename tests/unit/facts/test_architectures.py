@@ -295,3 +295,20 @@ def test_sparse_gemma3_config_gets_transformers_defaults() -> None:
     assert (bare["vision_config"]["image_size"], bare["vision_config"]["patch_size"]) == (224, 16)
     # model types without a defaults entry pass through untouched
     assert apply_config_defaults({"model_type": "llama", "a": 1}) == {"model_type": "llama", "a": 1}
+
+
+def test_gemma_4_audio_tower_counted_like_transformers() -> None:
+    """E2B/E4B carry a conformer audio tower: 12 layers of hidden 1024 give 304,824,608
+    parameters and the projection into a 2,560-wide text model 3,932,160 (transformers 5.19
+    Gemma4AudioModel and embed_audio built from the same config)."""
+    from oomguard.facts.catalogue import find_entry
+
+    base = json.loads(json.dumps(find_entry("google/gemma-4-31B-it").config))
+    base.pop("audio_config", None)
+    audio = {"model_type": "gemma4_audio", "hidden_size": 1024, "num_hidden_layers": 12,
+             "num_attention_heads": 8, "conv_kernel_size": 5,
+             "subsampling_conv_channels": [128, 32], "output_proj_dims": 1536}  # fmt: skip
+    without = spec_from_config(base, name="g4", source="test")
+    with_audio = spec_from_config({**base, "audio_config": audio}, name="g4", source="test")
+    text_hidden = base["text_config"]["hidden_size"]
+    assert with_audio.total_params - without.total_params == 304_824_608 + 1536 * text_hidden

@@ -42,7 +42,13 @@ def test_catalogue_entry_matches_published_params(entry: CatalogueEntry) -> None
 
 # Entries whose computed count lies outside 1 % of the published figure and is accepted only
 # because that figure is rounded. Kept explicit so a new one is a conscious decision.
-ACCEPTED_ONLY_BY_ROUNDING: set[str] = set()
+ACCEPTED_ONLY_BY_ROUNDING: set[str] = {
+    # 27.36B without the MTP layer (27.78B with it) against the card's rounded "27B"
+    "Qwen/Qwen3.5-27B",
+    "Qwen/Qwen3.6-27B",
+    # 2.128B against a rounded 2.1B (1.3 %): the vision tower and the tied 151,936-row table
+    "Qwen/Qwen3-VL-2B-Instruct",
+}
 
 
 def test_rounded_figures_are_declared_and_reported() -> None:

@@ -124,3 +124,40 @@ def test_interconnect_fact(name: str, nvlink: bool) -> None:
 def test_user_given_total_is_priced_as_nvlink() -> None:
     # unknown interconnect: the conservative (larger non-torch) side
     assert custom_gpu(24.0).nvlink is True
+
+
+@pytest.mark.parametrize(
+    ("name", "canonical", "total_gib", "unified"),
+    [
+        ("NVIDIA RTX 2000 Ada Generation", "RTX 2000 Ada", 15.70, False),
+        ("A40", "A40", 44.39, False),
+        ("NVIDIA GB10", "GB10", 121.69, True),
+        ("DGX Spark", "GB10", 121.69, True),
+        ("Jetson AGX Thor", "Jetson AGX Thor", 121.69, True),
+    ],
+)
+def test_new_cards_and_unified_memory_parts(
+    name: str, canonical: str, total_gib: float, unified: bool
+) -> None:
+    spec = find_gpu(name)
+    assert spec.name == canonical and spec.total_gib == pytest.approx(total_gib, abs=0.01)
+    assert spec.unified_memory is unified
+    assert spec.source.split(":")[0] in ("observed", "derived")
+
+
+def test_gb10_keeps_the_small_batch_tier_from_0_33() -> None:
+    from oomguard.memory.versions import batch_defaults, resolve_era
+
+    gb10 = find_gpu("GB10")
+    kw = {"platform": "cuda", "usage_context": "server", "device_total_bytes": gb10.total_bytes,
+          "device_name": gb10.device_name, "compute_capability": gb10.compute_capability}  # fmt: skip
+    assert batch_defaults(resolve_era("0.33"), **kw).max_num_batched_tokens == 2048
+    assert batch_defaults(resolve_era("0.32"), **kw).max_num_batched_tokens == 8192
+
+
+def test_plan_on_unified_memory_says_what_competes_for_it() -> None:
+    from oomguard.api import plan
+
+    result = plan("Qwen/Qwen3-8B", "GB10", allow_hub=False)
+    note = next(n for n in result.notes if "shares its" in n)
+    assert "page cache" in note and "--headroom-gib" in note

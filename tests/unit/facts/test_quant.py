@@ -180,3 +180,39 @@ def test_quantization_flag_rules() -> None:
         apply_quantization_flag(awq, "gptq")
     with pytest.raises(BadInput, match="unquantized"):
         apply_quantization_flag(QuantSpec(), "awq")
+
+
+def test_ignored_norms_are_norms_not_attention() -> None:
+    """``post_attention_layernorm`` in modules_to_not_convert is a norm: the attention
+    projections of the checkpoint stay fp8 (Qwen3-MoE FP8 lists every layer's norms)."""
+    q = quant_from_config(
+        {
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": [
+                "lm_head",
+                "model.layers.0.input_layernorm",
+                "model.layers.0.mlp.gate",
+                "model.layers.0.post_attention_layernorm",
+            ],
+        }
+    )
+    assert "attn_qo" not in q.unquantized_groups and "attn_kv" not in q.unquantized_groups
+    assert {"norm", "router", "lm_head"} <= set(q.unquantized_groups)
+
+
+def test_ignored_attention_modules_stay_in_model_dtype() -> None:
+    q = quant_from_config(
+        {"quant_method": "fp8", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    )
+    assert {"attn_qo", "attn_kv"} <= set(q.unquantized_groups)
+
+
+def test_qwen3_moe_fp8_weights_price_attention_at_one_byte() -> None:
+    """Qwen3-30B-A3B-FP8 loads in about 29.1 GiB; pricing its attention at bf16 gave 29.89."""
+    from oomguard.facts.resolve import resolve_model
+    from oomguard.memory.weights import weight_bytes_per_stage
+
+    spec = resolve_model("Qwen/Qwen3-30B-A3B-FP8", allow_hub=False)
+    gib = weight_bytes_per_stage(spec, model_dtype="bfloat16").max_bytes / 2**30
+    assert 28.9 < gib < 29.3

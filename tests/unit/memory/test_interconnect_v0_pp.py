@@ -21,31 +21,45 @@ L4 = replace(L4_NVLINK, nvlink=False)
 
 
 @pytest.mark.parametrize(
-    ("version", "engine", "pcie_gib", "nvlink_gib"),
-    [("0.28", "v1", 0.25, 2.08), ("0.19", "v1", 0.25, 2.08), ("0.11", "v1", 0.55, 0.55),
-     ("0.7", "v0", 0.10, 2.0)],
+    ("version", "engine", "pcie_gib", "nvlink_gib", "nvls_gib"),
+    [("0.28", "v1", 0.25, 0.55, 2.08), ("0.19", "v1", 0.25, 0.55, 2.08),
+     ("0.11", "v1", 0.25, 0.55, 0.55), ("0.7", "v0", 0.25, 2.0, 2.0), ("0.10", "v1", 0.25, 2.0, 2.0)],
 )  # fmt: skip
 def test_non_torch_tp_depends_on_the_link(
-    version: str, engine: str, pcie_gib: float, nvlink_gib: float
+    version: str, engine: str, pcie_gib: float, nvlink_gib: float, nvls_gib: float
 ) -> None:
+    """PCIe: ring buffers only; NVLink: NCCL's communicator (all of it where the snapshot
+    predates NCCL's set-up, ≤ 0.10); NVSwitch Hopper: NVLS too, from 0.11 (cuMem on)."""
     era = resolve_era(version, engine)
     pcie = non_torch(era, tp=2, pp=1, nvlink=False)
     linked = non_torch(era, tp=2, pp=1, nvlink=True)
+    nvls = non_torch(era, tp=2, pp=1, nvlink=True, nvls=True)
     assert pcie.value_bytes / GIB == pytest.approx(pcie_gib, abs=0.005)
     assert linked.value_bytes / GIB == pytest.approx(nvlink_gib, abs=0.005)
+    assert nvls.value_bytes / GIB == pytest.approx(nvls_gib, abs=0.005)
+    for est in (pcie, linked, nvls):
+        assert est.low_bytes <= est.value_bytes <= est.high_bytes
     # one GPU or pipeline stages only: the link plays no part
-    assert non_torch(era, tp=1, pp=1, nvlink=False) == non_torch(era, tp=1, pp=1, nvlink=True)
-    assert non_torch(era, tp=1, pp=2, nvlink=False) == non_torch(era, tp=1, pp=2, nvlink=True)
+    assert non_torch(era, tp=1, pp=1, nvlink=False) == non_torch(era, tp=1, pp=1, nvls=True)
+    assert non_torch(era, tp=1, pp=2, nvlink=False) == non_torch(era, tp=1, pp=2, nvls=True)
 
 
-def test_pcie_tp_leaves_more_kv_cache() -> None:
+def test_nvswitch_hopper_tp_leaves_less_kv_cache_than_pcie() -> None:
     settings = EngineSettings(vllm_version="0.28", tensor_parallel_size=2, max_model_len=8192)
     pcie = predict(llama_3_1_8b(), L4, settings)
-    linked = predict(llama_3_1_8b(), L4_NVLINK, settings)
-    gained = pcie.kv_cache_bytes - linked.kv_cache_bytes
-    assert gained == linked.non_torch.value_bytes - pcie.non_torch.value_bytes
-    assert gained / GIB == pytest.approx(2.08 - 0.25, abs=0.01)
-    assert "PCIe" in pcie.non_torch.basis
+    switched = predict(llama_3_1_8b(), replace(L4_NVLINK, nvls=True), settings)
+    lost = pcie.kv_cache_bytes - switched.kv_cache_bytes
+    assert lost == switched.non_torch.value_bytes - pcie.non_torch.value_bytes
+    assert lost / GIB == pytest.approx(2.08 - 0.25, abs=0.01)
+    assert "PCIe" in pcie.non_torch.basis and "NVLS" in switched.non_torch.basis
+
+
+def test_catalogue_marks_nvswitch_hopper_parts() -> None:
+    from oomguard.facts.gpus import find_gpu
+
+    assert find_gpu("H100 SXM").nvls and find_gpu("H200").nvls and find_gpu("B200").nvls
+    assert not find_gpu("A100 80GB SXM").nvls  # NVSwitch, but NVLS is Hopper's
+    assert not find_gpu("H100 NVL").nvls and not find_gpu("L40S").nvls
 
 
 def test_v0_chunked_prefill_default_by_release() -> None:

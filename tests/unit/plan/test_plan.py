@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -113,11 +112,9 @@ def test_shared_prefix_enables_prefix_caching_and_lowers_the_need() -> None:
     assert plain.plan.settings.enable_prefix_caching is None  # left at vLLM's default
 
 
-def test_70b_on_a_4090_ranks_alternatives_offline_fast() -> None:
-    started = time.perf_counter()
+def test_70b_on_a_4090_ranks_alternatives_offline() -> None:
+    # (its speed is measured by bench/plan_speed.py, not asserted on a shared CPU)
     result = plan(LLAMA_70B, "RTX 4090", p99_tokens=8192, concurrency=16, allow_hub=False)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 1.0, elapsed
     assert not result.fits and result.exit_code == 1
     assert result.recommendation is None
     kinds = [a.kind for a in result.alternatives]
