@@ -16,7 +16,9 @@ changes only inside the Lua scripts of :mod:`oomguard.guard.shared_lua`, one ato
 When Redis cannot be reached, each replica falls back to a **static share** of every backend:
 ``capacity ÷ replicas`` (the replicas last counted, or ``replicas`` from the configuration),
 less what other replicas held beyond their own share when Redis was last seen. It never
-fails open: with no count of replicas known it admits nothing. It logs the change, and
+fails open: with no count of replicas known it admits nothing (a known gap: admissions other
+replicas made after this replica's last view of them, one poll interval or more, are not in
+that view). It logs the change, and
 ``/status`` and ``oomguard_shared_state_up`` show it; sharing resumes once Redis answers again
 and every replica has had a renewal period to publish its leases there.
 """
