@@ -164,8 +164,8 @@ class BackendAdmission:
     inflight: dict[int, RequestProgress] = field(default_factory=dict)
     external_blocks: int = 0
     last_projected_blocks: int = 0
-    # While replicas fall back to static shares (their Redis is away): this replica's blocks.
-    # Admission then counts only its own requests against them.
+    # With replicas sharing the backend (Redis): the blocks this replica keeps in the shared
+    # ledger. Admission then counts only its own requests against them.
     static_share_blocks: int | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _last_preemptions: float | None = None
@@ -207,6 +207,9 @@ class BackendAdmission:
         projected watermark, so usage up to there is what admission intends, not a warning.
         """
         s = self.settings
+        if self.static_share_blocks is not None:
+            # The report counts every replica's requests, some of them tracked.
+            return max(s.high_watermark, s.projected_watermark)
         if s.track_mode == "off" or not any(p.tracked for p in self.inflight.values()):
             return s.high_watermark
         return max(s.high_watermark, s.projected_watermark)
@@ -217,12 +220,14 @@ class BackendAdmission:
 
     @property
     def effective_capacity_blocks(self) -> int:
+        """The blocks admission plans with: the pool (or this replica's share of it) times the
+        effective fraction."""
         if self.capacity_blocks is None:
             return 0
-        eff = int(self.capacity_blocks * self.effective_fraction)
+        base = self.capacity_blocks
         if self.static_share_blocks is not None:
-            return min(eff, self.static_share_blocks)
-        return eff
+            base = min(base, self.static_share_blocks)
+        return int(base * self.effective_fraction)
 
     @property
     def _external(self) -> int:
@@ -420,6 +425,62 @@ class BackendAdmission:
         )
         self._early_start_s = longest_steps / rate_low
         return int(self.effective_capacity_blocks - worst)
+
+    def _share_for(self, blocks: int, watermark: float) -> int:
+        """The least share whose effective capacity × ``watermark`` holds ``blocks``."""
+        fraction = self.effective_fraction
+        share = math.ceil(blocks / (watermark * fraction))
+        while watermark * int(share * fraction) < blocks:
+            share += 1
+        return share
+
+    def share_held(self, now_s: float) -> int:
+        """The least share that keeps what is in flight here within the watermarks (what a
+        replica may not give away)."""
+        if self.block_size is None:
+            return 0
+        s = self.settings
+        fps = self.footprints(now_s)
+        bs = self.block_size
+        return max(
+            self._share_for(unknown_blocks(fps, bs), s.high_watermark),
+            self._share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+        )
+
+    def share_needed(self, cost: RequestCost, now_s: float) -> int:
+        """The least share (blocks kept by this replica) at which ``cost`` would be admitted
+        now, the latch and the stagger aside: what a replica asks the shared ledger for."""
+        assert self.block_size is not None
+        s = self.settings
+        need = self.need_blocks(cost)
+        share_for = self._share_for
+        idle = share_for(need, s.high_watermark)
+        if self.reserved_blocks == 0:
+            return idle
+        plain = share_for(self.reserved_blocks + need, s.high_watermark)
+        track = cost.trackable and s.track_mode != "off"
+        fps = [
+            *self.footprints(now_s),
+            *new_request_footprints(
+                cost.prompt_tokens,
+                cost.max_new_tokens,
+                cost.num_sequences,
+                self.rate,
+                track,
+                cost.shared_tokens(self.block_size, self.sharing),
+            ),
+        ]
+        bs = self.block_size
+        projected = max(
+            share_for(unknown_blocks(fps, bs), s.high_watermark),
+            share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+        )
+        return max(idle, min(plain, projected))
+
+    def recent_release_blocks(self, now_s: float) -> int:
+        """Blocks that requests released within ``RELEASE_GRACE_S`` held (a poll may still
+        show them)."""
+        return sum(b for t, b in self._recent_releases if now_s - t <= RELEASE_GRACE_S)
 
     def stagger_tokens(self, cost: RequestCost, limit_blocks: float) -> int:
         """Engine steps between admissions that let requests like ``cost`` finish staggered.

@@ -218,13 +218,10 @@ class GuardApp:
                 snapshot_max_age_s=config.snapshot_max_age_s,
                 timeout_s=config.redis_timeout_s,
                 replicas=config.replicas,
-                watermarks=(
-                    config.high_watermark,
-                    config.low_watermark,
-                    config.projected_watermark,
-                ),
+                max_head_bypass=config.max_head_bypass,
             )
             self.pool.shared = self.shared
+            self.shared.backends = lambda: [(b.url, b.admission) for b in self.pool.backends]
         self.telemetry = Telemetry(
             self.pool, self.queue, self.drain, self.chars_per_token, self.shared
         )
@@ -237,8 +234,9 @@ class GuardApp:
             on_queue_wait=self.telemetry.queue_wait.observe,
             max_head_bypass=config.max_head_bypass,
             shared=self.shared,
-            track_mode=config.track_progress,
         )
+        if self.shared is not None:
+            self.shared.on_change = self.gate.pump
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
         self._stream_timeout = aiohttp.ClientTimeout(

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
 from oomguard.guard.projection import RequestProgress
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
-from oomguard.guard.shared import SharedAdmission
+from oomguard.guard.shared import SharedAdmission, wants_for
 
 # Progress of tracked requests re-runs admission at most this often (seconds).
 PROGRESS_PUMP_INTERVAL_S = 0.005
@@ -91,7 +90,6 @@ class Gate:
         on_queue_wait: Callable[[float], None] = lambda _s: None,
         max_head_bypass: int = 8,
         shared: SharedAdmission | None = None,
-        track_mode: str = "auto",
     ) -> None:
         self.pool = pool
         self.queue = queue
@@ -101,10 +99,8 @@ class Gate:
         self.on_queue_wait = on_queue_wait
         self.max_head_bypass = max_head_bypass
         self.shared = shared
-        self.track_mode = track_mode
-        self._background: set[asyncio.Future[None]] = set()
-        self._pump_again = False
         self._pumping = False
+        self._first_refused: _Pending | None = None
         self._last_progress_pump_s = 0.0
         self._tick: asyncio.TimerHandle | None = None
 
@@ -124,86 +120,43 @@ class Gate:
             serving, cost, self.pool.max_model_len(model), prompt_is_lower_bound
         )
 
-    async def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
+    def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
         """Reserve ``cost`` on the backend that admits it now, or None.
 
-        With replicas on Redis the shared check-and-reserve decides; while Redis is away each
-        backend is admitted against this replica's static share.
+        With replicas on Redis each backend admits against the blocks this replica keeps in
+        the shared ledger (no Redis call here: capacity moves between replicas in the
+        background, see :mod:`oomguard.guard.shared`).
         """
         cands = self.pool.candidates(model)
         if not cands:
             return None
         now = time.monotonic()
         shared = self.shared
-        if shared is not None and shared.active:
-            self._set_static_shares(cands, None)
-            placed = await self._place_shared(shared, cands, cost, now)
-            if placed is not False:
-                return placed
-            # Redis failed during this request: the static share decides it.
         if shared is not None:
-            self._set_static_shares(cands, shared)
+            for b in cands:
+                b.admission.static_share_blocks = shared.admission_share(b.url)
         i = pick_backend([b.admission for b in cands], cost, now)
         if i is None:
             return None
         backend = cands[i]
         progress = backend.admission.reserve(cost, now)
-        return self._ticket(backend, progress, now)
-
-    def _ticket(self, backend: Backend, progress: RequestProgress, now_s: float) -> Ticket:
         backend.in_flight += 1
-        self.drain.record(now_s)
-        if self.shared is not None:
-            self.shared.track(backend.url, backend.admission, progress)
+        self.drain.record(now)
+        if shared is not None:
+            shared.note_admitted(backend.url)
         return Ticket(backend, progress)
 
-    @staticmethod
-    def _set_static_shares(cands: list[Backend], shared: SharedAdmission | None) -> None:
-        for b in cands:
-            a = b.admission
-            a.static_share_blocks = (
-                None
-                if shared is None
-                else shared.static_share_blocks(b.url, a.capacity_blocks or 0)
-            )
-
-    async def _place_shared(
-        self, shared: SharedAdmission, cands: list[Backend], cost: RequestCost, now_s: float
-    ) -> Ticket | None | Literal[False]:
-        """Try the backends (most locally free first) through Redis; False if Redis failed."""
-        for backend in sorted(cands, key=lambda b: b.admission.free_blocks, reverse=True):
-            a = backend.admission
-            if not a.known or not a.fits_ever(cost):
-                continue
-            track = self._track_shared(shared, backend, cost)
-            progress = a.prepare(cost, now_s, track=track)
-            ok = await shared.reserve(backend.url, a, progress, now_s)
-            if ok is None:
-                return False
-            if ok:
-                if not backend.healthy:
-                    # It went away while Redis answered: give the lease back.
-                    self._spawn(shared.release(backend.url, a, progress))
-                    continue
-                a.register(progress)
-                return self._ticket(backend, progress, now_s)
-        return None
-
-    def _track_shared(self, shared: SharedAdmission, backend: Backend, cost: RequestCost) -> bool:
-        """Whether to read a request's progress when all replicas' reservations count:
-        ``auto`` tracks once they (this one included) pass ``track_above_fraction``."""
-        if self.track_mode != "auto":
-            return self.track_mode == "always"
-        a = backend.admission
-        view = shared.views.get(backend.url)
-        others = view.full_blocks if view is not None else 0
-        full = max(others, a.reserved_blocks) + a.need_blocks(cost)
-        return full > a.settings.track_above_fraction * a.effective_capacity_blocks
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _publish_wants(self) -> None:
+        """Tell the shared ledger what the first request that did not fit lacks (or nothing)."""
+        shared = self.shared
+        if shared is None:
+            return
+        refused = self._first_refused
+        if refused is None or not self.queue.depth:
+            shared.set_wants({})
+            return
+        cands = [(b.url, b.admission) for b in self.pool.candidates(refused.model)]
+        shared.set_wants(wants_for(shared, cands, refused.cost, time.monotonic()))
 
     async def acquire(
         self,
@@ -221,7 +174,7 @@ class Gate:
         exempt from the queue bounds. Cancellation removes the request or frees its ticket.
         """
         if self.queue.depth_of(model) == 0:
-            ticket = await self._place(cost, model)
+            ticket = self._place(cost, model)
             if ticket is not None:
                 return ticket
         loop = asyncio.get_running_loop()
@@ -280,11 +233,10 @@ class Gate:
             return
         ticket.released = True
         b = ticket.backend
-        if self.shared is not None:
-            self.shared.forget(b.url, ticket.progress)
-            self._spawn(self.shared.release(b.url, b.admission, ticket.progress))
         b.admission.release(ticket.progress, time.monotonic())
         b.in_flight -= 1
+        if self.shared is not None:
+            self.shared.note_released(b.url)
         self.pump()
 
     def note_progress(
@@ -315,30 +267,17 @@ class Gate:
     def pump(self) -> None:
         """Admit queued requests: each line's head first, best line first; a request that fits
         may pass a head that does not, ``max_head_bypass`` times per head (see
-        :func:`admit_waiting`). In-process admission runs here and now; through Redis it runs
-        in one task at a time (a pump asked for meanwhile runs again after it)."""
+        :func:`admit_waiting`). With replicas, the first request that did not fit is what this
+        replica asks the shared ledger for."""
         if self._pumping:
-            self._pump_again = True
             return
         self._pumping = True
-        if self.shared is None:
-            try:
-                run_now(admit_waiting(self.queue, self._place_waiter, self.max_head_bypass))
-            finally:
-                self._pumping = False
-            self._schedule_tick()
-            return
-        self._spawn(self._pump_shared())
-
-    async def _pump_shared(self) -> None:
+        self._first_refused = None
         try:
-            again = True
-            while again:
-                self._pump_again = False
-                await admit_waiting(self.queue, self._place_waiter, self.max_head_bypass)
-                again = self._pump_again
+            run_now(admit_waiting(self.queue, self._place_waiter, self.max_head_bypass))
         finally:
             self._pumping = False
+        self._publish_wants()
         self._schedule_tick()
 
     def _schedule_tick(self) -> None:
@@ -354,14 +293,12 @@ class Gate:
         pending: _Pending = waiter.data
         if pending.future.done():
             return True  # its client went away or it timed out
-        ticket = await self._place(pending.cost, pending.model)
-        if pending.future.done():
-            if ticket is not None:
-                self.release(ticket)  # the client left while Redis answered
-            return True
+        ticket = self._place(pending.cost, pending.model)
         if ticket is None:
             reason = self.never_fit_reason(pending.cost, pending.model)
             if reason is None:
+                if self._first_refused is None:
+                    self._first_refused = pending
                 return False
             pending.future.set_exception(NeverFits(reason))
             return True

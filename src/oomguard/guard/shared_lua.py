@@ -1,21 +1,40 @@
-"""The Lua scripts that make admission atomic across guard replicas on one Redis.
+"""The Lua scripts of the capacity ledger that guard replicas share on one Redis.
 
 Per backend ``B`` (keys hash-tagged ``{PREFIX:B}`` so that one backend's keys share a cluster
-slot): ``leases`` (sorted set: lease id → expiry, Redis time in ms), ``data`` (hash: lease id →
-``owner|stamp_ms|rate|full_blocks|fp;fp;…``, each ``fp`` = ``hi,final,remaining,sequences,growth``
-with ``remaining`` −1 for no known end), ``state`` (hash: ``cap`` usable blocks, ``bs`` block
-size, ``eff`` effective fraction, ``obs`` blocks vLLM reported in use, ``snap_ms`` when that
-was polled, ``paused`` the latch, ``full`` the sum of the leases' full sizes) and ``released``
-(list of ``ms:blocks`` of recent releases, for the poll that still shows them).
+slot) the ledger splits the backend's usable KV blocks (``cap``) into parts that each have one
+owner at a time::
 
-Every script reads the clock of Redis (``TIME``), so leases, envelopes and snapshots share
-one clock whatever the replicas' clocks say. An envelope written at ``stamp_ms`` is aged by
-its sequences' decode ``rate`` (tokens/s) when read: its ``hi`` grows, its end stays (both stay
-upper bounds). The rule is the one of :mod:`oomguard.guard.admission`: the sum of the
-footprints of unknown end (plus KV the backend reports beyond every lease) under ``high ×
-eff × cap``; the projected peak under ``projected × eff × cap``; a refusal with the unknown sum
-in the high band sets the latch until the projection falls below ``low``. A snapshot older
-than ``max_age_ms`` counts as a full backend.
+    cap = free + ext + Σ over replicas (kept + offered)
+
+* ``kept``: capacity a replica may fill without asking anyone (it admits against it locally,
+  Redis or not);
+* ``offered``: capacity a replica still owns but lets others take (it can withdraw only what
+  is not taken yet; a replica that cannot reach Redis assumes all of it was taken);
+* ``free``: owned by nobody (a new pool, a dead replica's untaken offers); negative while
+  claims exceed it, a debt that offers repay first;
+* ``ext``: claimed for KV that vLLM reports in use beyond every replica's own count (traffic
+  that bypasses the guards, and the requests of a replica that died, until vLLM shows them
+  gone).
+
+Only a replica moves capacity out of its ``kept`` (into its ``offered``); capacity moves into a
+replica's ``kept`` only inside these scripts. So a replica's own view of its ``kept`` is never
+larger than the ledger's, whatever it missed, and ``Σ kept ≤ cap`` bounds what all replicas
+admit together, with or without Redis (proof: tests/unit/guard/test_shared.py).
+
+Keys: ``state`` (hash: ``cap``, ``bs``, ``eff``, ``obs`` blocks vLLM reported in use,
+``snap_ms`` when polled, ``epoch``, ``free``, ``ext``, ``extd`` what the external claim still
+lacks, ``exts`` recent estimates, ``settle_until``, ``lock_until``, ``clk``/``last_ms`` the
+ledger's clock), ``members`` (hash: replica id → ``kept|offered|want|want_ms|seen|holding|
+now_blocks|epoch``) and ``expect`` (set: replicas expected to claim their capacity back after
+the state was lost).
+
+Time is Redis's (``TIME``). A replica that has not synchronised for ``lease_ms`` of the
+ledger's clock is gone: its offers return to ``free``, its ``kept`` to the external claim,
+which keeps it until vLLM's own usage shows its requests gone. The ledger's clock counts a
+gap between two calls as at most one second, so an outage of Redis itself expires nobody.
+An empty state (first start, or Redis lost its data) gets a new ``epoch``; for ``settle_ms``,
+and after a replica that knew the old epoch has come back until every replica it knew has
+claimed its ``kept`` again (or ``lease_ms`` passed), nothing is granted from ``free``.
 """
 
 from __future__ import annotations
@@ -26,242 +45,284 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function purge(leases, data, state, now)
-  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-  if #expired > 0 then
-    for _, id in ipairs(expired) do
-      local v = redis.call('HGET', data, id)
-      if v then
-        local full = tonumber(string.match(v, '^[^|]*|[^|]*|[^|]*|([^|]*)|'))
-        redis.call('HINCRBY', state, 'full', -(full or 0))
-      end
-    end
-    redis.call('ZREM', leases, unpack(expired))
-    redis.call('HDEL', data, unpack(expired))
+local function fmt(x) return string.format('%d', x) end
+
+local function num(v, default)
+  if v == false or v == nil or v == '' then return default end
+  return tonumber(v)
+end
+
+local FIELDS = {'cap', 'snap_ms', 'epoch', 'free', 'ext', 'extd', 'exts', 'settle_until',
+                'lock_until', 'clk', 'last_ms'}
+
+-- The state of the ledger, created (a new epoch) when missing; the clock advanced.
+local function load(S, now, settle)
+  local v = redis.call('HMGET', S, unpack(FIELDS))
+  local st = {cap = num(v[1], 0), snap_ms = num(v[2], nil), epoch = v[3], free = num(v[4], 0),
+              ext = num(v[5], 0), extd = num(v[6], 0), exts = v[7] or '',
+              settle_until = num(v[8], 0), lock_until = num(v[9], 0), clk = num(v[10], 0),
+              last_ms = num(v[11], now)}
+  if not st.epoch then
+    st.epoch = fmt(now) .. '.' .. redis.call('TIME')[2]
+    st.free = st.cap
+    st.ext = 0; st.extd = 0; st.exts = ''
+    st.settle_until = now + settle
+    st.lock_until = 0
+    st.clk = 0
+    st.last_ms = now
   end
-  return #expired
+  st.clk = st.clk + math.min(math.max(now - st.last_ms, 0), 1000)
+  st.last_ms = now
+  return st
 end
 
-local function blocks(tokens, bs)
-  if tokens <= 0 then return 0 end
-  return math.floor((tokens + bs - 1) / bs)
+local function save(S, st)
+  redis.call('HSET', S, 'cap', fmt(st.cap), 'epoch', st.epoch, 'free', fmt(st.free),
+             'ext', fmt(st.ext), 'extd', fmt(st.extd), 'exts', st.exts,
+             'settle_until', fmt(st.settle_until), 'lock_until', fmt(st.lock_until),
+             'clk', fmt(st.clk), 'last_ms', fmt(st.last_ms))
 end
 
--- fps: list of {hi, final, rem (nil = no end), seq, growth}
-local function parse_fps(text, aged_tokens, out, owner, owners)
-  for hi, final, rem, seq, growth in string.gmatch(text, '(%-?%d+),(%-?%d+),(%-?%d+),(%d+),(%d+)') do
-    hi = tonumber(hi); final = tonumber(final); rem = tonumber(rem)
-    growth = tonumber(growth)
-    if rem >= 0 then hi = math.min(hi + growth * aged_tokens, final) end
-    if rem < 0 then rem = nil end
-    local fp = {hi, final, rem, tonumber(seq), growth, owner}
-    out[#out + 1] = fp
-  end
-end
-
-local function read_leases(data, now)
-  local fps = {}
-  local all = redis.call('HGETALL', data)
+local function read_members(M)
+  local all = redis.call('HGETALL', M)
+  local out = {}
   for i = 1, #all, 2 do
-    local owner, stamp, rate, _, text = string.match(all[i + 1], '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|(.*)$')
-    local aged = math.ceil(tonumber(rate) * math.max(now - tonumber(stamp), 0) / 1000)
-    parse_fps(text, aged, fps, owner)
+    local k, o, d, t, seen, h, n, ep = string.match(all[i + 1],
+      '^(%-?%d+)|(%-?%d+)|(%-?%d+)|(%-?%d+)|(%-?%d+)|(%-?%d+)|(%-?%d+)|(.*)$')
+    if k then
+      out[all[i]] = {k = tonumber(k), o = tonumber(o), d = tonumber(d), t = tonumber(t),
+                     seen = tonumber(seen), h = tonumber(h), n = tonumber(n), ep = ep}
+    end
   end
-  return fps
+  return out
 end
 
-local function at_step(fp, k, bs)
-  if fp[3] ~= nil and k >= fp[3] then return 0 end
-  return fp[4] * blocks(math.min(fp[1] + fp[5] * k, fp[2]), bs)
+local function write_members(M, members)
+  for id, r in pairs(members) do
+    redis.call('HSET', M, id, fmt(r.k) .. '|' .. fmt(r.o) .. '|' .. fmt(r.d) .. '|' .. fmt(r.t)
+      .. '|' .. fmt(r.seen) .. '|' .. fmt(r.h) .. '|' .. fmt(r.n) .. '|' .. r.ep)
+  end
 end
 
-local function unknown_blocks(fps, bs)
-  local total = 0
-  for _, fp in ipairs(fps) do
-    if fp[3] == nil then total = total + fp[4] * blocks(fp[2], bs) end
+-- Replicas silent for lease_ms of the ledger's clock are gone.
+-- (What they kept is measured afresh: the estimates made while they counted are dropped.)
+local function purge(M, st, members, lease)
+  for id, r in pairs(members) do
+    if st.clk - r.seen > lease then
+      st.free = st.free + r.o
+      st.ext = st.ext + r.k
+      st.exts = ''
+      redis.call('HDEL', M, id)
+      members[id] = nil
+    end
   end
-  return total
 end
 
-local function peak_blocks(fps, bs)
-  local peak = unknown_blocks(fps, bs)
-  local steps = {}
-  for _, fp in ipairs(fps) do
-    if fp[3] ~= nil and fp[3] > 0 then steps[fp[3] - 1] = true end
+-- Take up to `amount` blocks for `who` (nil: for the ledger itself): its own offer first, then
+-- free (when allowed), then the other replicas' offers, largest first.
+local function draw(st, members, who, amount, can_free)
+  local got = 0
+  if amount <= 0 then return 0 end
+  if who ~= nil and members[who] ~= nil then
+    local x = math.min(members[who].o, amount)
+    members[who].o = members[who].o - x
+    got = got + x
   end
-  for k, _ in pairs(steps) do
-    local total = 0
-    for _, fp in ipairs(fps) do total = total + at_step(fp, k, bs) end
-    if total > peak then peak = total end
+  if can_free and got < amount and st.free > 0 then
+    local x = math.min(st.free, amount - got)
+    st.free = st.free - x
+    got = got + x
   end
-  return peak
+  if got < amount then
+    local lenders = {}
+    for id, r in pairs(members) do
+      if id ~= who and r.o > 0 then lenders[#lenders + 1] = id end
+    end
+    table.sort(lenders, function(a, b) return members[a].o > members[b].o end)
+    for _, id in ipairs(lenders) do
+      if got >= amount then break end
+      local x = math.min(members[id].o, amount - got)
+      members[id].o = members[id].o - x
+      got = got + x
+    end
+  end
+  return got
 end
 
-local function blocks_now(fps, bs)
-  local total = 0
-  for _, fp in ipairs(fps) do total = total + at_step(fp, 0, bs) end
-  return total
+-- Move what is on offer (and free, when allowed) to whoever waits: the debt of free first,
+-- then the external claim, then the replicas' wants, oldest first.
+local function distribute(st, members, can_free, fresh_ms)
+  if st.free < 0 then
+    st.free = st.free + draw(st, members, nil, -st.free, false)
+  end
+  if st.extd > 0 then
+    local got = draw(st, members, nil, st.extd, can_free)
+    st.ext = st.ext + got
+    st.extd = st.extd - got
+  end
+  local waiting = {}
+  for id, r in pairs(members) do
+    if r.d > 0 and st.clk - r.seen <= fresh_ms then waiting[#waiting + 1] = id end
+  end
+  table.sort(waiting, function(a, b)
+    if members[a].t == members[b].t then return a < b end
+    return members[a].t < members[b].t
+  end)
+  for _, id in ipairs(waiting) do
+    local r = members[id]
+    local got = draw(st, members, id, r.d, can_free)
+    r.k = r.k + got
+    r.d = r.d - got
+  end
 end
 
-local function recent_released(released, now, grace)
-  local total = 0
-  local items = redis.call('LRANGE', released, 0, -1)
-  for _, item in ipairs(items) do
-    local ms, b = string.match(item, '^(%d+):(%d+)$')
-    if now - tonumber(ms) <= grace then total = total + tonumber(b) end
+local function locked(st, now, X)
+  if now < st.settle_until then return true end
+  if st.lock_until > 0 then
+    if now < st.lock_until and redis.call('SCARD', X) > 0 then return true end
+    st.lock_until = 0
+    redis.call('DEL', X)
   end
-  return total
+  return false
+end
+
+local function stale(st, now, max_age)
+  return st.snap_ms == nil or now - st.snap_ms > max_age
 end
 """
 
-# KEYS: leases, data, state, released
-# ARGV: lease_id, owner, lease_ms, full_blocks, new_fps, rate, high, low, projected,
-#       max_age_ms, grace_ms
-RESERVE = (
+# KEYS: state, members, expect
+# ARGV: 1 replica id, 2 the epoch it knew ('' none), 3 its kept before this call (claimed when
+#       the ledger does not know it), 4 give (kept → offered), 5 the kept blocks its queue
+#       head needs (0: none; what it lacks is its want), 6 holding (projected peak of its requests), 7 blocks its
+#       requests hold now (with recent releases), 8 lease_ms, 9 settle_ms, 10 replicas
+#       configured (0 none), 11 max_age_ms, 12 the replicas it knew (comma-separated)
+# Returns {epoch, kept, offered, free, fair share, replicas, blocks older wants of others still
+#          lack, the oldest such want's stamp, stale, locked, ext, members (comma-separated)}.
+SYNC = (
     _COMMON
     + r"""
-local leases, data, state, released = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local S, M, X = KEYS[1], KEYS[2], KEYS[3]
+local id = ARGV[1]
+local lease = tonumber(ARGV[8])
 local now = now_ms()
-purge(leases, data, state, now)
-local st = redis.call('HMGET', state, 'cap', 'bs', 'eff', 'obs', 'snap_ms', 'paused', 'full')
-if not st[1] or not st[5] then return {0, 'unknown', 0} end
-if now - tonumber(st[5]) > tonumber(ARGV[10]) then return {0, 'stale', 0} end
-local bs = tonumber(st[2])
-local eff = math.floor(tonumber(st[1]) * tonumber(st[3]))
-local high, low, proj = tonumber(ARGV[7]) * eff, tonumber(ARGV[8]) * eff, tonumber(ARGV[9]) * eff
-local need = tonumber(ARGV[4])
-local full = tonumber(st[7] or '0')
-local obs = tonumber(st[4] or '0')
-
-local function admit(margin)
-  redis.call('ZADD', leases, now + tonumber(ARGV[3]), ARGV[1])
-  redis.call('HSET', data, ARGV[1], ARGV[2] .. '|' .. now .. '|' .. ARGV[6] .. '|' .. need .. '|' .. ARGV[5])
-  redis.call('HINCRBY', state, 'full', need)
-  return {1, 'ok', margin}
-end
-
--- The latch and the projection need every lease; the plain sums only counters.
-local fps = nil
-local ext = 0
-local function load()
-  fps = read_leases(data, now)
-  ext = math.max(obs - blocks_now(fps, bs) - recent_released(released, now, tonumber(ARGV[11])), 0)
-end
-
-if st[6] == '1' then
-  load()
-  if peak_blocks(fps, bs) + ext < low then
-    redis.call('HSET', state, 'paused', '0')
-  else
-    return {0, 'paused', 0}
+local st = load(S, now, tonumber(ARGV[9]))
+local members = read_members(M)
+purge(M, st, members, lease)
+local r = members[id]
+if r == nil or r.ep ~= st.epoch then
+  local claim = math.max(tonumber(ARGV[3]), 0)
+  r = {k = claim, o = 0, d = 0, t = 0, seen = st.clk, h = 0, n = 0, ep = st.epoch}
+  members[id] = r
+  st.free = st.free - claim
+  if ARGV[2] ~= '' and ARGV[2] ~= st.epoch then
+    -- The state was lost while this replica held capacity: grant nothing from free until
+    -- every replica it knew has claimed its own again, or a lease period passed.
+    st.lock_until = math.max(st.lock_until, now + lease)
+    for m in string.gmatch(ARGV[12], '[^,]+') do
+      if m ~= id and members[m] == nil then redis.call('SADD', X, m) end
+    end
   end
 end
-if full == 0 and obs < low then return admit(eff - need) end
-if math.max(full, obs) + need <= high then return admit(eff - math.max(full, obs) - need) end
-if fps == nil then load() end
-local base_unknown = unknown_blocks(fps, bs) + ext
-parse_fps(ARGV[5], 0, fps, ARGV[2])
-local unknown = unknown_blocks(fps, bs) + ext
-if unknown <= high then
-  local peak = peak_blocks(fps, bs) + ext
-  if peak <= proj then return admit(eff - peak) end
-  return {0, 'projected', 0}
+redis.call('SREM', X, id)
+r.seen = st.clk
+r.h = tonumber(ARGV[6])
+r.n = tonumber(ARGV[7])
+local give = math.min(math.max(tonumber(ARGV[4]), 0), r.k)
+r.k = r.k - give
+r.o = r.o + give
+local target = tonumber(ARGV[5])
+if target > r.k then
+  if r.d == 0 then r.t = now end
+  r.d = target - r.k
+else
+  r.d = 0
+  r.t = 0
 end
-if base_unknown >= low then
-  redis.call('HSET', state, 'paused', '1')
-  redis.call('HINCRBY', state, 'pauses', 1)
-end
-return {0, 'full', 0}
-"""
-)
-
-# KEYS: leases, data, state, released; ARGV: lease_id, now_blocks
-RELEASE = (
-    _COMMON
-    + r"""
-local now = now_ms()
-local v = redis.call('HGET', KEYS[2], ARGV[1])
-if v then
-  local full = tonumber(string.match(v, '^[^|]*|[^|]*|[^|]*|([^|]*)|'))
-  redis.call('HINCRBY', KEYS[3], 'full', -(full or 0))
-  redis.call('HDEL', KEYS[2], ARGV[1])
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('LPUSH', KEYS[4], now .. ':' .. ARGV[2])
-redis.call('LTRIM', KEYS[4], 0, 255)
-return v and 1 or 0
-"""
-)
-
-# KEYS: leases, data, state; ARGV: owner, lease_ms, then (lease_id, rate, full, fps)…
-# Rewrites the owner's envelopes and extends their leases; re-adds leases that expired or
-# were lost while Redis was away.
-RENEW = (
-    _COMMON
-    + r"""
-local now = now_ms()
+local is_stale = stale(st, now, tonumber(ARGV[11]))
+local is_locked = locked(st, now, X)
+local can_free = not is_stale and not is_locked
+distribute(st, members, can_free, 1000)
 local n = 0
-for i = 3, #ARGV, 4 do
-  local id, rate, full, text = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
-  local old = redis.call('HGET', KEYS[2], id)
-  if not old then redis.call('HINCRBY', KEYS[3], 'full', full) end
-  if old then
-    local was = tonumber(string.match(old, '^[^|]*|[^|]*|[^|]*|([^|]*)|'))
-    if was ~= full then redis.call('HINCRBY', KEYS[3], 'full', full - (was or 0)) end
-  end
-  redis.call('HSET', KEYS[2], id, ARGV[1] .. '|' .. now .. '|' .. rate .. '|' .. full .. '|' .. text)
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), id)
+local anyone_waits = st.extd > 0 or st.free < 0
+for _, q in pairs(members) do
   n = n + 1
+  if q.d > 0 then anyone_waits = true end
 end
-return n
+local fair = math.floor(st.cap / math.max(n, tonumber(ARGV[10]), 1))
+if not anyone_waits and r.k < fair then
+  r.k = r.k + draw(st, members, id, fair - r.k, can_free)
+end
+local older, oldest = st.extd, 0
+if st.free < 0 then older = older - st.free end
+for m, q in pairs(members) do
+  if m ~= id and q.d > 0 and (r.d == 0 or q.t < r.t or (q.t == r.t and m < id)) then
+    older = older + q.d
+    if oldest == 0 or q.t < oldest then oldest = q.t end
+  end
+end
+write_members(M, members)
+save(S, st)
+local ids = {}
+for m, _ in pairs(members) do ids[#ids + 1] = m end
+return {st.epoch, r.k, r.o, st.free, fair, n, older, oldest, is_stale and 1 or 0,
+        is_locked and 1 or 0, st.ext, table.concat(ids, ',')}
 """
 )
 
-# KEYS: leases, data, state, released
-# ARGV: cap, bs, eff, observed_blocks (−1: unknown), grace_ms, max_age_ms
-# Records a poll of the backend; returns {paused, full, leases, per-owner peaks as
-# owner, blocks pairs…} for /status and the static share.
+# KEYS: state, members, expect
+# ARGV: 1 cap (usable blocks), 2 block size, 3 effective fraction, 4 blocks vLLM reports in
+#       use (-1: unknown), 5 max_age_ms, 6 lease_ms, 7 settle_ms, 8 window_ms
+# Records one poll of the backend: the pool (a change moves free), and the external claim,
+# sized to the least excess of vLLM's usage over the replicas' own counts within window_ms
+# (so that a replica's admissions not reported yet do not count). Returns {free, ext, extd}.
 SNAPSHOT = (
     _COMMON
     + r"""
-local leases, data, state, released = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local S, M, X = KEYS[1], KEYS[2], KEYS[3]
 local now = now_ms()
-purge(leases, data, state, now)
-local bs = tonumber(ARGV[2])
-redis.call('HSET', state, 'cap', ARGV[1], 'bs', ARGV[2], 'eff', ARGV[3], 'snap_ms', now)
-if tonumber(ARGV[4]) >= 0 then redis.call('HSET', state, 'obs', ARGV[4]) end
-local items = redis.call('LRANGE', released, 0, -1)
-for i = #items, 1, -1 do
-  local ms = tonumber(string.match(items[i], '^(%d+):'))
-  if now - ms > tonumber(ARGV[5]) then redis.call('RPOP', released) else break end
+local st = load(S, now, tonumber(ARGV[7]))
+local members = read_members(M)
+purge(M, st, members, tonumber(ARGV[6]))
+local cap = tonumber(ARGV[1])
+if cap ~= st.cap then
+  st.free = st.free + cap - st.cap
+  st.cap = cap
 end
-local fps = read_leases(data, now)
-local by_owner = {}
-for _, fp in ipairs(fps) do
-  local o = fp[6]
-  if by_owner[o] == nil then by_owner[o] = {} end
-  local list = by_owner[o]
-  list[#list + 1] = fp
+st.snap_ms = now
+redis.call('HSET', S, 'bs', ARGV[2], 'eff', ARGV[3], 'snap_ms', fmt(now))
+local obs = tonumber(ARGV[4])
+if obs >= 0 then
+  redis.call('HSET', S, 'obs', ARGV[4])
+  local ours = 0
+  for _, q in pairs(members) do ours = ours + q.n end
+  local est = math.max(obs - ours, 0)
+  local window = tonumber(ARGV[8])
+  local kept, lo, count = {}, est, 1
+  for ms, e in string.gmatch(st.exts, '(%d+):(%d+)') do
+    if now - tonumber(ms) <= window then
+      kept[#kept + 1] = ms .. ':' .. e
+      count = count + 1
+      if tonumber(e) < lo then lo = tonumber(e) end
+    end
+  end
+  kept[#kept + 1] = fmt(now) .. ':' .. fmt(est)
+  while #kept > 32 do table.remove(kept, 1) end
+  st.exts = table.concat(kept, ';')
+  local target = lo
+  if count < 3 then target = math.min(lo, st.ext + st.extd) end
+  if target <= st.ext then
+    st.free = st.free + st.ext - target
+    st.ext = target
+    st.extd = 0
+  else
+    st.extd = target - st.ext
+  end
 end
-local out = {redis.call('HGET', state, 'paused') or '0', redis.call('HGET', state, 'full') or '0',
-             redis.call('ZCARD', leases), peak_blocks(fps, bs)}
-for owner, list in pairs(by_owner) do
-  out[#out + 1] = owner
-  out[#out + 1] = peak_blocks(list, bs)
-end
-return out
+local can_free = not stale(st, now, tonumber(ARGV[5])) and not locked(st, now, X)
+distribute(st, members, can_free, 1000)
+write_members(M, members)
+save(S, st)
+return {st.free, st.ext, st.extd}
 """
 )
-
-# KEYS: replicas; ARGV: replica id, ttl_ms. Registers the replica (it has just republished
-# its leases); returns {now_ms, id, expiry_ms, id, expiry_ms, …} of the live replicas.
-HEARTBEAT = r"""
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-local out = {now}
-local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-for i = 1, #members do out[#out + 1] = members[i] end
-return out
-"""

@@ -156,23 +156,31 @@ class _StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             "oomguard_replicas",
-            "Guard replicas the static share divides by (0 while unknown)",
+            "Guard replicas the fair share divides by (0 while unknown)",
             value=float(shared.replicas or 0),
         )
         yield CounterMetricFamily(
             "oomguard_shared_state_failures",
-            "Redis calls that failed (each one decided by the static share)",
+            "Redis calls that failed (admission then keeps to the static share)",
             value=shared.failures,
         )
         share = GaugeMetricFamily(
             "oomguard_static_share_blocks",
-            "KV blocks this replica may use per backend while Redis is away",
+            "KV blocks this replica keeps per backend: it admits within them, Redis or not",
+            labels=["backend"],
+        )
+        offered = GaugeMetricFamily(
+            "oomguard_shared_offered_blocks",
+            "KV blocks this replica offers to the others per backend (assumed taken while "
+            "Redis is away)",
             labels=["backend"],
         )
         for b in self.pool.backends:
-            cap = b.admission.capacity_blocks or 0
-            share.add_metric([b.url], float(shared.static_share_blocks(b.url, cap)))
+            budget = shared.budget(b.url)
+            share.add_metric([b.url], float(budget.kept))
+            offered.add_metric([b.url], float(budget.offered))
         yield share
+        yield offered
 
 
 class Telemetry:
