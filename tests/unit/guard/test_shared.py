@@ -524,5 +524,3 @@ async def test_workers_serve_one_port_as_replicas_of_one_store(
     assert not leftover, subprocess.run(
         ["ps", "-o", "pid,args", "-p", ",".join(leftover)], capture_output=True, text=True
     ).stdout
-
-
