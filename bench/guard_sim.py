@@ -29,12 +29,15 @@ Run: ``.venv/bin/python bench/guard_sim.py [--mix NAME] [--compare] [--json]``.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import heapq
 import itertools
 import json
 import sys
+import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -56,6 +59,7 @@ from oomguard.guard.projection import (  # noqa: E402
     projected_peak_blocks,
 )
 from oomguard.guard.queue import AdmissionQueue, Waiter, admit_waiting, run_now  # noqa: E402
+from oomguard.guard.shared import SharedAdmission, wants_for  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -340,6 +344,169 @@ def run_guard(
     return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
 
 
+_BACKEND = "http://simulated-vllm"
+
+
+@dataclass
+class _Replica:
+    """One guard replica of the simulated burst: its admission, queue and ledger client."""
+
+    adm: BackendAdmission
+    queue: AdmissionQueue
+    shared: SharedAdmission
+    next_sync_s: float = 0.0
+    next_poll_s: float = 0.0
+    refused: Waiter | None = None
+
+
+def run_replicas(
+    shapes: Sequence[RequestShape],
+    m: EngineModel,
+    settings: AdmissionSettings,
+    redis_url: str,
+    replicas: int = 3,
+    max_head_bypass: int = 8,
+    label: str = "guard x3 on Redis",
+) -> RunResult:
+    """The burst spread round-robin over ``replicas`` guards that share the real capacity
+    ledger on a real Redis (each admits locally within what it keeps; capacity moves at their
+    synchronisations, every 0.1 s or 0.02 s while someone waits, and on demand)."""
+    loop = asyncio.new_event_loop()
+    prefix = f"sim{uuid.uuid4().hex}"
+    reps: list[_Replica] = []
+    for i in range(replicas):
+        adm = BackendAdmission(settings)
+        adm.set_capacity(m.capacity_blocks + 1, m.block_size, prefix_caching=True)
+        shared = SharedAdmission(
+            redis_url,
+            prefix,
+            lease_s=1e6,
+            snapshot_max_age_s=1e6,
+            timeout_s=5.0,
+            replicas=replicas,
+            max_head_bypass=max_head_bypass,
+            settle_s=0.0,
+        )
+        shared.backends = lambda adm=adm: [(_BACKEND, adm)]
+        reps.append(_Replica(adm, AdmissionQueue(10_000, 10**12), shared, 0.0, i * m.poll_s / 3))
+    try:
+        for r in reps:
+            loop.run_until_complete(r.shared.snapshot(_BACKEND, r.adm, 0))
+        for _ in range(3):  # every replica starts with its fair share
+            for r in reps:
+                loop.run_until_complete(r.shared.sync_backend(_BACKEND, r.adm))
+        return _drive_replicas(shapes, m, reps, loop, max_head_bypass, label)
+    finally:
+        for r in reps:
+            loop.run_until_complete(r.shared.stop())
+        loop.close()
+
+
+def _drive_replicas(
+    shapes: Sequence[RequestShape],
+    m: EngineModel,
+    reps: list[_Replica],
+    loop: asyncio.AbstractEventLoop,
+    max_head_bypass: int,
+    label: str,
+) -> RunResult:
+    engine = Engine(m)
+    seqs = [_Seq(i, s, 0.0) for i, s in enumerate(shapes)]
+    owner = {seq.index: reps[seq.index % len(reps)] for seq in seqs}
+    handles: dict[int, RequestProgress] = {}
+    events: list[_Event] = []
+    counter = itertools.count()
+    clock = [0.0]
+
+    def push(at_s: float, kind: str, seq: _Seq, generated: int = 0) -> None:
+        heapq.heappush(events, _Event(at_s, next(counter), kind, seq, generated))
+
+    def pump(r: _Replica) -> None:
+        r.refused = None
+
+        async def place(waiter: Waiter) -> bool:
+            seq: _Seq = waiter.data
+            cost = RequestCost(seq.shape.prompt_tokens, seq.shape.max_tokens, trackable=True)
+            r.adm.static_share_blocks = r.shared.admission_share(_BACKEND)
+            if not r.adm.can_admit(cost, clock[0]):
+                if r.refused is None:
+                    r.refused = waiter
+                return False
+            handles[seq.index] = r.adm.reserve(cost, clock[0])
+            r.shared.note_admitted(_BACKEND)
+            push(clock[0] + m.forward_s + m.preprocess_s, "arrive", seq)
+            return True
+
+        run_now(admit_waiting(r.queue, place, max_head_bypass))
+        wants: dict[str, int] = {}
+        if r.refused is not None and r.queue.depth:
+            seq = r.refused.data
+            cost = RequestCost(seq.shape.prompt_tokens, seq.shape.max_tokens, trackable=True)
+            wants = wants_for(r.shared, [(_BACKEND, r.adm)], cost, clock[0])
+        r.shared.set_wants(wants)
+
+    def background(r: _Replica) -> None:
+        now = clock[0]
+        if now >= r.next_poll_s:
+            r.adm.observe(engine.used_blocks / m.capacity_blocks, float(engine.preemptions), now)
+            loop.run_until_complete(r.shared.snapshot(_BACKEND, r.adm, engine.used_blocks))
+            r.next_poll_s = now + m.poll_s
+        if r.shared._wake.is_set() or now >= r.next_sync_s:
+            r.shared._wake.clear()
+            loop.run_until_complete(r.shared.sync_backend(_BACKEND, r.adm))
+            r.next_sync_s = now + r.shared._interval_s()
+            pump(r)
+
+    for seq in seqs:
+        owner[seq.index].queue.push(
+            Waiter(0, seq.shape.prompt_tokens + seq.shape.max_tokens, 0.0, seq)
+        )
+    for r in reps:
+        pump(r)
+    done = 0
+    engine_now = 0.0
+    while done < len(seqs):
+        while events and events[0].at_s <= engine_now:
+            ev = heapq.heappop(events)
+            clock[0] = ev.at_s
+            if ev.kind == "arrive":
+                engine.waiting.append(ev.seq)
+                continue
+            r = owner[ev.seq.index]
+            handle = handles[ev.seq.index]
+            finished = ev.kind == "finish"
+            r.adm.note_progress(
+                handle, 0, ev.generated, finished, clock[0], ev.seq.shape.prompt_tokens
+            )
+            if finished:
+                r.adm.release(handle, clock[0])
+                r.shared.note_released(_BACKEND)
+                done += 1
+            pump(r)
+        clock[0] = engine_now
+        for r in reps:
+            background(r)
+        if not engine.running and not engine.waiting:
+            if not events:
+                if done < len(seqs):
+                    engine_now += 0.01  # the guards' periodic pumps and synchronisations
+                    continue
+                break
+            engine_now = max(engine_now, events[0].at_s)
+            continue
+        duration, finished_seqs = engine.step(engine_now)
+        engine_now += duration
+        for seq in engine.running:
+            push(engine_now + m.observe_s, "progress", seq, seq.generated)
+        for seq in finished_seqs:
+            push(engine_now + m.observe_s, "finish", seq, seq.generated)
+        if engine.steps > 1_000_000:
+            raise RuntimeError("simulation does not finish")
+    makespan = max(s.done_s or 0.0 for s in seqs) + m.observe_s
+    tokens = sum(s.shape.max_tokens for s in seqs)
+    return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
+
+
 def default_settings() -> AdmissionSettings:
     """The guard's defaults, as ``oomguard guard`` runs them (progress tracked under pressure)."""
     return AdmissionSettings()
@@ -358,8 +525,11 @@ VARIANTS: dict[str, Callable[[AdmissionSettings], AdmissionSettings]] = {
 }
 
 
-def simulate_mix(name: str, m: EngineModel, compare: bool) -> dict[str, object]:
-    """Direct, oracle and guard runs of one mix (and the variants with ``compare``)."""
+def simulate_mix(
+    name: str, m: EngineModel, compare: bool, redis_url: str | None = None, replicas: int = 3
+) -> dict[str, object]:
+    """Direct, oracle and guard runs of one mix (and the variants with ``compare``; with
+    ``redis_url``, the burst spread over ``replicas`` guards sharing the ledger there)."""
     shapes = MIXES[name]()
     direct = run_direct(shapes, m)
     oracle = run_oracle(shapes, m)
@@ -371,6 +541,17 @@ def simulate_mix(name: str, m: EngineModel, compare: bool) -> dict[str, object]:
         runs.append(
             run_guard(
                 shapes, m, default_settings(), max_head_bypass=0, label="guard: no head bypass"
+            )
+        )
+    if redis_url is not None:
+        runs.append(
+            run_replicas(
+                shapes,
+                m,
+                default_settings(),
+                redis_url,
+                replicas,
+                label=f"guard: {replicas} replicas sharing the Redis ledger",
             )
         )
     return {
@@ -401,15 +582,41 @@ def simulated_ceiling(name: str, m: EngineModel | None = None) -> tuple[float, f
     return guard.tokens_per_s / direct.tokens_per_s, oracle.tokens_per_s / direct.tokens_per_s
 
 
+@contextlib.contextmanager
+def _redis_server() -> Iterator[str]:
+    import tempfile
+
+    from redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
 def main() -> int:
     """Entry point."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mix", choices=sorted(MIXES), action="append", help="default: all")
     ap.add_argument("--compare", action="store_true", help="also run the admission variants")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="also spread the burst over this many guards sharing the capacity ledger on a "
+        "redis-server started here (`redis-server` must be installed)",
+    )
     args = ap.parse_args()
     m = EngineModel()
-    out = [simulate_mix(name, m, args.compare) for name in (args.mix or list(MIXES))]
+    names = args.mix or list(MIXES)
+    if args.replicas > 0:
+        with _redis_server() as url:
+            out = [simulate_mix(n, m, args.compare, url, args.replicas) for n in names]
+    else:
+        out = [simulate_mix(name, m, args.compare) for name in names]
     if args.json:
         print(json.dumps({"engine": m.__dict__, "mixes": out}, indent=2))
         return 0
