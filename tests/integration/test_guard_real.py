@@ -165,15 +165,26 @@ def test_three_replicas_on_redis_share_one_backend(
                     metric_value(fetch_metrics(vllm.base_url), "vllm:num_requests_running") >= 1
                 ),
             )
+            # vLLM's preemption counter at each stage, to tell them apart if one shows up.
+            counts: dict[str, float] = {}
+
+            def count(stage: str) -> None:
+                metrics = fetch_metrics(vllm.base_url)
+                counts[stage] = metric_value(metrics, "vllm:num_preemptions_total")
+
+            count("before kill")
             redis_server.kill()
             _wait("the static share", lambda: all(_mode(g) == "static_share" for g in replicas))
             time.sleep(3.0)
+            count("before restart")
             redis_server.start()
             _wait("sharing again", lambda: all(_mode(g) == "shared" for g in replicas))
+            count("sharing again")
             sender.join(timeout=600)
             assert not sender.is_alive(), "the burst did not finish"
+            count("end")
             outage = outcome["b"]
-            assert outage.preemptions == 0, outage.summary()
+            assert outage.preemptions == 0, (outage.summary(), counts)
             assert outage.succeeded == len(shapes), outage.summary()
 
             # A replica SIGKILLed while its requests hold leases.

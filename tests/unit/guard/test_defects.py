@@ -52,17 +52,21 @@ async def test_many_prompts_are_tokenized_with_bounded_concurrency_and_others_pa
 ) -> None:
     fake.state.tokenize_delay_s = 0.1
     guard = await make_guard([fake.url], tokenize_concurrency=6, tokenize_concurrency_per_request=3)
+    await wait_status(client, guard.url, lambda s: all(b["healthy"] for b in s["backends"]))
     url = guard.url + "/v1/completions"
     # 100 prompts of 1 block each fit the 128-block pool; tokenizing them takes ≥ 3.4 s.
     prompts = [f"{PROMPT} {i}" for i in range(100)]
     big = {"model": "fake-model", "prompt": prompts, "max_tokens": 1}
     bulk = asyncio.create_task(post(client, url, big))
-    await asyncio.sleep(0.2)
-    assert not bulk.done()
-    # Another client is not stuck behind the 100 tokenize calls (3 at a time).
+    deadline = time.monotonic() + 30
+    while fake.state.tokenize_calls == 0:  # the bulk request is being tokenized
+        assert not bulk.done() and time.monotonic() < deadline, "the bulk was not tokenized"
+        await asyncio.sleep(0.01)
+    # Another client is not stuck behind the 100 tokenize calls (3 at a time): it is
+    # answered while the bulk request's prompts are still being tokenized.
     code, _, _ = await post(client, url, completion(2))
     assert code == 200
-    assert not bulk.done()
+    assert fake.state.tokenize_calls < 101 and not bulk.done(), fake.state.tokenize_calls
     code, out, _ = await bulk
     assert code == 200, out
     assert fake.state.tokenize_calls == 101

@@ -477,11 +477,11 @@ async def test_routes_to_backend_with_most_free_kv_and_ejects_dead_one(
         port = int(a.url.rsplit(":", 1)[1])
         await a.kill()
         await wait_status(
-            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [False, True], 3
+            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [False, True], 15
         )
         a2 = await start_fake(port=port)
         await wait_status(
-            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [True, True], 3
+            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [True, True], 15
         )
         await a2.stop()
     finally:
