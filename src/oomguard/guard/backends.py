@@ -21,8 +21,8 @@ import aiohttp
 
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
-from oomguard.guard.metrics_parse import VllmMetrics, parse_vllm_metrics
 from oomguard.guard.shared import SharedAdmission
+from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 log = logging.getLogger("oomguard.guard")
 
@@ -41,7 +41,7 @@ class Backend:
         self.ejections = 0
         self.last_error: str | None = None
         self.models: dict[str, dict[str, Any]] = {}
-        self.metrics: VllmMetrics = VllmMetrics()
+        self.metrics: VllmSnapshot = VllmSnapshot()
         self.in_flight = 0
         self.tokenize_supported = True
         self.tokenize_retry_at_s = 0.0
@@ -242,7 +242,7 @@ class BackendPool:
         self.on_change()
         return True
 
-    async def _fetch_metrics(self, backend: Backend) -> VllmMetrics:
+    async def _fetch_metrics(self, backend: Backend) -> VllmSnapshot:
         assert self._session is not None
         async with self._session.get(backend.url + "/metrics") as resp:
             if resp.status == 404:
@@ -251,7 +251,7 @@ class BackendPool:
                 async with self._session.get(backend.url + "/health") as h:
                     if h.status != 200:
                         raise _PollError(f"/health answered {h.status}")
-                return VllmMetrics()
+                return VllmSnapshot()
             if resp.status != 200:
                 raise _PollError(f"/metrics answered {resp.status}")
             text = await resp.text()
