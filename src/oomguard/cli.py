@@ -20,8 +20,11 @@ FACES: dict[str, str] = {
     "doctor": "oomguard.doctor.cli",
     "calibrate": "oomguard.doctor.cli",
     "guard": "oomguard.guard.cli",
+    "serve": "oomguard.serve.cli",
+    "bench": "oomguard.bench.cli",
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
+    "watch": "oomguard.watch.cli",
 }
 
 _err = Console(stderr=True, highlight=False)

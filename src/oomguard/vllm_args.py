@@ -333,6 +333,7 @@ class ParsedCommand:
     unmodelled: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
     config_file: str | None = None
+    strays: tuple[str, ...] = ()  # the entries of ``unknown`` that are stray values, not flags
 
     def settings(self, **overrides: Any) -> EngineSettings:
         """The command's settings as an EngineSettings (fields it did not set stay None)."""
@@ -340,6 +341,19 @@ class ParsedCommand:
 
         kwargs = {"usage_context": self.usage_context, **self.settings_kwargs, **overrides}
         return EngineSettings(**kwargs)
+
+    def check_flags(self) -> None:
+        """Raise :class:`BadInput` for the first flag vLLM does not have, naming the closest
+        real flag (or for a value no flag takes)."""
+        for name in self.unknown:
+            if name in self.strays:
+                raise BadInput(
+                    f"unexpected argument {name!r} in the command",
+                    "check the flag before it: it may take no value, or a value is missing a flag",
+                )
+            closest = closest_flag(name)
+            hint = f"did you mean --{closest}?" if closest else "see vllm serve --help"
+            raise BadInput(f"--{name} is not a vLLM flag", hint)
 
     def notes(self) -> list[str]:
         """One line per flag the plan does not use, for display next to the plan."""
@@ -608,6 +622,7 @@ def parse_command(
             unmodelled.append(name)
     for stray in extra_positionals:
         unknown.append(stray)
+    strays = tuple(extra_positionals)
     if model is None:
         raise BadInput(
             "the command names no model",
@@ -620,7 +635,18 @@ def parse_command(
         unmodelled=tuple(unmodelled),
         unknown=tuple(unknown),
         config_file=config_file,
+        strays=strays,
     )
+
+
+def closest_flag(name: str) -> str | None:
+    """The real vLLM flag nearest to a misspelt ``name`` (no leading dashes), or None."""
+    import difflib
+
+    known = sorted(set(BOOL_FLAGS) | set(VALUE_FLAGS) | set(LIST_FLAGS) | set(_SETTING_FLAGS))
+    name = _canonical(name.lstrip("-"))
+    found = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------------------------------

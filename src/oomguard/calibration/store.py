@@ -15,7 +15,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
@@ -101,6 +101,12 @@ class Observation:
     kv_cache_dtype: str | None = None
     user_set: tuple[str, ...] = ()  # which of SETTINGS the user's own arguments set
     args_stated: bool = False  # the log shows the user's arguments: the others were defaults
+    # measured under load by `oomguard bench` (None for observations from start-up logs): the
+    # most requests of ``bench_sequence_tokens`` (prompt + max_tokens) the pool held without a
+    # preemption, and its bytes per token where the server stated its pool in bytes
+    max_safe_concurrency: int | None = None
+    bench_sequence_tokens: int | None = None
+    kv_bytes_per_token: float | None = None
 
     @property
     def key(self) -> str:
@@ -542,6 +548,31 @@ def lookup(
         return None  # nothing calibrated yet: the common case, answered without reading
     family = model_family(model_name)
     rows = _rows_for(store, gpu_name, vllm_version, family, tp, pp)
+    found = terms_from(
+        rows,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=enforce_eager,
+        quantization=quantization,
+        dtype=dtype,
+    )
+    if found is None:
+        return None
+    return replace(found, source="calibration: " + found.source)
+
+
+def terms_from(
+    observations: Iterable[Observation],
+    *,
+    max_num_batched_tokens: int | None | _Unset = UNSET,
+    max_num_seqs: int | None | _Unset = UNSET,
+    enforce_eager: bool | None | _Unset = UNSET,
+    quantization: str | None | _Unset = UNSET,
+    dtype: str | None | _Unset = UNSET,
+) -> MeasuredTerms | None:
+    """Each term from the first of ``observations`` (newest first) that measured it under
+    settings matching the filters (see :meth:`Observation.applicable_terms`); the source names
+    the observations used. None when no term applies."""
     filters: dict[str, Any] = {
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs,
@@ -551,7 +582,7 @@ def lookup(
     }
     found: dict[str, int] = {}
     sources: list[str] = []
-    for obs in rows:
+    for obs in observations:
         for term in obs.applicable_terms(**filters):
             if term in found:
                 continue
@@ -566,7 +597,7 @@ def lookup(
         activation_bytes=found.get("activation"),
         non_torch_bytes=found.get("non_torch"),
         cudagraph_bytes=found.get("cudagraph"),
-        source="calibration: " + "; ".join(sources),
+        source="; ".join(sources),
     )
 
 

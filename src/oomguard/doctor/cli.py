@@ -1,7 +1,9 @@
 """``oomguard doctor`` and ``oomguard calibrate``: thin shells over the library.
 
-Exit codes (doctor): 0 a cause was found (or, linting, nothing to fix), 1 lint found problems,
-2 bad input, 3 the log shows no out-of-memory failure.
+Exit codes (doctor LOG): 0 a cause was found, 2 bad input, 3 the log shows no out-of-memory
+failure, 4 an out-of-memory failure whose cause the log does not settle (the doctor abstained
+and says which lines or facts would). Linting (--command): 0 nothing to fix, 1 problems found,
+2 bad input (an unreadable command, a flag vLLM does not have).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _CONTEXT = {
     "allow_interspersed_args": True,
 }
 _LAUNCHERS = ("vllm", "python", "python3", "serve")
+EXIT_NO_OOM = 3
+EXIT_ABSTAINED = 4
 
 
 def doctor_command(
@@ -50,7 +54,12 @@ def doctor_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch."""
+    """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch.
+
+    Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log, 4 the log does not settle the cause (the doctor says what would), 2 bad input.
+
+    Linting (--command): 0 no problems, 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
+    """
     from oomguard.doctor.diagnose import diagnose_file
     from oomguard.doctor.lint import Workload, lint_command
     from oomguard.doctor.render import render_diagnosis, render_findings
@@ -79,25 +88,31 @@ def doctor_command(
             shared_prefix=shared_prefix,
             cotenant_gib=cotenant_gib,
         )
-        findings = lint_command(command, gpu=gpu, workload=workload)
+        report = lint_command(command, gpu=gpu, workload=workload)
         if as_json:
-            typer.echo(
-                json.dumps(
-                    {"findings": [f.to_dict() for f in findings], "command": command}, indent=1
-                )
-            )
-        elif findings:
-            render_findings(console, findings, "Before launch")
+            typer.echo(json.dumps({**report.to_dict(), "command": command}, indent=1))
         else:
-            console.print("No problems found in this command.")
-        raise typer.Exit(1 if findings else 0)
+            if report.findings:
+                render_findings(console, list(report.findings), "Before launch")
+            if not report.problems:
+                console.print("No problems found in this command.")
+            for note in report.notes:
+                console.print(f"note: {note}", soft_wrap=True)
+        raise typer.Exit(1 if report.problems else 0)
     context = Context(model=model, gpu=gpu, command=command, expect_cotenant=expect_cotenant)
     diagnosis = diagnose_file(logfile, context)
     if as_json:
         typer.echo(json.dumps(diagnosis.to_dict(), indent=1, default=str))
     else:
         render_diagnosis(console, diagnosis)
-    raise typer.Exit(0 if diagnosis.oom_found else 3)
+    raise typer.Exit(exit_code(diagnosis))
+
+
+def exit_code(diagnosis: Any) -> int:
+    """0 a cause was found, 3 no out-of-memory failure, 4 the doctor abstained."""
+    if not diagnosis.oom_found:
+        return EXIT_NO_OOM
+    return EXIT_ABSTAINED if diagnosis.abstained else 0
 
 
 def calibrate_command(

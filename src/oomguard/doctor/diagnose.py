@@ -1,44 +1,69 @@
-"""Entry points: a parsed log (plus what the user knows) → a :class:`Diagnosis`."""
+"""Entry points: a parsed log (plus what the user knows) → a :class:`Diagnosis`.
+
+The decision has two tiers. The mechanism checks (``mechanisms.py``) run first: one that fires
+with its numbers gives a sure answer, stated with the measured precision of that check. Else
+the calibrated model (``model.py``) ranks the causes from the weaker signals; when its best
+probability is below :data:`ABSTAIN_BELOW`, the doctor abstains: it lists the candidates it
+cannot tell apart and the lines or facts that would settle it (``needs.py``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from oomguard.doctor.findings import Diagnosis, Finding
-from oomguard.doctor.rules import apply_rules
-from oomguard.doctor.situation import GIB, Context, Situation, build_situation
-from oomguard.logs import ParsedLog, parse_file
+from oomguard.doctor.features import extract
+from oomguard.doctor.findings import LABELS, Diagnosis, Finding
+from oomguard.doctor.fixes import fixes_for
+from oomguard.doctor.mechanisms import Verdict, run_mechanisms
+from oomguard.doctor.model import CauseModel, load_model
+from oomguard.doctor.needs import what_would_settle
+from oomguard.doctor.outcome import predicted_outcome, unaccounted_memory_note
+from oomguard.doctor.situation import Context, Situation, build_situation
+from oomguard.logs import Evidence, ParsedLog, parse_file
 
-_FLAG_TO_SETTING = {
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float),
-    "--max-model-len": ("max_model_len", int),
-    "--max-num-seqs": ("max_num_seqs", int),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-    "--tensor-parallel-size": ("tensor_parallel_size", int),
-    "--kv-cache-dtype": ("kv_cache_dtype", str),
-    "--quantization": ("quantization", str),
-}
+# Below this probability the ranking is a guess: the doctor abstains (exit code 4).
+ABSTAIN_BELOW = 0.5
+# Causes shown beside the answer: those at least this likely, at most MAX_FINDINGS in all.
+SHOW_FROM = 0.05
+MAX_FINDINGS = 4
 
 
-def diagnose(parsed: ParsedLog, context: Context | None = None) -> Diagnosis:
+def diagnose(
+    parsed: ParsedLog, context: Context | None = None, *, model: CauseModel | None = None
+) -> Diagnosis:
     """Name the root causes of the memory failure in ``parsed``, best first, with fixes.
 
-    ``context`` carries what the log may lack (model, GPU, the original command line). When
-    the log shows no memory failure the diagnosis has ``oom_found=False`` and no findings.
+    ``context`` carries what the log may lack (model, GPU, the original command line);
+    ``model`` replaces the shipped cause model (evaluation trains its own). When the log shows
+    no memory failure the diagnosis has ``oom_found=False`` and no findings.
     """
     context = context or Context()
-    situation = build_situation(parsed, context)
+    s = build_situation(parsed, context)
     failed = parsed.shows_failure or (
         parsed.has("truncated_traceback")
         and (parsed.failure_phase is not None or parsed.has("failing_in_mm_encoder"))
     )
-    findings = apply_rules(situation) if failed else []
-    derived = _derived(situation)
-    plan = _resulting_plan(situation, findings[0]) if findings else None
+    if not failed:
+        return Diagnosis(findings=[], parsed=parsed, derived=_derived(s), oom_found=False)
+    model = model or load_model()
+    verdicts = run_mechanisms(s)
+    probabilities = model.probabilities(extract(s, verdicts))
+    findings = _decide(s, verdicts, probabilities, model)
+    note = unaccounted_memory_note(s)
+    if note:
+        findings[0].explanation = f"{findings[0].explanation} {note}".strip()
+    abstained = not findings[0].sure and findings[0].confidence < ABSTAIN_BELOW
+    needs = what_would_settle(s, [f.cause for f in findings[:3]]) if not findings[0].sure else []
     return Diagnosis(
-        findings=findings, parsed=parsed, derived=derived, plan=plan, oom_found=bool(findings)
+        findings=findings,
+        parsed=parsed,
+        derived=_derived(s),
+        plan=predicted_outcome(s, findings[0].fixes[0]) if findings[0].fixes else None,
+        oom_found=True,
+        abstained=abstained,
+        needs=needs,
+        probabilities=probabilities,
     )
 
 
@@ -48,6 +73,97 @@ def diagnose_file(path: str | Path, context: Context | None = None) -> Diagnosis
     Raises :class:`~oomguard.errors.BadInput` for a missing or unreadable file.
     """
     return diagnose(parse_file(path), context)
+
+
+def sure_confidence(verdict: Verdict, model: CauseModel) -> float:
+    """How often this check's answer was right in the labelled corpus: (hits + 2·p) / (n + 2),
+    with p the precision of all checks together (a check seldom seen leans on the others)."""
+    table = model.meta.get("mechanisms", {})
+    pooled = model.meta.get("mechanisms_pooled", [0, 0])
+    prior = (pooled[0] + 1) / (pooled[1] + 2)
+    hits, n = table.get(f"{verdict.mechanism}:{verdict.cause}", [0, 0])
+    return float((hits + 2 * prior) / (n + 2))
+
+
+def _decide(
+    s: Situation, verdicts: list[Verdict], probabilities: dict[str, float], model: CauseModel
+) -> list[Finding]:
+    findings: list[Finding] = []
+    rest = dict(probabilities)
+    if verdicts:
+        # several checks may fire (an OOM in weight loading on a GPU another process fills):
+        # the model's ranking orders them, the checks' precedence breaks ties
+        verdict = max(verdicts, key=lambda v: probabilities.get(v.cause, 0.0))
+        confidence = sure_confidence(verdict, model)
+        findings.append(_sure_finding(s, verdict, confidence))
+        left = 1.0 - rest.pop(verdict.cause, 0.0)
+        rest = {c: p * (1.0 - confidence) / left for c, p in rest.items()} if left > 0 else {}
+    values = extract(s, [])
+    for cause, p in rest.items():
+        if len(findings) >= MAX_FINDINGS or (findings and p < SHOW_FROM):
+            break
+        findings.append(_ranked_finding(s, cause, p, model, values))
+    return findings
+
+
+def _sure_finding(s: Situation, verdict: Verdict, confidence: float) -> Finding:
+    return Finding(
+        cause=verdict.cause,
+        confidence=confidence,
+        summary=verdict.summary,
+        evidence=list(verdict.evidence),
+        fixes=fixes_for(s, verdict.cause, verdict),
+        explanation=verdict.explanation,
+        sure=True,
+        mechanism=verdict.mechanism,
+        numbers=dict(verdict.numbers),
+    )
+
+
+def _ranked_finding(
+    s: Situation, cause: str, p: float, model: CauseModel, values: dict[str, float]
+) -> Finding:
+    cues = [c for name in model.contributions(values, cause, top=8) if (c := _cue_text(name))][:4]
+    summary = LABELS[cause] + (f" (the log shows {', '.join(cues)})" if cues else "")
+    return Finding(
+        cause=cause,
+        confidence=p,
+        summary=summary,
+        evidence=_evidence_lines(s),
+        fixes=fixes_for(s, cause, None),
+        explanation="Ranked by the calibrated model from the signals the log holds; no "
+        "mechanism check could prove a cause with numbers.",
+    )
+
+
+def _cue_text(feature: str) -> str | None:
+    """How a feature that pushed a cause up reads in a summary (None: not worth saying)."""
+    kind, _, name = feature.partition(":")
+    if kind == "sig" and name.startswith("said_"):
+        return "words about " + name.removeprefix("said_").replace("_", " ")
+    words = name.replace("_", " ")
+    if kind == "sig":
+        return words
+    if kind == "phase" and name != "none":
+        return f"a failure during {words}"
+    if kind == "oom":
+        return "several out-of-memory errors" if name == "several" else f"a {words} OOM"
+    if kind in ("util", "oom_tried", "oom_own", "max_model_len", "max_num_seqs"):
+        return f"{kind.replace('_', ' ')} {words}"
+    return None
+
+
+def _evidence_lines(s: Situation) -> list[Evidence]:
+    p = s.parsed
+    lines = [o.evidence for o in p.ooms[:2]]
+    if p.failure_phase is not None:
+        lines.append(p.failure_phase.evidence)
+    for name in ("kv_too_small", "no_cache_blocks", "startup_check_failed", "said_oom"):
+        if name in p.signatures:
+            lines.append(p.signatures[name])
+    lines.extend(p.errors[:2])
+    unique = {ev.line: ev for ev in reversed(lines)}
+    return sorted(unique.values(), key=lambda ev: ev.line)[:4]
 
 
 def _derived(s: Situation) -> dict[str, Any]:
@@ -73,107 +189,3 @@ def _derived(s: Situation) -> dict[str, Any]:
     out["block_size"] = s.block_size
     out["sleep_mode"] = s.sleep_mode
     return out
-
-
-def _resulting_plan(s: Situation, top: Finding) -> dict[str, Any] | None:
-    """Predict vLLM's start-up numbers with the top finding's fixes applied, when the model and
-    GPU are known and the memory model is importable; log measurements replace estimates."""
-    if s.model_spec is None or not s.total_gib:
-        return None
-    try:
-        from oomguard.facts.gpus import custom_gpu
-        from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
-    except ImportError:
-        return None
-    settings_kwargs: dict[str, Any] = {"engine": str(s.get("engine") or "v1")}
-    for name in (
-        "tensor_parallel_size",
-        "gpu_memory_utilization",
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "kv_cache_dtype",
-        "quantization",
-    ):
-        known = s.known(name)
-        if known is not None and (
-            known.origin in ("log", "command") or name == "gpu_memory_utilization"
-        ):
-            settings_kwargs[name] = known.value
-    if s.get("enforce_eager"):
-        settings_kwargs["enforce_eager"] = True
-    before = dict(settings_kwargs)
-    applied: list[str] = []
-    for fix in top.ordered_fixes():
-        spec = _FLAG_TO_SETTING.get(fix.flag)
-        if fix.flag == "--enforce-eager":
-            settings_kwargs["enforce_eager"] = True
-            applied.append("--enforce-eager")
-            break
-        if spec is None or fix.value is None:
-            continue
-        try:
-            settings_kwargs[spec[0]] = spec[1](fix.value)
-        except ValueError:
-            continue
-        applied.append(fix.as_text)
-        break  # the first applicable fix: the plan shows its effect
-    version = s.get("vllm_version")
-    if version:
-        settings_kwargs["vllm_version"] = str(version)
-    measured = MeasuredTerms(
-        weights_bytes=_bytes(s.get("weights_gib")),
-        activation_bytes=_bytes(s.get("activation_gib")),
-        non_torch_bytes=_bytes(s.get("non_torch_gib")),
-        cudagraph_bytes=_bytes(s.get("cudagraph_estimate_gib") or s.get("cudagraph_actual_gib")),
-        source="log",
-    )
-    gpu = s.gpu_spec or custom_gpu(
-        float(s.total_gib), name=str(s.get("gpu_name") or "GPU from the log")
-    )
-    logged_kv = s.get("available_kv_gib")
-    if logged_kv is None:
-        logged_kv = s.get("kv_available_gib")
-    if s.gpu_spec is not None and abs(s.gpu_spec.total_bytes / GIB - float(s.total_gib)) > 0.5:
-        gpu = replace(s.gpu_spec, total_bytes=int(float(s.total_gib) * GIB))
-    for keep_version in (True, False):
-        attempt = dict(settings_kwargs)
-        base = dict(before)
-        if not keep_version:
-            attempt.pop("vllm_version", None)
-            base.pop("vllm_version", None)
-        try:
-            terms = measured
-            if logged_kv is not None and measured.activation_bytes is None:
-                # anchor the estimate to the log: the KV budget it stated absorbs the estimates' error
-                as_logged = predict(
-                    s.model_spec, gpu, EngineSettings(**base), measured=measured, strict=False
-                )
-                offset = as_logged.kv_cache_bytes - int(float(logged_kv) * GIB)
-                terms = replace(
-                    measured,
-                    activation_bytes=max(as_logged.activation.value_bytes + offset, 0),
-                    source="log (activation anchored to the logged KV budget)",
-                )
-            prediction = predict(
-                s.model_spec, gpu, EngineSettings(**attempt), measured=terms, strict=False
-            )
-        except Exception:  # the plan is a bonus: a model the predictor cannot handle gives none
-            continue
-        data = prediction.to_dict()
-        return {
-            "applied": applied,
-            "fits": data["fits"],
-            "kv_cache_gib": data["memory"]["kv_cache_gib"],
-            "kv_cache_tokens": data["kv_cache_tokens"],
-            "max_concurrency": data["max_concurrency"],
-            "estimated_max_model_len": data["estimated_max_model_len"],
-            "memory": data["memory"],
-            "measured_terms": data["measured_terms"],
-            "problems": data["problems"],
-        }
-    return None
-
-
-def _bytes(gib: Any) -> int | None:
-    return None if gib is None else int(float(gib) * GIB)

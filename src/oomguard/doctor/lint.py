@@ -1,22 +1,36 @@
-"""Check a ``vllm serve`` command before launch against the seeds' "what not to do" list."""
+"""Check a ``vllm serve`` command before launch against the seeds' "what not to do" list.
+
+Every KV-capacity statement comes from the memory model's prediction for the command on the
+named GPU. vLLM's KV cache is paged: a sequence holds the blocks its tokens use, not
+``max_model_len`` of them, so how many sequences the pool serves is its tokens ÷ the
+workload's length (the P99 when given, else a typical request), never ÷ ``max_model_len``.
+
+A flag vLLM does not have is an error (:class:`BadInput`, exit code 2) naming the closest real
+flag. Findings are ``problem`` (the command will not start, leaves no headroom, or the pool
+cannot hold the stated workload: exit code 1) or ``tip`` (worth changing, not wrong — a
+max_num_seqs above what the pool serves at the P99, a max_model_len far above it: exit 0).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.doctor.findings import (
-    STEP_ACTION,
-    STEP_MAX_MODEL_LEN,
-    STEP_MAX_NUM_SEQS,
-    STEP_UTIL,
-    Finding,
-    Fix,
-)
-from oomguard.doctor.situation import GIB, floor2, power_of_two_at_most
+from oomguard.doctor.findings import Finding, Fix
+from oomguard.doctor.situation import GIB, floor2
 from oomguard.errors import BadInput
 from oomguard.logs.parsed import Evidence
+
+NO_HEADROOM_UTIL = 0.98
+# without a P99, sequences are priced at a typical chat request (prompt + output tokens)
+TYPICAL_REQUEST_TOKENS = 2048
+# the pool keeps this share spare when sizing max_num_seqs (block rounding, the null block)
+POOL_KEEP = 0.9
+# a max_model_len this many times the P99 is worth capping (a tip)
+LENGTH_OVER_P99 = 2.0
+COTENANT_MARGIN_GIB = 1.0
 
 
 @dataclass(frozen=True)
@@ -29,230 +43,260 @@ class Workload:
     cotenant_gib: float = 0.0  # memory another workload on the same GPU needs
 
 
+@dataclass
+class LintFinding(Finding):
+    """A finding of the lint: ``severity`` is ``problem`` or ``tip``."""
+
+    severity: str = "problem"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "severity": self.severity}
+
+
+@dataclass(frozen=True)
+class _Command:
+    text: str
+    args: dict[str, Any]
+    other: dict[str, Any]
+    workload: Workload
+    prediction: Any = None
+    gpu_total_gib: float | None = None
+    evidence: list[Evidence] = field(default_factory=list)
+
+
+@dataclass
+class LintReport:
+    """The lint's findings (problems first) and notes on what it could not check."""
+
+    findings: list[LintFinding]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[LintFinding]:
+        return [f for f in self.findings if f.severity == "problem"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"findings": [f.to_dict() for f in self.findings], "notes": self.notes}
+
+
 def lint_command(
     command: str, *, gpu: str | None = None, workload: Workload | None = None
-) -> list[Finding]:
-    """Findings for a command line (empty when nothing is wrong).
-
-    Uses the memory model for the KV-capacity checks when the model and GPU resolve offline;
-    the other checks need only the command. Raises :class:`BadInput` for an unreadable command.
+) -> LintReport:
+    """Check a command line. The KV-capacity checks need the model and the GPU to resolve
+    offline; the others need only the command. Raises :class:`BadInput` for an unreadable
+    command, a misspelt flag or an unknown GPU name.
     """
     from oomguard.vllm_args import parse_command
 
-    workload = workload or Workload()
     parsed = parse_command(command)
-    args: dict[str, Any] = dict(parsed.settings_kwargs)
-    line = Evidence.of(0, command)
-    findings: list[Finding] = []
-    util = args.get("gpu_memory_utilization")
-
-    if util is not None and util >= 0.98:
-        findings.append(
-            Finding(
-                "util_overshoot",
-                0.9,
-                f"gpu_memory_utilization {util:g} leaves no headroom",
-                [line],
-                [
-                    Fix(
-                        "--gpu-memory-utilization",
-                        "0.90",
-                        "CUDA context, NCCL, graphs and runtime spikes "
-                        "live outside vLLM's budget; at ≥ 0.98 the OOM killer does the capacity planning",
-                        STEP_UTIL,
-                    )
-                ],
-                "Do not set gpu_memory_utilization to 1.0: the budget is a fraction of the whole GPU and "
-                "what vLLM does not account for needs the rest.",
-            )
-        )
-
-    prediction, spec, gpu_spec = _predict(parsed, gpu)
-    if workload.cotenant_gib > 0:
-        total = gpu_spec.total_bytes / GIB if gpu_spec is not None else None
-        effective = (
-            util
-            if util is not None
-            else (prediction.settings.gpu_memory_utilization if prediction else 0.9)
-        )
-        if total is not None and effective * total + workload.cotenant_gib > total - 0.25:
-            new = floor2((total - workload.cotenant_gib - 0.5) / total)
-            findings.append(
-                Finding(
-                    "util_overshoot",
-                    0.85,
-                    f"a co-tenant needing {workload.cotenant_gib:g} GiB is not budgeted",
-                    [line],
-                    [
-                        Fix(
-                            "--gpu-memory-utilization",
-                            f"{new:.2f}",
-                            f"{effective:g} × {total:.1f} GiB + "
-                            f"{workload.cotenant_gib:g} GiB exceeds the GPU",
-                            STEP_UTIL,
-                        )
-                    ],
-                    "Do not run vLLM and another CUDA workload on one GPU with default settings: budget both.",
-                )
-            )
-        elif total is None:
-            findings.append(
-                Finding(
-                    "util_overshoot",
-                    0.4,
-                    "a co-tenant is expected: budget it",
-                    [line],
-                    [
-                        Fix(
-                            "--gpu-memory-utilization",
-                            None,
-                            "lower it by co-tenant GiB ÷ GPU total",
-                            STEP_UTIL,
-                        )
-                    ],
-                )
-            )
-
-    max_len = args.get("max_model_len")
-    derived = spec.derived_max_model_len if spec is not None else None
-    p99 = workload.p99_tokens
-    if p99:
-        at_max = max_len is None or max_len == -1 or (derived is not None and max_len >= derived)
-        if (at_max or (max_len is not None and max_len > 2 * p99)) and (
-            derived is None or p99 < derived
-        ):
-            target = int(math.ceil(p99 * 1.1 / 256) * 256)
-            shown = (
-                f"{max_len:,}"
-                if max_len and max_len > 0
-                else (f"the model maximum ({derived:,})" if derived else "the model maximum")
-            )
-            findings.append(
-                Finding(
-                    "kv_too_small_for_max_len",
-                    0.8,
-                    f"max_model_len is {shown} while the P99 request is {p99:,} tokens",
-                    [line],
-                    [
-                        Fix(
-                            "--max-model-len",
-                            str(target),
-                            f"covers the P99 ({p99:,}) with 10 % margin; every "
-                            "sequence slot is sized for max_model_len",
-                            STEP_MAX_MODEL_LEN,
-                        )
-                    ],
-                    "Do not keep max_model_len at the model's maximum: you pay for that context in KV cache.",
-                )
-            )
-
-    if prediction is not None:
-        per_request = p99 or prediction.settings.max_model_len or 1
-        capacity = prediction.kv_cache_tokens / per_request if per_request else 0.0
-        seqs = prediction.settings.max_num_seqs or 0
-        if not prediction.fits:
-            problems = "; ".join(p.message for p in prediction.problems) or "does not fit"
-            findings.append(
-                Finding(
-                    "kv_too_small_for_max_len",
-                    0.85,
-                    f"this configuration will not start: {problems}",
-                    [line],
-                    [],
-                )
-            )
-        elif capacity >= 1 and seqs > 4 * capacity:
-            target = max(power_of_two_at_most(int(capacity)), 1)
-            if workload.concurrency:
-                target = min(max(workload.concurrency, 1), max(int(capacity), 1))
-            findings.append(
-                Finding(
-                    "concurrency_or_batch",
-                    0.75,
-                    f"max_num_seqs {seqs} is far above the ~{capacity:.0f} requests of {per_request:,} tokens the KV cache holds",
-                    [line],
-                    [
-                        Fix(
-                            "--max-num-seqs",
-                            str(target),
-                            f"the KV cache holds {prediction.kv_cache_tokens:,} tokens "
-                            f"= {capacity:.1f} × {per_request:,}",
-                            STEP_MAX_NUM_SEQS,
-                        )
-                    ],
-                    "Do not let max_num_seqs exceed what the GPU can host: the first burst near the limit "
-                    "preempts or drops the server.",
-                )
-            )
-
-    prefix = args.get("enable_prefix_caching")
-    if prefix and workload.shared_prefix is not True:
-        findings.append(
-            Finding(
-                "other",
-                0.5 if workload.shared_prefix is None else 0.7,
-                "prefix caching is on but the prompts are not known to share prefixes",
-                [line],
-                [
-                    Fix(
-                        "--no-enable-prefix-caching",
-                        None,
-                        "without shared prefixes (hit rate < 30 %) it only "
-                        "holds memory; keep it if the prompts share a system prompt or documents",
-                        STEP_ACTION + 5,
-                    )
-                ],
-            )
-        )
-
-    text = command.lower()
-    if "expandable_segments:true" in text and (
-        "enable-sleep-mode" in text or "enable_sleep_mode" in text
-    ):
-        findings.append(
-            Finding(
-                "other",
-                0.9,
-                "expandable_segments is set together with sleep mode",
-                [line],
-                [
-                    Fix(
-                        "PYTORCH_CUDA_ALLOC_CONF",
-                        "(unset)",
-                        "sleep mode's memory pool rejects expandable segments",
-                        STEP_ACTION,
-                    )
-                ],
-            )
-        )
-    return sorted(findings, key=lambda f: -f.confidence)
+    parsed.check_flags()
+    prediction, gpu_spec = _predict(parsed, gpu)
+    notes: list[str] = []
+    if gpu_spec is None:
+        notes.append("KV-capacity checks skipped: pass --gpu to size the KV cache")
+    elif prediction is None:
+        notes.append(f"KV-capacity checks skipped: {parsed.model} is not in the offline "
+                     "catalogue or a local path")
+    c = _Command(
+        text=command,
+        args=dict(parsed.settings_kwargs),
+        other=dict(parsed.other_flags),
+        workload=workload or Workload(),
+        prediction=prediction,
+        gpu_total_gib=gpu_spec.total_bytes / GIB if gpu_spec is not None else None,
+        evidence=[Evidence.of(0, command)],
+    )
+    findings = [f for check in _CHECKS if (f := check(c)) is not None]
+    findings.sort(key=lambda f: (f.severity != "problem", -f.confidence))
+    return LintReport(findings, notes)
 
 
-def _predict(parsed: Any, gpu: str | None) -> tuple[Any, Any, Any]:
-    """Memory-model prediction for the command, or (None, spec, gpu) when facts are missing."""
-    spec = gpu_spec = None
+def _finding(c: _Command, cause: str, summary: str, fixes: list[Fix], why: str,
+             severity: str = "problem", confidence: float = 0.9) -> LintFinding:
+    return LintFinding(cause=cause, confidence=confidence, summary=summary,
+                       evidence=list(c.evidence), fixes=fixes, explanation=why, sure=True,
+                       mechanism="lint", severity=severity)
+
+
+def _check_headroom(c: _Command) -> LintFinding | None:
+    util = c.args.get("gpu_memory_utilization")
+    if util is None or util < NO_HEADROOM_UTIL:
+        return None
+    return _finding(
+        c, "util_overshoot", f"gpu_memory_utilization {util:g} leaves no headroom",
+        [Fix("--gpu-memory-utilization", "0.90", "the CUDA context, NCCL buffers and what vLLM "
+             "does not account for live outside the budget")],
+        "The budget is a fraction of the whole GPU; what vLLM does not account for needs the "
+        "rest, and the start-up check fails when anything else holds memory.")
+
+
+def _check_cotenant(c: _Command) -> LintFinding | None:
+    need = c.workload.cotenant_gib
+    total = c.gpu_total_gib
+    if need <= 0 or total is None:
+        return None
+    util = c.args.get("gpu_memory_utilization")
+    if util is None:
+        util = c.prediction.settings.gpu_memory_utilization if c.prediction else 0.9
+    if util * total + need <= total - COTENANT_MARGIN_GIB:
+        return None
+    new = floor2((total - need - COTENANT_MARGIN_GIB) / total)
+    return _finding(
+        c, "util_overshoot", f"a co-tenant needing {need:g} GiB is not budgeted",
+        [Fix("--gpu-memory-utilization", f"{new:.2f}",
+             f"{util:g} × {total:.1f} GiB + {need:g} GiB exceeds the GPU; {new:.2f} leaves "
+             f"{COTENANT_MARGIN_GIB:g} GiB spare")],
+        "vLLM and another CUDA workload on one GPU must be budgeted together.")
+
+
+def _check_fit(c: _Command) -> LintFinding | None:
+    """The memory model predicts the command will not start."""
+    p = c.prediction
+    if p is None or p.fits:
+        return None
+    codes = {problem.code for problem in p.problems}
+    message = "; ".join(problem.message for problem in p.problems)
+    if codes & {"weights_exceed_gpu", "weights_exceed_budget"}:
+        cause, fixes = "weights_dont_fit", []
+    else:
+        cause, fixes = "kv_too_small_for_max_len", _length_fix(p)
+    return _finding(c, cause, f"this configuration will not start: {message}", fixes,
+                    "The memory model's prediction of vLLM's start-up for this command, model "
+                    "and GPU (oomguard plan shows the whole breakdown).")
+
+
+def _length_fix(p: Any) -> list[Fix]:
+    estimate = p.estimated_max_model_len
+    if not estimate or estimate <= 0:
+        return []
+    length = max(int(estimate * POOL_KEEP) // p.block_size * p.block_size, p.block_size)
+    return [Fix("--max-model-len", str(length),
+                f"the KV cache holds {p.kv_cache_tokens:,} tokens; {length:,} keeps 10 % spare")]
+
+
+def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
+    """max_num_seqs against what the paged pool serves at the workload's length."""
+    p = c.prediction
+    if p is None or not p.fits or p.kv_cache_tokens <= 0:
+        return None
+    p99 = c.workload.p99_tokens
+    stated_seqs = c.args.get("max_num_seqs")
+    if p99 is None and stated_seqs is None:
+        return None  # vLLM's default and no workload: nothing to compare with
+    length = p99 or min(TYPICAL_REQUEST_TOKENS, p.settings.max_model_len or TYPICAL_REQUEST_TOKENS)
+    served = max(int(p.kv_cache_tokens * POOL_KEEP // length), 1)
+    seqs = int(p.settings.max_num_seqs or stated_seqs or 0)
+    wanted = c.workload.concurrency
+    if wanted and wanted > served:
+        return _pool_too_small(c, length, served, wanted)
+    if seqs <= served or (p99 is None and seqs <= 4 * served):
+        return None
+    target = min(served, wanted) if wanted else served
+    basis = f"the P99 of {p99:,}" if p99 else f"a typical {length:,}-token request"
+    return _finding(
+        c, "concurrency_or_batch",
+        f"max_num_seqs {seqs} is more than the {served} sequences of {basis} tokens the KV pool "
+        f"serves",
+        [Fix("--max-num-seqs", str(target),
+             f"the pool holds {p.kv_cache_tokens:,} tokens; {target} × {length:,} = "
+             f"{target * length:,} keeps 10 % spare, so a burst is not preempted")],
+        "vLLM's KV cache is paged: a sequence holds the blocks its tokens use. A burst of "
+        "max_num_seqs requests of this length overflows the pool, and vLLM preempts and "
+        "recomputes them.",
+        severity="tip", confidence=0.85 if p99 else 0.6)
+
+
+def _pool_too_small(c: _Command, length: int, served: int, wanted: int) -> LintFinding:
+    p = c.prediction
+    return _finding(
+        c, "kv_too_small_for_max_len",
+        f"the KV pool ({p.kv_cache_tokens:,} tokens) serves {served} requests of {length:,} "
+        f"tokens, not the {wanted} the workload needs",
+        [Fix("--max-num-seqs", str(served), f"{served} × {length:,} tokens fit with 10 % spare; "
+             "more GPU memory (tensor parallelism, fp8 KV cache, a quantized model) serves more")],
+        "oomguard plan with --p99-tokens and --concurrency finds a configuration that serves "
+        "the whole workload.")
+
+
+def _check_length_against_p99(c: _Command) -> LintFinding | None:
+    p99 = c.workload.p99_tokens
+    if not p99:
+        return None
+    p = c.prediction
+    length = c.args.get("max_model_len")
+    if length in (None, -1) and p is not None:
+        length = p.settings.max_model_len
+    if not length or length <= LENGTH_OVER_P99 * p99:
+        return None
+    target = int(math.ceil(p99 * 1.1 / 256) * 256)
+    return _finding(
+        c, "max_model_len_above_p99", f"max_model_len {length:,} is far above the P99 of {p99:,}",
+        [Fix("--max-model-len", str(target), f"covers the P99 ({p99:,}) with 10 % margin")],
+        "The KV cache is paged, so an unused context costs no memory by itself; but one request "
+        "may then grow to max_model_len and take that much of the pool from the others.",
+        severity="tip", confidence=0.5)
+
+
+def _check_prefix_caching(c: _Command) -> LintFinding | None:
+    if not c.args.get("enable_prefix_caching") or c.workload.shared_prefix is True:
+        return None
+    return _finding(
+        c, "prefix_caching_unused", "prefix caching is on but the prompts are not known to "
+        "share prefixes",
+        [Fix("--no-enable-prefix-caching", None, "without shared prefixes (hit rate < 30 %) the "
+             "cached blocks only hold memory; keep it if prompts share a system prompt")],
+        "", severity="tip", confidence=0.5)
+
+
+def _check_sleep_expandable(c: _Command) -> LintFinding | None:
+    text = c.text.lower()
+    sleep = "enable-sleep-mode" in text or "enable_sleep_mode" in text
+    if not (sleep and "expandable_segments:true" in text):
+        return None
+    return _finding(
+        c, "other", "expandable_segments is set together with sleep mode",
+        [Fix("PYTORCH_CUDA_ALLOC_CONF", "(unset)",
+             "sleep mode's memory pool rejects expandable segments")], "")
+
+
+_CHECKS: tuple[Callable[[_Command], LintFinding | None], ...] = (
+    _check_headroom,
+    _check_cotenant,
+    _check_fit,
+    _check_seqs_against_pool,
+    _check_length_against_p99,
+    _check_prefix_caching,
+    _check_sleep_expandable,
+)
+
+
+def _predict(parsed: Any, gpu: str | None) -> tuple[Any, Any]:
+    """The memory model's prediction for the command (None when model or GPU is unknown)."""
+    gpu_spec = spec = None
+    if gpu:
+        try:
+            from oomguard.facts.gpus import find_gpu
+
+            gpu_spec = find_gpu(gpu)
+        except BadInput:
+            raise
+        except Exception:  # the facts layer failing is not the user's input: skip the KV checks
+            gpu_spec = None
     try:
         from oomguard.facts.resolve import resolve_model_with_quantization
 
         spec = resolve_model_with_quantization(
             parsed.model, parsed.settings_kwargs.get("quantization"), allow_hub=False
         )
-    except BadInput:
+    except Exception:  # a model not catalogued offline: the KV checks are skipped, said so
         spec = None
-    except Exception:  # the facts layer may be incomplete; lint still runs its other checks
-        spec = None
-    if gpu:
-        try:
-            from oomguard.facts.gpus import find_gpu
-
-            gpu_spec = find_gpu(gpu)
-        except Exception:  # unknown GPU: the KV checks are skipped, the rest still run
-            gpu_spec = None
     if spec is None or gpu_spec is None:
-        return None, spec, gpu_spec
+        return None, gpu_spec
     try:
         from oomguard.memory.engine import predict
 
-        return predict(spec, gpu_spec, parsed.settings(), strict=False), spec, gpu_spec
-    except Exception:  # a configuration the model rejects is reported by `oomguard plan`
-        return None, spec, gpu_spec
+        return predict(spec, gpu_spec, parsed.settings(), strict=False), gpu_spec
+    except BadInput:
+        raise
+    except Exception:  # an architecture the predictor rejects: `oomguard plan` explains it
+        return None, gpu_spec

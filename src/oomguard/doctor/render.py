@@ -6,40 +6,45 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from oomguard.doctor.findings import Diagnosis, Finding
-
-_LABELS = {
-    "util_overshoot": "GPU memory utilization overshoot",
-    "kv_too_small_for_max_len": "KV cache too small for max_model_len",
-    "concurrency_or_batch": "too many sequences / too large a batch",
-    "weights_dont_fit": "the weights do not fit",
-    "cuda_graph": "CUDA-graph capture",
-    "fragmentation": "allocator fragmentation",
-    "multimodal_encoder": "multimodal encoder profiling",
-    "leak_or_other_process": "leak or another process",
-    "cpu_ram": "host RAM",
-    "other": "other",
-}
+from oomguard.doctor.findings import LABELS, Diagnosis, Finding
 
 
-def render_findings(console: Console, findings: list[Finding], title: str) -> None:
+def _head(rank: int, finding: Finding) -> Text:
+    label = LABELS.get(finding.cause, finding.cause.replace("_", " "))
+    head = Text(f"\n{rank}. {label}", style="bold cyan" if rank == 1 else "bold")
+    if finding.sure:
+        tier = f"sure: {finding.mechanism}, right {finding.confidence:.0%} of the time"
+    else:
+        tier = f"probability {finding.confidence:.0%}"
+    head.append(f"  [{finding.cause}, {tier}]", style="dim")
+    return head
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.4g}"
+
+
+def render_findings(
+    console: Console, findings: list[Finding], title: str, *, fixes_of_first_only: bool = False
+) -> None:
     """Print findings best first: cause, confidence, explanation, evidence, fixes in order."""
     console.print(Text(title, style="bold"))
     for rank, finding in enumerate(findings, start=1):
-        label = _LABELS.get(finding.cause, finding.cause)
-        head = Text(f"\n{rank}. {label}", style="bold cyan" if rank == 1 else "bold")
-        head.append(f"  [{finding.cause}, confidence {finding.confidence:.0%}]", style="dim")
-        console.print(head)
+        console.print(_head(rank, finding))
         console.print(f"   {finding.summary}", soft_wrap=True, highlight=False)
         if finding.explanation and rank == 1:
             console.print(Text(f"   {finding.explanation}", style="italic"), soft_wrap=True)
+        if finding.numbers and rank == 1:
+            shown = ", ".join(f"{k} {_number(v)}" for k, v in finding.numbers.items())
+            console.print(Text(f"   numbers: {shown}", style="dim"), soft_wrap=True)
         for ev in finding.evidence[:4]:
             where = f"line {ev.line}" if ev.line else "command"
             console.print(Text(f"   {where}: ", style="dim") + Text(ev.text[:200]), soft_wrap=True)
-        fixes = finding.ordered_fixes()
-        if fixes:
+        if fixes_of_first_only and rank > 1:
+            continue
+        if finding.fixes:
             console.print(Text("   fix, in this order:", style="green"))
-            for fix in fixes:
+            for fix in finding.fixes:
                 line = Text("     → ", style="green") + Text(fix.as_text, style="bold")
                 if fix.why:
                     line += Text(f"   {fix.why}", style="dim")
@@ -47,7 +52,8 @@ def render_findings(console: Console, findings: list[Finding], title: str) -> No
 
 
 def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
-    """The doctor's report (or the no-OOM message)."""
+    """The doctor's report: the answer (or the candidates it cannot tell apart), the facts
+    that would settle it, what the log states, and the predicted restart."""
     parsed = diagnosis.parsed
     if not diagnosis.oom_found:
         console.print(f"No out-of-memory failure found in {parsed.lines:,} lines.")
@@ -57,7 +63,32 @@ def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
                 soft_wrap=True,
             )
         return
-    render_findings(console, diagnosis.findings, f"Diagnosis ({parsed.lines:,} lines read)")
+    if diagnosis.abstained:
+        title = (f"An out-of-memory failure ({parsed.lines:,} lines read), but the log does not "
+                 "say which cause: these are the candidates, none likely enough to answer")
+    else:
+        title = f"Diagnosis ({parsed.lines:,} lines read)"
+    render_findings(console, diagnosis.findings, title, fixes_of_first_only=True)
+    if diagnosis.needs:
+        console.print(Text("\nWhat would settle it:", style="bold yellow"))
+        for need in diagnosis.needs:
+            settles = ", ".join(LABELS.get(c, c) for c in need.settles)
+            console.print(f"  • {need.what}: {need.how}  (tells apart: {settles})", soft_wrap=True)
+    _render_stated(console, diagnosis)
+    plan = diagnosis.plan
+    if plan:
+        applied = ", ".join(plan.get("applied") or []) or "the same settings"
+        verdict = "starts" if plan.get("fits") else "still does not fit"
+        console.print(
+            f"\nWith {applied}: predicted KV cache {plan.get('kv_cache_gib')} GiB, "
+            f"{plan.get('kv_cache_tokens'):,} tokens, max concurrency "
+            f"{plan.get('max_concurrency'):.2f}x — {verdict}.",
+            soft_wrap=True,
+        )
+
+
+def _render_stated(console: Console, diagnosis: Diagnosis) -> None:
+    parsed = diagnosis.parsed
     table = Table(title="What the log states", show_header=True, header_style="bold", box=None)
     table.add_column("value")
     table.add_column("")
@@ -75,12 +106,3 @@ def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
     if table.row_count:
         console.print()
         console.print(table)
-    plan = diagnosis.plan
-    if plan:
-        applied = ", ".join(plan.get("applied") or []) or "the same settings"
-        verdict = "starts" if plan.get("fits") else "still does not fit"
-        console.print(
-            f"\nWith {applied}: predicted KV cache {plan.get('kv_cache_gib')} GiB, "
-            f"{plan.get('kv_cache_tokens'):,} tokens, max concurrency {plan.get('max_concurrency'):.2f}x — {verdict}.",
-            soft_wrap=True,
-        )

@@ -180,6 +180,25 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
     s = Situation(parsed=parsed, context=context)
     for name, obs in parsed.fields.items():
         s.set(name, obs.value, "log", obs.evidence)
+    _add_command(s, context)
+    _add_gpu(s, context, parsed)
+    _add_utilization(s, parsed)
+    _add_weights(s, parsed)
+    return s
+
+
+_INT_SETTINGS = (
+    "tensor_parallel_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+)
+_FLOAT_SETTINGS = ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib")
+
+
+def _add_command(s: Situation, context: Context) -> None:
+    """The settings the user's command line and arguments state."""
     ctx_args = dict(context.args)
     if context.command:
         from oomguard.logs.parser import command_args
@@ -190,22 +209,13 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
         target = arg_map.get(key)
         if target is None or value is None:
             continue
-        if target in (
-            "tensor_parallel_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-        ):
-            try:
+        try:
+            if target in _INT_SETTINGS:
                 value = int(value)
-            except (TypeError, ValueError):
-                continue
-        elif target in ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib"):
-            try:
+            elif target in _FLOAT_SETTINGS:
                 value = float(value)
-            except (TypeError, ValueError):
-                continue
+        except (TypeError, ValueError):
+            continue
         s.set(target, value, "command")
     if context.model:
         s.set("model", context.model, "command")
@@ -213,7 +223,9 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
         s.set("mm_limits", ctx_args["limit_mm_per_prompt"], "command")
     s.context.args.update({k: v for k, v in ctx_args.items() if k not in s.context.args})
 
-    # GPU facts
+
+def _add_gpu(s: Situation, context: Context, parsed: ParsedLog) -> None:
+    """The device: the user's --gpu, else the log's GPU name, else a GPU named in the text."""
     if context.gpu:
         total, count, name = _parse_gpu_text(context.gpu)
         gpu_spec = _resolve_gpu(name)
@@ -245,23 +257,29 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
             s.set("gpu_count", int(count_said), "said", said)
         s.set("gpu_name", name, "said", said)
 
-    util_known = s.known("gpu_memory_utilization")
-    if util_known is None and parsed.get("said_util") is not None:
+
+def _add_utilization(s: Situation, parsed: ParsedLog) -> None:
+    """The utilization in force: stated, else said in the text, else vLLM's default."""
+    if s.known("gpu_memory_utilization") is None and parsed.get("said_util") is not None:
         # a utilization the text states ("--gpu-memory-utilization 0.5", "set it to 1.0")
         s.set(
             "gpu_memory_utilization", parsed.get("said_util"), "said", parsed.evidence("said_util")
         )
-        util_known = s.known("gpu_memory_utilization")
-    if util_known is None:
+    if s.known("gpu_memory_utilization") is None:
         s.set("gpu_memory_utilization", _default_util(s.get("vllm_version")), "default")
 
-    # weights per GPU: observed, else model facts, else the model's name
+
+def _add_weights(s: Situation, parsed: ParsedLog) -> None:
+    """Weights per GPU: observed, else model facts, else the model's name, else the text."""
     weights = s.known("weights_gib")
     if weights is not None:
         s.set("weights_per_gpu_gib", weights.value, weights.origin, weights.evidence)
     model = s.get("model")
     if model:
         spec = _resolve_model(str(model))
+        if spec is None and s.context.model and s.context.model != model:
+            # the log's model is a path from another machine: the user's --model is here
+            spec = _resolve_model(s.context.model)
         if spec is not None:
             s.model_spec = spec
             weights_total = _weights_from_spec(spec, s)
@@ -280,7 +298,6 @@ def build_situation(parsed: ParsedLog, context: Context) -> Situation:
         s.set("weights_per_gpu_gib", said_w / s.tp, "said", parsed.evidence("said_weights_gib"))
     if "weights_total_gib" not in s.values and weights is not None:
         s.set("weights_total_gib", weights.value * s.tp, weights.origin, weights.evidence)
-    return s
 
 
 def _resolve_gpu(name: str) -> Any:
@@ -353,6 +370,7 @@ def floor2(x: float) -> float:
 
 
 def ceil2(x: float) -> float:
+    """Round up to two decimals."""
     return math.ceil(x * 100 - 1e-9) / 100
 
 
@@ -370,7 +388,3 @@ def nice_max_model_len(capacity_tokens: int, block_size: int) -> int:
     ]
     good = [c for c in rounded if c >= floor_ok and c > 0]
     return max(good) if good else max(best, block_size)
-
-
-def power_of_two_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)

@@ -301,7 +301,10 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "cpu_kv_allocation_failed",
         "on kv cache allocation is less",
-        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on kv cache allocation is less",
+        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on kv cache allocation is less"
+        # the pool it asked for, and (auto-sized) the worker's request it was taken from:
+        # requested − the pool is the worker's resident memory outside the KV cache
+        rf"(?: than requested memory for kv \((?P<cpu_kv_request_gib>{NUM})(?:/(?P<requested_gib>{NUM}))? GiB\))?",
         signature="cpu_kv_allocation_failed",
         failure_phase=Phase.KV_ALLOCATION,
         handler="platform_cpu",
@@ -445,7 +448,10 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "cpu_auto_set",
         ("gib for kv cache on node",),
-        rf"(?:Auto|Explicitly) set \((?P<available_kv_gib>{NUM})/(?P<gpu_total_gib>{NUM})\) GiB for KV cache on node",
+        rf"(?:Auto|Explicitly) set \((?P<available_kv_gib>{NUM})/(?P<gpu_total_gib>{NUM})\) GiB for KV cache on node"
+        # auto-sized: the worker's request (utilization × node RAM) and its resident memory
+        rf"(?: \d+, with (?P<requested_gib>{NUM}) GiB requested memory for the worker\. "
+        rf"(?P<cpu_non_kv_gib>{NUM}) GiB memory was consumed by non-kv usages)?",
         phase=Phase.KV_ALLOCATION,
         handler="platform_cpu",
     ),
@@ -503,7 +509,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "cuda graphs can take additional",
             "cudagraph_capture_sizes",
         ),
-        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|cudagraph_capture_sizes",
+        # ``cudagraph_capture_sizes`` starts a capture only as a line of its own (V0's
+        # "cudagraph_capture_sizes [2,1]"), not as a key of the engine's configuration dump
+        # (``'cudagraph_capture_sizes': []``), which vLLM prints before the weights load.
+        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|(?<![\w'\"])cudagraph_capture_sizes(?![\w'\"])",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(

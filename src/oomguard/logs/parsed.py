@@ -72,12 +72,22 @@ class OomEvent:
     private_pools_gib: float | None = None  # CUDA graph pools
 
     @property
+    def own_gib(self) -> float | None:
+        """Memory the failing process itself holds on the GPU, when derivable."""
+        if self.total_gib is None or self.free_gib is None:
+            return None
+        others = self.other_processes_gib
+        return None if others is None else max(self.total_gib - self.free_gib - others, 0.0)
+
+    @property
     def other_processes_gib(self) -> float | None:
         """Memory held on the GPU by processes other than the failing one, when derivable."""
         if self.total_gib is None or self.free_gib is None:
             return None
         used = self.total_gib - self.free_gib
-        if self.this_process_gib is not None:
+        # "this process has 0 bytes memory in use": inside a container PyTorch cannot see the
+        # process's own usage, so 0 means unknown, not an empty process
+        if self.this_process_gib:
             return max(used - self.this_process_gib, 0.0)
         if len(self.processes_gib) == 1:
             return max(used - self.processes_gib[0][1], 0.0)
@@ -85,10 +95,13 @@ class OomEvent:
             # one of them is the failing process: the largest is the best guess
             largest = max(g for _, g in self.processes_gib)
             return max(used - largest, 0.0)
-        if self.reserved_gib is not None:
-            # old format: only this process's torch reservation is known; allow for its
-            # CUDA context (~0.5 GiB), which PyTorch does not count as reserved
-            return max(used - self.reserved_gib - 0.5, 0.0)
+        reserved = self.reserved_gib
+        if reserved is None and self.allocated_gib is not None:
+            reserved = self.allocated_gib + (self.reserved_unallocated_gib or 0.0)
+        if reserved is not None:
+            # only this process's torch reservation is known; allow for its CUDA context
+            # (~0.5 GiB), which PyTorch does not count as reserved
+            return max(used - reserved - 0.5, 0.0)
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,6 +206,10 @@ FIELD_RULES: dict[str, str] = {
     "startup_total_gib": "first",
     "initial_used_gib": "max",
     "startup_check_failed": "first",
+    # CPU backend: the worker's resident memory outside the KV cache ("consumed by non-kv
+    # usages"), and the pool a failed KV allocation asked for (negative: below that memory)
+    "cpu_non_kv_gib": "first",
+    "cpu_kv_request_gib": "first",
     "kv_needed_gib": "first",
     "kv_available_gib": "first",
     "kv_error_max_model_len": "first",

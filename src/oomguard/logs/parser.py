@@ -362,12 +362,18 @@ class _Builder:
         if len(log.ooms) >= MAX_LIST:
             return
         event = _parse_oom(kind, ev, text)
-        # the same report is often printed by every rank and again in the final traceback
+        # the same report is often printed again in the final traceback; reports of other
+        # GPUs (tensor-parallel ranks) are kept, their differences are evidence
         for existing in log.ooms:
             if (
                 existing.kind == event.kind
                 and existing.tried_gib == event.tried_gib
                 and existing.free_gib == event.free_gib
+                and (
+                    existing.gpu_index == event.gpu_index
+                    or None in (existing.gpu_index, event.gpu_index)
+                )
+                and existing.this_process_gib in (event.this_process_gib, None)
             ):
                 if event.total_gib is not None and existing.total_gib is None:
                     log.ooms[log.ooms.index(existing)] = event

@@ -1,9 +1,9 @@
 """Estimated terms of vLLM's budget: activation peak, non-torch growth, CUDA-graph estimate.
 
 These are runtime measurements inside vLLM (§2.3–2.6). Each is modelled from what vLLM's own
-code allocates in the version at hand, and carries a range: a ``low``–``high`` band wide enough
-to hold what real startup logs of that era showed, measured out of sample
-(``bench/planner_accuracy.py --terms``). Section numbers refer to the project's vllm-memory
+code allocates in the version at hand, and carries a range: the band its out-of-sample errors
+on real startup logs of the same era showed (``oomguard.memory.bands``, derived by
+``bench/planner_accuracy.py --bands``). Section numbers refer to the project's vllm-memory
 notes; "observed" figures cite the startup-log data sets (``shared/data/vllm-startup-logs.jsonl``
 as *dev*, ``bench/data/startup-logs-holdout.jsonl`` as *holdout*).
 
@@ -30,6 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oomguard.memory.bands import (
+    SHIPPED_BANDS,
+    TermBands,
+    activation_group,
+    graph_group,
+    non_torch_group,
+)
 from oomguard.memory.spec import ModelSpec
 from oomguard.memory.versions import VllmEra
 
@@ -69,19 +76,9 @@ FORWARD_INTERMEDIATE_FACTOR = 4.0
 FORWARD_INTERMEDIATE_FACTOR_EAGER_V0 = 3.0
 FORWARD_HIDDEN_FACTOR = 3.0
 
-# Relative uncertainty bands (low, high) of each part, from the errors the accuracy bench
-# prints per term (`--terms`; nothing in them is fitted): where the sampler is the peak, the
-# counted bytes land within −5.3 %…+6.9 % of the logged peak (47 logs, V0 to 0.19); where the
-# forward pass is, within −7.2 %…+14.5 % (9 logs); the kept MoE and encoder buffers are
-# structural estimates (Mixtral at TP 2 logs 45 % less than computed).
-SAMPLER_BAND = (0.93, 1.08)
-FORWARD_BAND = (0.85, 1.18)
-KEPT_BAND = (0.5, 1.5)
-# Absolute floor of every band: allocator rounding and small buffers (bias, rotary, indices).
-ACTIVATION_FLOOR_BYTES = 64 * MIB
-
 # --------------------------------------------------------------------------------------------
-# Non-torch growth (§2.4), GiB: (value, low, high) by snapshot era, parallelism and interconnect.
+# Non-torch growth (§2.4), GiB, by snapshot era, parallelism and interconnect (the bands are in
+# ``oomguard.memory.bands``, by snapshot era and TP).
 #
 # eras: "v0" — the V0 engine and V1 0.10, whose snapshot precedes NCCL's set-up (its whole
 #       communicator and vLLM's custom all-reduce buffers count); "v1" 0.11–0.17 and "late"
@@ -92,70 +89,70 @@ ACTIVATION_FLOOR_BYTES = 64 * MIB
 # One NCCL communicator's ring/tree buffers on NVLink take 0.53 GiB for 2 ranks and 0.67 GiB
 # for more (NVIDIA/nccl#964); NVLS initialisation is the known large one (NeMo-Framework-
 # Launcher#127 and JAX-Toolbox#383 turn it off "for memory saving").
-NON_TORCH_GIB: dict[tuple[str, str], tuple[float, float, float]] = {
+NON_TORCH_GIB: dict[tuple[str, str], float] = {
     # V0 / 0.10, one GPU: cuBLAS and attention workspaces. Observed 0.01–0.35 (11 V0 logs).
-    ("v0", "single"): (0.10, 0.0, 0.40),
+    ("v0", "single"): 0.10,
     # V0 / 0.10 with TP over NVLink: the communicators themselves. Observed 2.10 (A100 TP 8,
     # dev 60), 5.21–5.68 (H200 TP 8, holdout 9), 1.79 (H100 TP 2 over its TP 1 run, vllm#10511).
-    ("v0", "nvlink"): (2.0, 0.8, 6.0),
-    ("v0", "nvls"): (2.0, 0.8, 6.0),
+    ("v0", "nvlink"): 2.0,
+    ("v0", "nvls"): 2.0,
     # V0 / 0.10 with TP over PCIe: observed 0.25 (RTX 4090 TP 2, holdout 7): without P2P, NCCL's
     # shared-memory transport stages through host memory and keeps few device buffers.
-    ("v0", "pcie"): (0.25, 0.05, 1.00),
-    ("v0", "pp"): (0.20, 0.0, 1.0),
+    ("v0", "pcie"): 0.25,
+    ("v0", "pp"): 0.20,
     # 0.11–0.17, one GPU: observed 0.13–0.14 (0.11, dev 5, 6, 8–11, 13).
-    ("v1", "single"): (0.13, 0.05, 0.40),
+    ("v1", "single"): 0.13,
     # 0.11–0.17, TP: one communicator's lazily connected buffers. Observed 0.54–0.55 (H100 TP 2,
-    # dev 7, 12). NVSwitch systems may add NVLS (as 0.18+ shows): the high end covers it.
-    ("v1", "pcie"): (0.25, 0.10, 0.80),
-    ("v1", "nvlink"): (0.55, 0.30, 1.00),
-    ("v1", "nvls"): (0.55, 0.30, 2.40),
-    ("v1", "pp"): (0.07, 0.0, 0.40),
+    # dev 7, 12). NVSwitch systems may add NVLS (as 0.18+ shows).
+    ("v1", "pcie"): 0.25,
+    ("v1", "nvlink"): 0.55,
+    ("v1", "nvls"): 0.55,
+    ("v1", "pp"): 0.07,
     # 0.18+, one GPU: observed 0.24–0.27 in 33 logs, 0.46 in two (0.19, dev 17–58).
-    ("late", "single"): (0.25, 0.10, 0.50),
+    ("late", "single"): 0.25,
     # 0.18+ TP over PCIe: not logged in the development set (holdout 22, L4 TP 2 without P2P on
     # 0.28, implies about 0.2 once graphs and activations are taken out); as 0.11–0.17.
-    ("late", "pcie"): (0.25, 0.10, 0.80),
-    ("late", "nvlink"): (0.55, 0.30, 1.00),
+    ("late", "pcie"): 0.25,
+    ("late", "nvlink"): 0.55,
     # 0.18+ on NVSwitch Hopper: observed 2.07–2.10 at TP 2, 2.13–2.21 at TP 4 (0.19 H100 HBM3,
-    # dev 19, 20, 38, 39, 41, 45, 46, 49, 52, 54, 58): ring buffers plus NVLS. The low end
-    # covers machines where NVLS stays off (NCCL_NVLS_ENABLE=0, NCCL_CUMEM_ENABLE=0).
-    ("late", "nvls"): (2.08, 0.50, 2.60),
+    # dev 19, 20, 38, 39, 41, 45, 46, 49, 52, 54, 58): ring buffers plus NVLS (machines where
+    # NVLS stays off, NCCL_NVLS_ENABLE=0 or NCCL_CUMEM_ENABLE=0, keep about a quarter of it).
+    ("late", "nvls"): 2.08,
     # pipeline stages only: point-to-point send/receive buffers. Observed 0.07 (dev 36, 37).
-    ("late", "pp"): (0.07, 0.0, 0.40),
+    ("late", "pp"): 0.07,
 }
 NVLS_PER_EXTRA_RANK_GIB = 0.035  # 0.19: +0.035 GiB per rank beyond 2 (TP 4 vs TP 2 logs)
 
 # --------------------------------------------------------------------------------------------
 # CUDA-graph estimate (§2.6), applied from 0.20: a pool part, a per-layer part per captured
 # size (51 sizes up to 512 by default) and a fused-MoE part. Fitted on the 37 "Estimated CUDA
-# graph memory" lines of the 0.19 logs (printed there, applied from 0.20): residuals within
-# ±0.3 GiB on one GPU; with TP the profiling also captures NCCL's first buffers (0.84 vs 1.69
-# GiB for the same model at TP 2), hence the wider band above.
+# graph memory" lines of the 0.19 logs (printed there, applied from 0.20); with TP the
+# profiling also captures NCCL's first buffers (0.84 vs 1.69 GiB for the same model at TP 2).
 GRAPH_BASE_GIB = 0.33
 GRAPH_PER_LAYER_GIB = 0.016
 GRAPH_MOE_GIB = 0.35
 GRAPH_REFERENCE_CAPTURES = 51
-GRAPH_BAND_GIB = {"single": (0.35, 0.35), "tp": (0.35, 0.90)}
 
 
 @dataclass(frozen=True)
 class Coefficients:
-    """The few fitted constants of the estimated terms, as one replaceable value.
+    """The few fitted constants of the estimated terms and their bands, as one replaceable value.
 
     The sampler's bytes are counted from vLLM's code and not listed here; the forward factors,
-    the non-torch table and the graph estimate come from logs (see the module constants). A
-    caller that refits them (the accuracy bench's leave-one-source-out view) passes its own.
+    the non-torch table and the graph estimate come from logs (see the module constants), the
+    bands from out-of-sample errors (``oomguard.memory.bands``). A caller that refits them (the
+    accuracy bench's leave-one-source-out view) passes its own.
     """
 
     forward_intermediate_factor: float = FORWARD_INTERMEDIATE_FACTOR
     forward_hidden_factor: float = FORWARD_HIDDEN_FACTOR
-    non_torch_gib: dict[tuple[str, str], tuple[float, float, float]] = field(
+    non_torch_gib: dict[tuple[str, str], float] = field(
         default_factory=lambda: dict(NON_TORCH_GIB), hash=False
     )
     graph_base_gib: float = GRAPH_BASE_GIB
     graph_per_layer_gib: float = GRAPH_PER_LAYER_GIB
     graph_moe_gib: float = GRAPH_MOE_GIB
+    bands: TermBands = field(default=SHIPPED_BANDS, hash=False)
 
 
 DEFAULT_COEFFICIENTS = Coefficients()
@@ -183,11 +180,6 @@ class Estimate:
     @staticmethod
     def exact(value_bytes: int, basis: str) -> Estimate:
         return Estimate(value_bytes, value_bytes, value_bytes, basis, False)
-
-
-def _band(value: float, band: tuple[float, float], floor: float = 0.0) -> tuple[float, float]:
-    low, high = value * band[0], value * band[1]
-    return max(0.0, min(low, value - floor)), max(high, value + floor)
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -265,6 +257,8 @@ def sampler_peak_bytes(
     """Sampler warm-up on ``requests`` rows: (value, low, high, implementation).
 
     Adds the profile batch's hidden states ``[T, h]``, still referenced while the sampler runs.
+    ``low``–``high`` spans the implementations the release may run (equal to the value where
+    only one can); the error band is added by :func:`activation_peak`.
     """
     vocab = padded_vocab(model.vocab_size)
     logits = requests * vocab
@@ -278,10 +272,10 @@ def sampler_peak_bytes(
         return logits * sampler_bytes_per_logit(which, dtype_bytes) + extra + kept
 
     value = cost(path)
-    low, high = _band(value, SAMPLER_BAND)
+    low = high = value
     if alternative is not None:
         other = cost(alternative)
-        low, high = min(low, other * SAMPLER_BAND[0]), max(high, other * SAMPLER_BAND[1])
+        low, high = min(value, other), max(value, other)
         path = f"{path} (or {alternative})"
     return int(value), int(low), int(high), path
 
@@ -310,33 +304,33 @@ def activation_peak(
     """Torch peak increase of the profile run on one rank (§2.3): ``max(forward, sampler) + kept``.
 
     ``has_sampler`` is False for pipeline stages other than the last (no logits there). Kept
-    buffers (fused-MoE workspace, encoder cache) add to whichever phase peaks. With expert
-    parallelism over ``dp`` > 1 data-parallel ranks the default all-gather dispatch can hand a
-    rank every rank's tokens: the high end prices the MoE workspace at ``T × dp``.
+    buffers (fused-MoE workspace, encoder cache) add to whichever phase peaks. The range spans
+    what the mechanism leaves open — which sampler the release runs, and with expert parallelism
+    over ``dp`` > 1 data-parallel ranks a MoE workspace at ``T × dp`` (the default all-gather
+    dispatch can hand a rank every rank's tokens) — widened by the era's relative error band.
     """
     t = max_num_batched_tokens
     r = min(max_num_seqs, t)
     forward = forward_peak_bytes(model, t, tp, dtype_bytes, coef, era.engine)
-    f_low, f_high = _band(forward, FORWARD_BAND)
     if has_sampler:
         sampler, s_low, s_high, path = sampler_peak_bytes(model, r, era, dtype_bytes, t)
     else:
         sampler, s_low, s_high, path = 0, 0, 0, "none (not the last pipeline stage)"
     moe_kept = moe_workspace_bytes(model, t, tp, dtype_bytes, ep)
     kept = moe_kept + encoder_cache_bytes(model, t, dtype_bytes)
-    k_low, k_high = _band(kept, KEPT_BAND)
+    k_high = kept
     if ep > 1 and dp > 1 and moe_kept:
         k_high += moe_workspace_bytes(model, min(t * dp, 32768), tp, dtype_bytes, ep) - moe_kept
     value = max(forward, sampler) + kept
-    low = max(f_low, s_low) + k_low
-    high = max(f_high, s_high) + k_high
+    group = activation_group(era.engine, era.sampler_path, model.vision is not None)
+    low, high = coef.bands.activation[group].around_relative(
+        max(forward, s_low) + kept, max(forward, s_high) + k_high
+    )
     phase = "sampler" if sampler >= forward else "forward"
     per_logit = sampler_bytes_per_logit(path.split()[0], dtype_bytes) if has_sampler else 0.0
     basis = f"estimate: {phase} peak at T={t}, R={r} ({path} sampler, {per_logit:.0f} B/logit)"
     if kept:
         basis += f" + {kept / GIB:.2f} GiB kept buffers"
-    low = min(low, value - ACTIVATION_FLOOR_BYTES)
-    high = max(high, value + ACTIVATION_FLOOR_BYTES)
     return Estimate(int(value), max(0, int(low)), int(high), basis)
 
 
@@ -358,6 +352,16 @@ def link_kind(nvlink: bool, nvls: bool) -> str:
     return "nvlink" if nvlink else "pcie"
 
 
+def non_torch_cell(
+    era: VllmEra, *, tp: int, pp: int, nvlink: bool = True, nvls: bool = False
+) -> tuple[str, str]:
+    """The row of :data:`NON_TORCH_GIB` that sizes a rank: (snapshot era, kind)."""
+    group = non_torch_era(era)
+    if tp > 1:
+        return group, link_kind(nvlink, nvls and group != "v0")
+    return group, "pp" if pp > 1 else "single"
+
+
 def non_torch(
     era: VllmEra,
     *,
@@ -375,16 +379,12 @@ def non_torch(
     """
     if platform == "cpu":
         return Estimate.exact(0, "CPU backend: no device profiling")
-    group = non_torch_era(era)
-    if tp > 1:
-        kind = link_kind(nvlink, nvls and group != "v0")
-    else:
-        kind = "pp" if pp > 1 else "single"
+    group, kind = non_torch_cell(era, tp=tp, pp=pp, nvlink=nvlink, nvls=nvls)
     table = coef.non_torch_gib
-    value, low, high = table.get((group, kind), table[(group, "single")])
+    value = table.get((group, kind), table[(group, "single")])
     if kind == "nvls" and group == "late" and tp > 2:
-        extra = NVLS_PER_EXTRA_RANK_GIB * (tp - 2)
-        value, high = value + extra, high + extra
+        value += NVLS_PER_EXTRA_RANK_GIB * (tp - 2)
+    low, high = coef.bands.non_torch_gib[non_torch_group(group, tp)].around(value)
     what = {
         "single": "one GPU: library workspaces",
         "pp": "pipeline stages: send/receive buffers",
@@ -447,10 +447,10 @@ def cudagraph_estimate(
     )
     if model.moe is not None:
         gib += coef.graph_moe_gib
-    below, above = GRAPH_BAND_GIB["tp" if tp > 1 else "single"]
+    low, high = coef.bands.graph_gib[graph_group(tp)].around(gib)
     return Estimate(
         int(gib * GIB),
-        int(max(0.0, gib - below) * GIB),
-        int((gib + above) * GIB),
+        int(low * GIB),
+        int(high * GIB),
         f"estimate: {n} captured sizes × {stage_layers} layers",
     )

@@ -24,6 +24,7 @@ from oomguard.memory.activation import (
     cudagraph_estimate,
     non_torch,
 )
+from oomguard.memory.bands import weights_group
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
@@ -476,7 +477,7 @@ def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> s
 # --------------------------------------------------------------------------------------------
 
 
-# relative band on the weights of a model read by the generic reader (architecture not
+# least relative band on the weights of a model read by the generic reader (architecture not
 # verified): a norm, bias or projection it does not know moves the count by a few percent
 UNVERIFIED_WEIGHTS_BAND = 0.05
 
@@ -516,23 +517,22 @@ def _stage_memory(
 ) -> tuple[StageMemory, tuple[Estimate, Estimate, Estimate]]:
     """Weights, activation, graphs, KV budget and blocks of one stage, with the budget's range.
 
-    The KV range takes every estimated term at the end of its own range: the low end pays the
-    high weights, activation, non-torch and graph figures, and the other way round.
+    The KV range takes every estimated term at the end of its own range (its band of
+    out-of-sample error, ``oomguard.memory.bands``): the low end pays the high weights,
+    activation, non-torch and graph figures, and the other way round.
     """
     settings, era, measured = b.settings, b.era, b.measured
     pp = settings.pipeline_parallel_size
-    w_est = Estimate(
-        weights_bytes, int(weights_bytes * 0.985), int(weights_bytes * 1.015),
-        f"computed: {weights_basis}",
-    )  # fmt: skip
-    if not b.model.quant.method and not settings.quantization:
-        # unquantized: parameters × bytes, checked against the checkpoint (±0.5 % for buffers)
-        w_est = replace(w_est, low_bytes=int(weights_bytes * 0.995),
-                        high_bytes=int(weights_bytes * 1.005))  # fmt: skip
+    # parameters × bytes per format; the band is what such counts missed by on real logs
+    quantized = bool(b.model.quant.method or settings.quantization)
+    half = b.coef.bands.weights[weights_group(quantized, b.model.vision is not None)].half_width
     if not b.model.verified:
         # read by the generic reader: modules it does not know may add or remove weights
-        w_est = replace(w_est, low_bytes=int(weights_bytes * (1 - UNVERIFIED_WEIGHTS_BAND)),
-                        high_bytes=int(weights_bytes * (1 + UNVERIFIED_WEIGHTS_BAND)))  # fmt: skip
+        half = max(half, UNVERIFIED_WEIGHTS_BAND)
+    w_est = Estimate(
+        weights_bytes, int(weights_bytes * (1 - half)), int(weights_bytes * (1 + half)),
+        f"computed: {weights_basis}",
+    )  # fmt: skip
     if measured and measured.weights_bytes is not None:
         w_est = Estimate.measured(measured.weights_bytes, measured.source)
         _note(measured_names, "weights")
@@ -587,9 +587,14 @@ def _available_kv(
         return value, value, value
     if b.settings.platform == "cpu":
         if b.era.cpu_kv_budget == "util":
-            rss = w.value_bytes + a.value_bytes + CPU_RSS_BASELINE_BYTES
-            rss_low = w.low_bytes + a.low_bytes + CPU_RSS_BASELINE_BYTES - CPU_RSS_SPREAD_BYTES
-            rss_high = w.high_bytes + a.high_bytes + CPU_RSS_BASELINE_BYTES + CPU_RSS_SPREAD_BYTES
+            # the runtime outside weights and activations: measured (the non-torch term on
+            # this backend), else the baseline estimate with its spread
+            measured = b.measured is not None and b.measured.non_torch_bytes is not None
+            runtime = n.value_bytes if measured else CPU_RSS_BASELINE_BYTES
+            spread = 0 if measured else CPU_RSS_SPREAD_BYTES
+            rss = w.value_bytes + a.value_bytes + runtime
+            rss_low = w.low_bytes + a.low_bytes + runtime - spread
+            rss_high = w.high_bytes + a.high_bytes + runtime + spread
             req = b.requested
             return int(req - rss), int(req - rss_high), int(req - rss_low)
         fixed = (
@@ -788,8 +793,9 @@ def predict(
     nt = non_torch(
         era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, nvls=gpu.nvls, coef=coef
     )
-    if measured and measured.non_torch_bytes is not None and platform != "cpu":
-        # the CPU backend profiles no device memory: there is no non-torch term to replace
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
         nt = Estimate.measured(measured.non_torch_bytes, measured.source)
         measured_names.append("non_torch")
     kv_override = settings.kv_cache_memory_bytes

@@ -90,6 +90,9 @@ def plan_command(
     margin: float = typer.Option(
         0.10, "--margin", help="Spare KV capacity to demand (0.1 = 10 %)."
     ),
+    host_memory_gib: float = typer.Option(
+        None, "--host-memory-gib", help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
+    ),
     offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
     no_calibration: bool = typer.Option(
         False, "--no-calibration", help="Ignore the calibration store."
@@ -157,6 +160,7 @@ def plan_command(
         shared_prefix=shared_prefix,
         headroom_gib=headroom_gib,
         margin=margin,
+        host_memory_gib=host_memory_gib,
         command=command,
         allow_hub=not offline,
         use_calibration=not no_calibration,

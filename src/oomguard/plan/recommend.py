@@ -47,12 +47,7 @@ NCCL_RESERVE_BYTES = 256 * 2**20
 # Lower max_num_batched_tokens only down to this; below it long prompts prefill very slowly.
 _BATCHED_TOKEN_STEPS = (4096, 2048, 1024, 512)
 _COUNTS = (1, 2, 4, 8)
-# GGUF Q4_K_M averages about 4.85 bits per weight over a Llama-class model (llama.cpp quantize
-# tables: 8.03 B params → 4.92 GB); the token embedding stays on the CPU.
-GGUF_Q4_K_M_BITS = 4.85
-LLAMA_CPP_RESERVE_BYTES = int(1.5 * GIB)  # CUDA context + compute buffers (estimate)
 PCIE_GBPS = 25.0  # PCIe 4.0 x16, achievable host→device bandwidth
-HOST_RAM_GBPS = 60.0  # dual-channel DDR5, what CPU-side layers stream per token
 
 
 @dataclass(frozen=True)
@@ -795,52 +790,6 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
     return best, weights_gib
 
 
-def llama_cpp_split(space: SearchSpace, kv_bytes_per_token_tp1: int) -> dict[str, Any]:
-    """GPU-layer split for llama.cpp with a Q4_K_M GGUF: how many layers ``-ngl`` puts on the GPU."""
-    model = space.model
-    w = space.workload
-    per_layer_params = sum(g.count for g in model.params if g.per_layer)
-    embed_params = sum(g.count for g in model.params if not g.per_layer and g.stage in ("first",))
-    head_params = sum(
-        g.count for g in model.params if not g.per_layer and g.stage in ("last", "all")
-    )
-    layers = max(1, model.num_layers)
-    bytes_per_weight = GGUF_Q4_K_M_BITS / 8
-    layer_bytes = per_layer_params / layers * bytes_per_weight
-    head_bytes = (head_params or embed_params) * bytes_per_weight
-    ctx = w.concurrency * w.p99_tokens
-    kv_layer_bytes = kv_bytes_per_token_tp1 / layers * ctx  # f16 KV, as llama.cpp's default
-    vram = space.gpu.total_bytes * space.gpu_count - space.workload.headroom_bytes
-    budget = vram - LLAMA_CPP_RESERVE_BYTES * space.gpu_count - head_bytes
-    ngl = int(max(0, min(layers, budget // (layer_bytes + kv_layer_bytes)))) if budget > 0 else 0
-    cpu_bytes = (layers - ngl) * layer_bytes
-    file_gib = (per_layer_params + embed_params + head_params) * bytes_per_weight / GIB
-    tokens_per_s = HOST_RAM_GBPS * 1e9 / cpu_bytes if cpu_bytes > 0 else None
-    return {
-        "gguf": "Q4_K_M",
-        "file_gib": round(file_gib, 1),
-        "layers": layers,
-        "ngl": ngl,
-        "gpu_gib": round(
-            (
-                ngl * (layer_bytes + kv_layer_bytes)
-                + head_bytes
-                + LLAMA_CPP_RESERVE_BYTES * space.gpu_count
-            )
-            / GIB,
-            1,
-        ),
-        "cpu_ram_gib": round(
-            (cpu_bytes + (layers - ngl) * kv_layer_bytes + embed_params * bytes_per_weight) / GIB, 1
-        ),
-        "layer_gib": round(layer_bytes / GIB, 3),
-        "kv_per_layer_gib": round(kv_layer_bytes / GIB, 3),
-        "ctx_size": ctx,
-        "parallel": w.concurrency,
-        "decode_tokens_per_s_bound": None if tokens_per_s is None else round(tokens_per_s, 1),
-    }
-
-
 def alternatives(
     space: SearchSpace,
     outcome: SearchOutcome,
@@ -949,31 +898,6 @@ def alternatives(
                      "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
                      "check that 'Model loading took' drops by the offloaded amount",
                      "KV offloading / LMCache does not add room for active context; only weight offload does"), c))  # fmt: skip
-    kv_tp1 = (
-        tp1.kv_bytes_per_token
-        if tp1.settings.kv_cache_dtype == "auto"
-        else tp1.kv_bytes_per_token * 2
-    )
-    split = llama_cpp_split(space, kv_tp1)
-    if split["ngl"] > 0:
-        name = space.model_ref.split("/")[-1]
-        cmd = (f"llama-server -m {name}-Q4_K_M.gguf --ctx-size {split['ctx_size']} "
-               f"--parallel {split['parallel']} --n-gpu-layers {split['ngl']}")  # fmt: skip
-        caveats = [
-            f"{split['layers'] - split['ngl']} of {split['layers']} layers run on the CPU: decode is bound by host RAM "
-            f"bandwidth (≤{split['decode_tokens_per_s_bound']} tokens/s at {HOST_RAM_GBPS:.0f} GB/s)"
-            if split["ngl"] < split["layers"]
-            else "all layers fit on the GPU",
-            "a different engine: OpenAI-compatible llama-server, no PagedAttention/continuous batching at vLLM's scale",
-            "split computed from per-layer bytes of a Q4_K_M GGUF and f16 KV; llama.cpp's --fit can refine it",
-        ]
-        if space.model.moe is not None:
-            caveats.append(
-                "MoE: --n-cpu-moe (experts on CPU, attention on GPU) is usually faster than a layer split"
-            )
-        out.append(("llama_cpp", f"llama.cpp Q4_K_M with {split['ngl']}/{split['layers']} layers on the GPU", True,
-                    split, cmd, tuple(caveats), None))  # fmt: skip
-
     order = {
         "more_gpus": 0,
         "larger_gpu": 0,
@@ -981,7 +905,6 @@ def alternatives(
         "quantize_yourself": 1,
         "shorter_context": 1,
         "cpu_offload": 2,
-        "llama_cpp": 3,
     }
 
     def hardware(item: tuple[Any, ...]) -> float:

@@ -146,11 +146,7 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
     else:
         table.add_row("requested", _gib(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
     estimated, how = weights_known(c)
-    weights_cell = _estimate_cell(p.weights) if estimated else how
-    if estimated and not how.startswith("estimate"):
-        weights_cell = how
-    elif estimated:
-        weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}"
+    weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}" if estimated else how
     table.add_row("  weights", _gib(p.weights.value_bytes), weights_cell)
     table.add_row("  activation peak", _gib(p.activation.value_bytes), _estimate_cell(p.activation))
     table.add_row("  non-torch", _gib(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
@@ -312,13 +308,22 @@ def recommendation(result: PlanResult) -> RenderableType | None:
     return Group(*head, table, *extra)
 
 
+def _tier_figures(n: dict[str, object]) -> str:
+    """The fallback chain's price of one tier (oomguard.tiering.chain)."""
+    parts = [f"tier {n['tier']}: {n['tier_name']}"]
+    if n.get("gpu_count"):
+        parts.append(f"GPU {n['gpu_gib_per_device']} GiB × {n['gpu_count']}")
+    if n.get("host_gib"):
+        parts.append(f"host {n['host_gib']} GiB")
+    if n.get("decode_tokens_per_s_bound") is not None:
+        slow = f", ~{n['slowdown']}× the planned GPU's time per token" if n.get("slowdown") is not None else ""
+        parts.append(f"≤{n['decode_tokens_per_s_bound']} tokens/s per sequence{slow} (estimate)")
+    return " · ".join(parts)
+
+
 def _alt_figures(alt_kind: str, serves: bool, n: dict[str, object]) -> list[str]:
-    if alt_kind == "llama_cpp":
-        return [
-            f"-ngl {n['ngl']} of {n['layers']} layers ({n['layer_gib']} GiB + "
-            f"{n['kv_per_layer_gib']} GiB KV each)",
-            f"GPU ~{n['gpu_gib']} GiB, host RAM ~{n['cpu_ram_gib']} GiB, GGUF ~{n['file_gib']} GiB",
-        ]
+    if "tier" in n and alt_kind in ("llama_cpp", "cpu_only", "as_planned"):
+        return [_tier_figures(n)]
     if n.get("problem"):
         return [str(n["problem"])]
     figures: list[str] = []
@@ -330,6 +335,8 @@ def _alt_figures(alt_kind: str, serves: bool, n: dict[str, object]) -> list[str]
         figures.append(f"{n['max_concurrency']} concurrent at the P99")
     if alt_kind == "cpu_offload" and serves:
         figures.append(f"host RAM ~{n['host_ram_gib']} GiB")
+    if "tier" in n:
+        figures.append(_tier_figures(n))
     return figures
 
 
@@ -349,7 +356,7 @@ def alternatives(result: PlanResult, width: int = 80) -> RenderableType | None:
         figures = _alt_figures(alt.kind, alt.serves_workload, alt.numbers)
         if figures:
             body.append(Text("; ".join(figures), style="dim"))
-        useful = starts and (alt.serves_workload or alt.kind not in ("cpu_offload",))
+        useful = starts and (alt.serves_workload or alt.kind not in ("cpu_offload", "as_planned"))
         if alt.command and useful:
             body.append(Text("$ " + wrap_command(alt.command, command_width), style="cyan"))
         for caveat in alt.caveats:

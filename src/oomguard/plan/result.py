@@ -195,7 +195,7 @@ class Alternative:
     """A ranked way out when the workload does not fit the given GPUs."""
 
     rank: int
-    kind: str  # more_gpus | larger_gpu | quantization | quantize_yourself | shorter_context | cpu_offload | llama_cpp
+    kind: str  # as_planned | more_gpus | larger_gpu | quantization | quantize_yourself | shorter_context | cpu_offload | llama_cpp | cpu_only
     title: str
     serves_workload: bool
     numbers: dict[str, Any]
@@ -273,19 +273,21 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 def weights_known(c: Candidate) -> tuple[bool, str]:
     """(estimated, how known) for the weights term of ``c``, in a few words.
 
-    Unquantized weights are parameters × bytes per element, split by TP/PP: exact, and checked
-    against the checkpoint's own byte count where the facts have it. Quantized layouts (packed
-    int4 with group scales and zero points, Marlin repacking, fp8 scales) depend on the kernel
-    vLLM picks, so they keep the memory model's ±1.5 % range.
+    Weights are counted: parameters × bytes per element (packed layouts and scales for
+    quantized formats), split by TP/PP and checked against the checkpoint's own byte count
+    where the facts have it. Their range is what such counts missed by on real startup logs
+    (``oomguard.memory.bands``), wider for quantized formats, multimodal towers and
+    architectures read by the generic reader.
     """
     est = c.prediction.weights
-    if est.basis.startswith("measured"):
-        return False, "measured"
+    if not est.estimated:
+        return False, "measured" if est.basis.startswith("measured") else "exact"
+    spread = (est.high_bytes - est.value_bytes) / max(est.value_bytes, 1) * 100
     quant = c.model.quant.method or c.settings.quantization
     if not c.model.verified:
-        return True, "estimate ±5 %: architecture not verified (generic reader)"
+        return True, f"counted ±{spread:.1f} %: architecture not verified (generic reader)"
     if quant:
-        return True, f"estimate ±1.5 %: {quant} packing and scales"
+        return True, f"counted ±{spread:.1f} %: {quant} packing and scales"
     params_b = c.model.total_params / 1e9
     from oomguard.memory.weights import resolve_model_dtype
 
@@ -298,7 +300,7 @@ def weights_known(c: Candidate) -> tuple[bool, str]:
         split.append(f"PP {c.settings.pipeline_parallel_size}")
     where = f" ÷ {' × '.join(split)}" if split else ""
     checked = " (checkpoint size)" if "checkpoint element count" in est.basis else ""
-    return False, f"exact: {params_b:.2f} B params × {dtype}{where}{checked}"
+    return True, f"counted ±{spread:.1f} %: {params_b:.2f} B params × {dtype}{where}{checked}"
 
 
 @dataclass(frozen=True)
@@ -379,7 +381,7 @@ class PlanResult:
             basis = est.basis
             if term == "weights":
                 estimated, how = weights_known(self.plan)
-                basis = f"{how} ({est.basis})" if how != "measured" else est.basis
+                basis = f"{how} ({est.basis})" if estimated else est.basis
             estimates[term] = {
                 "estimated": estimated,
                 "value_gib": _gib(est.value_bytes),

@@ -376,3 +376,20 @@ def test_parse_file_streams_with_invalid_utf8_and_long_lines(tmp_path: Path) -> 
     assert p.get("available_kv_gib") == 3.5
     assert p.evidence("available_kv_gib").line == 3
     assert p.lines == 3
+
+
+def test_engine_config_dump_does_not_start_graph_capture() -> None:
+    """vLLM prints its compilation config (with a ``cudagraph_capture_sizes`` key) before the
+    weights load: an OOM in weight loading must not read as one after graph capture."""
+    text = [
+        "INFO [core.py:93] Initializing a V1 LLM engine (v0.32.0) with config: model='m', "
+        "compilation_config={'cudagraph_num_of_warmups': 0, 'cudagraph_capture_sizes': [1, 2], "
+        "'cudagraph_copy_inputs': False}",
+        "INFO [gpu_model_runner.py:2007] Starting to load model m...",
+    ]
+    p = parse_stream(text)
+    assert p.phase_reached == Phase.WEIGHT_LOADING
+    assert Phase.CUDA_GRAPH_CAPTURE not in p.phases
+    v0 = parse_stream(["Graph capturing finished in 5 secs, took 0.47 GiB",
+                       "cudagraph_capture_sizes [2,1] (max_capture_size 2)"])  # fmt: skip
+    assert Phase.CUDA_GRAPH_CAPTURE in v0.phases

@@ -269,13 +269,13 @@ def test_measured_terms_list_only_the_terms_used() -> None:
         measured=m,
     )
     assert pp.measured_terms.count("weights") == 1
-    # the CPU backend has no non-torch or graph term to replace
-    cpu = predict(
-        llama_3_1_8b(),
-        NODE,
-        EngineSettings(vllm_version="0.20", platform="cpu", max_model_len=4096),
-        measured=m,
-    )
-    assert "non_torch" not in cpu.measured_terms and "cudagraph" not in cpu.measured_terms
-    assert cpu.non_torch.value_bytes == 0
+    # the CPU backend has no graph term to replace; its non-torch term is the worker's runtime
+    # outside weights and activations, measured (serve) in place of the baseline estimate
+    settings = EngineSettings(vllm_version="0.20", platform="cpu", max_model_len=4096)
+    cpu = predict(llama_3_1_8b(), NODE, settings, measured=m)
+    assert "non_torch" in cpu.measured_terms and "cudagraph" not in cpu.measured_terms
+    assert cpu.non_torch.value_bytes == GIB // 4
+    assert cpu.kv_cache_bytes == cpu.requested_bytes - 15 * GIB - 2 * GIB - GIB // 4
     assert cpu.to_dict()["measured_terms"] == list(cpu.measured_terms)
+    unmeasured = predict(llama_3_1_8b(), NODE, settings)
+    assert unmeasured.non_torch.value_bytes == 0 and "non_torch" not in unmeasured.measured_terms

@@ -64,6 +64,41 @@ def test_gemma_4_26b_a4b_pages_and_groups() -> None:
     assert layout.num_groups == 6 and layout.bytes_per_block == 5 * 131_072
 
 
+def test_gemma_4_e2b_keeps_fifteen_caches_with_sliding_blocks_doubled() -> None:
+    # 35 layers, every 5th full; the last 20 reuse earlier layers' KV: 12 sliding caches of
+    # 1 KV head × 256 and 3 full ones of 1 × 512 (gemma.cpp ConfigGemma4_2B_LM)
+    model = _spec("google/gemma-4-E2B-it")
+    built, layout = _layout(model, era="0.20")
+    assert sum(s is None for s in built.specs) == 20
+    sliding = [s for s in built.specs if type(s) is kvm.SlidingWindow]
+    full = [s for s in built.specs if type(s) is kvm.FullAttention]
+    assert (len(sliding), len(full)) == (12, 3)
+    assert sliding[0].page_size_bytes == 2 * 16 * 1 * 256 * 2 == 16_384
+    assert full[0].page_size_bytes == 2 * 16 * 1 * 512 * 2 == 32_768
+    # here the sliding page is the smaller one: its block doubles to 32 tokens; groups of 3
+    assert layout.num_groups == 5 and layout.bytes_per_block == 3 * 32_768
+    assert {g.spec.block_size for g in layout.groups if type(g.spec) is kvm.SlidingWindow} == {32}
+    # 8,192 tokens, 1,024-token steps: 512 full blocks + per sliding group
+    # cdiv(min(511 + 1024, 8192), 32) + 1 = 49
+    assert layout.blocks_per_request(kvm.RequestBound(8192, 1024)) == 512 + 4 * 49
+
+
+def test_gemma_4_e4b_keeps_twenty_four_caches() -> None:
+    # 42 layers, every 6th full; the last 18 share: 20 sliding caches of 2 KV heads × 256 and
+    # 4 full ones of 2 × 512 (gemma.cpp ConfigGemma4_E4B_LM)
+    model = _spec("google/gemma-4-E4B-it")
+    built, layout = _layout(model, era="0.20")
+    assert sum(s is None for s in built.specs) == 18
+    pages = sorted(s.page_size_bytes for s in built.specs if s is not None)
+    assert pages == [2 * 16 * 2 * 256 * 2] * 20 + [2 * 16 * 2 * 512 * 2] * 4
+    assert layout.num_groups == 6 and layout.bytes_per_block == 4 * 65_536
+    assert layout.blocks_per_request(kvm.RequestBound(8192, 1024)) == 512 + 5 * 49
+    p = predict(model, H100, EngineSettings(vllm_version="0.20", max_model_len=8192,
+                                            kv_cache_memory_bytes=1000 * 4 * 65_536))  # fmt: skip
+    # 1,000 blocks shared by 6 groups: vLLM reports (1000 // 6) × 16 tokens
+    assert p.num_blocks == 1000 and p.kv_cache_tokens == (1000 // 6) * 16 == 2656
+
+
 def test_gemma_3n_shared_kv_layers_have_no_cache() -> None:
     # 35 layers; the last 15 reuse the KV of earlier layers: 20 caches of 2 KV heads × 256
     model = _spec("google/gemma-3n-E4B-it")

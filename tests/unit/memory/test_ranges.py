@@ -50,8 +50,11 @@ def test_logged_sampler_peaks_fall_inside_the_band() -> None:
     model = llama_3_1_8b()
     for version, logged in (("0.11", 4.76), ("0.19", 1.89)):
         value, low, high, _ = sampler_peak_bytes(model, 1024, resolve_era(version), 2, 8192)
-        assert low / GIB <= logged <= high / GIB
-        assert abs(value / GIB - logged) / logged < 0.05
+        assert abs(value / GIB - logged) / logged < 0.05  # counted, not fitted
+        assert low <= value <= high  # the span of the implementations the release may run
+        peak = activation_peak(model, era=resolve_era(version), max_num_batched_tokens=8192,
+                               max_num_seqs=1024, tp=1, dtype_bytes=2)  # fmt: skip
+        assert peak.low_bytes / GIB <= logged <= peak.high_bytes / GIB  # with the era's band
 
 
 def test_flashinfer_or_sort_release_widens_the_low_end() -> None:

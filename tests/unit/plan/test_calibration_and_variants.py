@@ -159,9 +159,13 @@ def test_unreadable_store_is_a_note_not_a_failure(tmp_path, monkeypatch, capsys)
     assert any("calibration store not used" in note for note in data["notes"])
 
 
-def test_weights_are_exact_when_unquantized_and_a_range_when_quantized() -> None:
+def test_weights_are_counted_with_the_band_such_counts_missed_by() -> None:
+    from oomguard.memory.bands import SHIPPED_BANDS
+
     plain = plan(LLAMA_8B, "H100", allow_hub=False).to_dict()["estimates"]["weights"]
-    assert plain["estimated"] is False and plain["low_gib"] == plain["high_gib"]
-    assert plain["basis"].startswith("exact: 8.03 B params × bf16")
+    assert plain["estimated"] is True and plain["low_gib"] < plain["value_gib"] < plain["high_gib"]
+    half = SHIPPED_BANDS.weights["dense"].half_width
+    assert plain["basis"].startswith(f"counted ±{half * 100:.1f} %: 8.03 B params × bf16")
     awq = plan(AWQ_8B, "H100", allow_hub=False).to_dict()["estimates"]["weights"]
     assert awq["estimated"] is True and awq["low_gib"] < awq["value_gib"] < awq["high_gib"]
+    assert "awq" in awq["basis"]

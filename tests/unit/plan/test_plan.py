@@ -132,7 +132,7 @@ def test_70b_on_a_4090_ranks_alternatives_offline() -> None:
     more = next(a for a in result.alternatives if a.kind == "more_gpus")
     assert more.numbers["gpu_count"] in (2, 4, 8)
     lcpp = next(a for a in result.alternatives if a.kind == "llama_cpp")
-    assert 0 < lcpp.numbers["ngl"] < 80 and f"--n-gpu-layers {lcpp.numbers['ngl']}" in lcpp.command
+    assert 0 < lcpp.numbers["n_gpu_layers"] < 81 and f"--n-gpu-layers {lcpp.numbers['n_gpu_layers']}" in lcpp.command
     offload = next(a for a in result.alternatives if a.kind == "cpu_offload")
     assert not offload.serves_workload  # 16×8k of KV alone exceeds the card
 

@@ -1,0 +1,134 @@
+"""``oomguard bench``: prove a configuration under peak load and find the highest safe
+concurrency. Exit codes: 0 a safe point was found, 1 even the lowest concurrency preempted or
+failed, 2 bad input (one line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from oomguard.errors import BadInput
+
+if TYPE_CHECKING:
+    from oomguard.bench.workload import Workload
+
+_HELP = """Find how many concurrent requests of your peak shape a running vLLM server holds with
+zero preemptions, and what --max-num-seqs and the guard's watermarks should be.
+
+Stages of fixed concurrency (closed loop) grow from the pool the server states and bisect to
+the highest safe one; a stage stops at the first preemption or when KV usage reaches 0.98 (the
+server is read every 0.25 s, and the client counts its requests' KV as the tokens arrive).
+Works through `oomguard guard` too, and (client figures only) against any OpenAI-compatible
+server."""
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oomguard bench`` to the main app."""
+    app.command("bench", help=_HELP)(bench_command)
+
+
+def bench_command(
+    url: Annotated[str, typer.Argument(help="Base URL of the server (vLLM, or the guard in front of it).")],
+    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="Peak prompt length in tokens (exact).")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Tokens each request generates (ignore_eos).")] = None,
+    workload: Annotated[Path | None, typer.Option("--workload", help="Length distributions (YAML/JSON) or real requests (.jsonl).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Served model name (default: the server's first).")] = None,
+    budget_s: Annotated[float, typer.Option("--budget-s", help="Wall-clock budget for the whole run.")] = 600.0,
+    report: Annotated[Path | None, typer.Option("--report", help="Write bench.json, report.html and PNG plots here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Tokens every prompt shares at its start (default: none).")] = 0,
+    high_watermark: Annotated[float, typer.Option("--high-watermark", help="A safe stage keeps KV usage at or below this fraction.")] = 0.95,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", help="Prove this one concurrency instead of searching.")] = None,
+    requests: Annotated[int | None, typer.Option("--requests", help="With --concurrency: requests in the stage.")] = None,
+    hold_s: Annotated[float, typer.Option("--hold-s", help="Then hold the safe concurrency this many seconds more.")] = 0.0,
+    max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Never test above this.")] = 256,
+    start_concurrency: Annotated[int | None, typer.Option("--start-concurrency", help="First stage (default: KV pool ÷ blocks per request).")] = None,
+    waves: Annotated[int, typer.Option("--waves", help="Requests per slot in a stage.")] = 3,
+    sample_interval_s: Annotated[float, typer.Option("--sample-interval-s", help="Server sampling period (≤ 0.5).")] = 0.25,
+    metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="vLLM's /metrics when URL is a proxy.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="tokenizer.json (or its directory) when the server has no /tokenize.")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU name for the calibration store (default: NVML).")] = None,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="The server's TP, for the calibration store.")] = 1,
+    record: Annotated[bool, typer.Option("--record/--no-record", help="Write the measured capacity into the calibration store.")] = True,
+) -> int:
+    """Run the bench and render it; returns the exit code."""
+    from rich.console import Console
+
+    from oomguard.bench.runner import BenchSettings, run_bench
+
+    settings = BenchSettings(
+        url=url, workload=_workload(prompt_tokens, max_tokens, workload, shared_prefix),
+        model=model, budget_s=budget_s, high_watermark=high_watermark, sample_interval_s=sample_interval_s,
+        waves=waves, max_concurrency=max_concurrency, start_concurrency=start_concurrency,
+        concurrency=concurrency, requests=requests, hold_s=hold_s, metrics_url=metrics_url,
+        tokenizer=tokenizer,
+    )  # fmt: skip
+    if report is not None:
+        _check_report_dir(report)
+    err = Console(stderr=True, highlight=False)
+    from oomguard.bench.progress import LiveProgress
+
+    with LiveProgress(err, settings.budget_s, settings.high_watermark) as progress:
+        result = run_bench(settings, progress)
+    if record:
+        from oomguard.bench.calibrate import record_capacity
+
+        result.calibration = record_capacity(result, gpu=gpu, tp=tensor_parallel_size)
+    from oomguard.bench.report import print_summary, result_dict, write_json
+
+    data = result_dict(result)
+    if report is not None:
+        from oomguard.bench.html import write_report
+
+        write_json(result, report / "bench.json")
+        files = write_report(data, report)
+        data["report_files"] = {k: str(v) for k, v in files.items()} | {"json": str(report / "bench.json")}
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+        print_summary(data, out)
+        if report is not None:
+            out.print(f"report: {report / 'report.html'}")
+        if result.calibration and result.calibration.get("stored"):
+            out.print(f"calibration: stored under {result.calibration['key']}")
+    return 130 if result.stopped_by == "interrupted" else result.exit_code
+
+
+def _workload(prompt_tokens: int | None, max_tokens: int | None, path: Path | None,
+              shared_prefix: int) -> Workload:  # fmt: skip
+    from oomguard.bench.workload import (
+        DistributionWorkload,
+        FixedWorkload,
+        ReplayWorkload,
+        load_workload,
+    )
+
+    if path is not None:
+        if prompt_tokens is not None:
+            raise BadInput("--prompt-tokens and --workload both state the load", "give one of them")
+        loaded = load_workload(path, default_max_tokens=max_tokens)
+        if shared_prefix and isinstance(loaded, DistributionWorkload):
+            from dataclasses import replace
+
+            return replace(loaded, shared_prefix_tokens=shared_prefix)
+        if shared_prefix and isinstance(loaded, ReplayWorkload):
+            raise BadInput("--shared-prefix does not apply to replayed requests",
+                           "their prompts share what they share")  # fmt: skip
+        return loaded
+    if prompt_tokens is None or max_tokens is None:
+        raise BadInput("no load given", "pass --prompt-tokens N --max-tokens M, or --workload FILE")
+    return FixedWorkload(prompt_tokens, max_tokens, shared_prefix)
+
+
+def _check_report_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise BadInput(f"--report {path} is a file", "give a directory (it is created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"cannot create --report {path}: {exc.strerror}", "give a writable directory") from None

@@ -1,0 +1,209 @@
+"""``oomguard serve``: thin shell over :class:`oomguard.serve.session.ServeSession`.
+
+Two forms::
+
+    oomguard serve MODEL [plan flags] [workload flags] [-- extra vLLM flags]
+    oomguard serve [options] -- vllm serve MODEL --flags…
+
+Exit codes: 0 stopped cleanly (SIGINT/SIGTERM, or ``--dry-run``), 1 could not be made to
+start (or kept crashing), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from oomguard.errors import BadInput
+
+_CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
+# the first word of a pasted command (``vllm serve``, ``python -m …``, ``VAR=x vllm …``)
+_COMMAND_START = re.compile(
+    r"(?:.*/)?(?:vllm|python\d*(?:\.\d+)?|env|docker|podman|nerdctl)$|\w+=.*"
+)
+
+
+def serve_command(
+    ctx: typer.Context,
+    model: str = typer.Argument(
+        None, help="Model to plan for and serve (or, after --, a pasted vllm serve command)."
+    ),
+    p99_tokens: str = typer.Option(None, "--p99-tokens", help="P99 prompt+output tokens."),
+    concurrency: int = typer.Option(None, "--concurrency", help="Peak concurrent sequences."),
+    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization"),
+    max_model_len: str = typer.Option(None, "--max-model-len"),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs"),
+    max_num_batched_tokens: str = typer.Option(None, "--max-num-batched-tokens"),
+    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype"),
+    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes"),
+    quantization: str = typer.Option(None, "--quantization", "-q"),
+    dtype: str = typer.Option(None, "--dtype"),
+    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager"),
+    host: str = typer.Option(None, "--host", help="Address the engine binds (MODEL form)."),
+    port: int = typer.Option(None, "--port", help="Port of the engine (MODEL form; default 8000)."),
+    max_attempts: int = typer.Option(3, "--max-attempts", help="Most launches to start it."),
+    probe: bool = typer.Option(
+        None, "--probe/--no-probe", help="Probe once ready (default: on with a workload)."
+    ),
+    record: bool = typer.Option(
+        True, "--record/--no-record", help="Record the observed terms for the next plan."
+    ),
+    no_calibration: bool = typer.Option(
+        False, "--no-calibration", help="Predict without the calibration store."
+    ),
+    allow_precision_change: bool = typer.Option(
+        False,
+        "--allow-precision-change",
+        help="Let a heal change --quantization, --kv-cache-dtype or --dtype.",
+    ),
+    guard_port: int = typer.Option(
+        None, "--guard-port", help="Start oomguard guard on this port in front of the engine."
+    ),
+    max_restarts: int = typer.Option(5, "--max-restarts", help="Crash restarts in the window."),
+    restart_window: float = typer.Option(600.0, "--restart-window", help="Seconds."),
+    startup_timeout: float = typer.Option(1800.0, "--startup-timeout", help="Seconds."),
+    log_file: Path = typer.Option(
+        None, "--log-file", help="Write the engine's log here instead of the terminal."
+    ),
+    log_dir: Path = typer.Option(None, "--log-dir", help="Where each launch's log is kept."),
+    vllm_python: str = typer.Option(None, "--vllm-python", help="Python that has vLLM."),
+    offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and prediction."),
+    json_output: bool = typer.Option(False, "--json", help="One JSON event per line."),
+) -> None:
+    """Launch vLLM, check the prediction against its log, heal a startup OOM, supervise."""
+    from oomguard.serve.session import ServeOptions
+
+    options = ServeOptions(
+        workload=_workload(p99_tokens, concurrency),
+        max_attempts=max_attempts,
+        probe=probe,
+        calibrate=record,
+        use_calibration=not no_calibration,
+        allow_precision_change=allow_precision_change,
+        guard_port=guard_port,
+        max_restarts=max_restarts,
+        restart_window_s=restart_window,
+        startup_timeout_s=startup_timeout,
+        log_dir=log_dir,
+        vllm_python=vllm_python,
+        allow_hub=not offline,
+        dry_run=dry_run,
+    )
+    plan_flags: dict[str, Any] = {
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_cache_memory_bytes": kv_cache_memory_bytes,
+        "quantization": quantization,
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+    }
+    _read_form(options, model, list(ctx.args), plan_flags, host, port)
+    raise SystemExit(_run(options, json_output=json_output, log_file=log_file))
+
+
+def _workload(p99_tokens: str | None, concurrency: int | None) -> Any:
+    from oomguard.serve.heal import Workload
+    from oomguard.vllm_args import parse_human_int
+
+    p99 = None if p99_tokens is None else parse_human_int(p99_tokens, flag="--p99-tokens")
+    if p99 is not None and p99 <= 0:
+        raise BadInput(f"--p99-tokens {p99_tokens} must be positive", "pass a token count")
+    if concurrency is not None and concurrency < 1:
+        raise BadInput(f"--concurrency {concurrency} must be at least 1", "pass a count")
+    return Workload(p99_tokens=p99, concurrency=concurrency)
+
+
+def _read_form(
+    options: Any,
+    model: str | None,
+    rest: list[str],
+    plan_flags: dict[str, Any],
+    host: str | None,
+    port: int | None,
+) -> None:
+    """Fill ``options`` for the MODEL form or the pasted-command form."""
+    from oomguard.serve.command import EngineCommand
+
+    pasted = model is None or bool(_COMMAND_START.fullmatch(model))
+    given = {k: v for k, v in plan_flags.items() if v is not None}
+    if pasted:
+        words = ([model] if model else []) + rest
+        if not words:
+            raise BadInput(
+                "nothing to serve",
+                "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …",
+            )
+        if given or host is not None or port is not None:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--host/--port"
+            raise BadInput(f"{flags} given beside a pasted command",
+                           "put vLLM's flags in the pasted command itself")  # fmt: skip
+        options.command = EngineCommand.from_tokens(words, base_dir=Path.cwd())
+        return
+    options.model = model
+    options.engine_args = tuple(rest)
+    options.host, options.port = host, port
+    options.plan_settings = _plan_settings(given)
+
+
+def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
+    """The MODEL form's flags as EngineSettings fields (values read like vLLM reads them)."""
+    from oomguard.vllm_args import _max_model_len, parse_human_int
+
+    settings = dict(given)
+    if "max_model_len" in settings:
+        settings["max_model_len"] = _max_model_len(
+            str(settings["max_model_len"]), "--max-model-len"
+        )
+    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes"):
+        if name in settings:
+            settings[name] = parse_human_int(
+                str(settings[name]), flag="--" + name.replace("_", "-")
+            )
+    return settings
+
+
+def _run(options: Any, *, json_output: bool, log_file: Path | None) -> int:
+    from rich.console import Console
+
+    from oomguard.serve.render import HumanRenderer
+    from oomguard.serve.session import ServeSession
+
+    if json_output:
+        handlers = [lambda event: typer.echo(event.to_json())]
+        sink = None
+        renderer = None
+        if log_file is not None:
+            renderer = HumanRenderer(Console(stderr=True), engine_log=False, log_file=log_file)
+            sink = renderer.on_line
+    else:
+        renderer = HumanRenderer(
+            Console(highlight=False), engine_log=log_file is None, log_file=log_file
+        )
+        handlers = [renderer.on_event]
+        sink = renderer.on_line
+    session = ServeSession(options, handlers=handlers, line_sink=sink)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda *_: session.stop())
+    try:
+        return session.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if renderer is not None:
+            renderer.close()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oomguard serve`` to the main app."""
+    app.command("serve", context_settings=_CONTEXT)(serve_command)

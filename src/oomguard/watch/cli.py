@@ -1,0 +1,211 @@
+"""``oomguard watch``: monitor running vLLM servers against their plan and alert before they fail.
+
+Exit codes: with ``--once``, 0 healthy, 1 an alert is firing, 2 bad input; a continuous watch
+ends with 0 (or 1 when an alert was firing at the end of ``--duration``), 2 when no target
+is left to watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from oomguard.errors import BadInput
+
+if TYPE_CHECKING:
+    from oomguard.watch.plan_figures import PlanFigures
+    from oomguard.watch.sampling import Target
+
+_PLAN_FLAGS = (
+    ("gpu", "--gpu"), ("gpu_count", "--gpu-count"), ("gpu_memory_gib", "--gpu-memory-gib"),
+    ("tensor_parallel_size", "--tensor-parallel-size"),
+    ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    ("gpu_memory_utilization", "--gpu-memory-utilization"), ("max_model_len", "--max-model-len"),
+    ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("kv_cache_dtype", "--kv-cache-dtype"), ("quantization", "--quantization"),
+    ("dtype", "--dtype"), ("kv_cache_memory_bytes", "--kv-cache-memory-bytes"),
+    ("block_size", "--block-size"), ("vllm_version", "--vllm-version"),
+)  # fmt: skip
+
+
+def _plan_args(model: str, values: dict[str, object], enforce_eager: bool | None, offline: bool) -> list[str]:
+    args = [model]
+    for name, flag in _PLAN_FLAGS:
+        if values.get(name) is not None:
+            args += [flag, str(values[name])]
+    if enforce_eager is not None:
+        args.append("--enforce-eager" if enforce_eager else "--no-enforce-eager")
+    if offline:
+        args.append("--offline")
+    return args
+
+
+def _positive(value: float | None, flag: str) -> None:
+    if value is not None and not value > 0:
+        raise BadInput(f"{flag} {value:g} must be positive", f"pass a positive number to {flag}")
+
+
+def watch_command(
+    urls: list[str] = typer.Argument(None, help="vLLM servers: http://host:port (or host:port)."),
+    plan: list[Path] = typer.Option(None, "--plan", help="Plan file (oomguard plan … --json); once for all servers or once per URL."),
+    model: str = typer.Option(None, "--model", help="Plan on the spot for this model (with the plan flags below)."),
+    pid: list[int] = typer.Option(None, "--pid", help="The engine's PID (once per URL, in order); alone: watch that process."),
+    interval: float = typer.Option(1.0, "--interval", help="Seconds between samples."),
+    once: bool = typer.Option(False, "--once", help="Check once and exit: 0 healthy, 1 firing, 2 bad input."),
+    json_output: bool = typer.Option(False, "--json", help="Alert events as JSON lines on stdout."),
+    webhook: list[str] = typer.Option(None, "--webhook", help="POST alerts here (Alertmanager JSON; …/api/v2/alerts: an Alertmanager)."),
+    port: int = typer.Option(None, "--port", help="Serve /metrics (Prometheus), /status and /healthz on this port."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address for --port."),
+    duration: float = typer.Option(None, "--duration", help="Stop after this many seconds."),
+    min_duration: float = typer.Option(None, "--min-duration", help="Seconds a condition must hold before it fires (every alert; default: each alert's own)."),
+    preemption_window: float = typer.Option(60.0, "--preemption-window", help="Seconds over which preemptions are counted."),
+    free_margin_gib: float = typer.Option(1.0, "--free-margin-gib", help="Alert when a GPU has less free memory than this."),
+    leak_window: float = typer.Option(300.0, "--leak-window", help="Seconds the leak slope is measured over."),
+    leak_rate_mib_per_min: float = typer.Option(10.0, "--leak-rate", help="Growth (MiB/min) that counts as a leak."),
+    leak_settle: float = typer.Option(60.0, "--leak-settle", help="Seconds after the pool is allocated before leaks are measured."),
+    gpu: str = typer.Option(None, "--gpu", help="Plan flag (with --model)."),
+    gpu_count: int = typer.Option(None, "--gpu-count", help="Plan flag."),
+    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="Plan flag."),
+    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp", help="Plan flag."),
+    pipeline_parallel_size: int = typer.Option(None, "--pipeline-parallel-size", "-pp", help="Plan flag."),
+    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization", help="Plan flag."),
+    max_model_len: str = typer.Option(None, "--max-model-len", help="Plan flag."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Plan flag."),
+    max_num_batched_tokens: str = typer.Option(None, "--max-num-batched-tokens", help="Plan flag."),
+    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Plan flag."),
+    quantization: str = typer.Option(None, "--quantization", "-q", help="Plan flag."),
+    dtype: str = typer.Option(None, "--dtype", help="Plan flag."),
+    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="Plan flag."),
+    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes", help="Plan flag."),
+    block_size: int = typer.Option(None, "--block-size", help="Plan flag."),
+    vllm_version: str = typer.Option(None, "--vllm-version", help="Plan flag."),
+    offline: bool = typer.Option(False, "--offline", help="Plan flag: never contact the hub."),
+) -> None:
+    """Watch vLLM servers against their plan: KV usage, preemptions, GPU memory, leaks; alert."""
+    urls, plan, pid, webhook = urls or [], plan or [], pid or [], webhook or []
+    for flag, value in (("--interval", interval), ("--duration", duration),
+                        ("--leak-window", leak_window), ("--leak-rate", leak_rate_mib_per_min),
+                        ("--preemption-window", preemption_window)):  # fmt: skip
+        _positive(value, flag)
+    if min_duration is not None and min_duration < 0:
+        raise BadInput(f"--min-duration {min_duration:g} is negative", "pass 0 or more seconds")
+    if leak_settle < 0 or free_margin_gib < 0:
+        raise BadInput("--leak-settle and --free-margin-gib cannot be negative", "pass 0 or more")
+    if not urls and not pid:
+        raise BadInput("nothing to watch", "pass a vLLM server URL (e.g. http://127.0.0.1:8000) or --pid PID")
+    if plan and model:
+        raise BadInput("both --plan and --model given", "pass one: a plan file, or --model with plan flags")
+    for hook in webhook:
+        if not hook.startswith(("http://", "https://")):
+            raise BadInput(f"--webhook {hook!r} is not an http(s) URL",
+                           "pass e.g. http://alertmanager:9093/api/v2/alerts")  # fmt: skip
+    plan_values = {name: value for name, value in locals().items() if name in dict(_PLAN_FLAGS)}
+    given = [dict(_PLAN_FLAGS)[n] for n, v in plan_values.items() if v is not None]
+    if given and not model:
+        raise BadInput(f"{given[0]} is a plan flag, but no --model was given",
+                       "add --model MODEL (or pass a plan file with --plan)")  # fmt: skip
+    targets = _targets(urls, pid)
+    plans = _plans(len(targets), plan, model, _plan_args(model, plan_values, enforce_eager, offline) if model else [])
+    settings = RunSettings(
+        interval_s=interval, once=once, json_output=json_output, webhooks=webhook, port=port,
+        host=host, duration_s=duration, min_duration_s=min_duration,
+        free_margin_bytes=free_margin_gib * 2**30, preemption_window_s=preemption_window,
+        leak_window_s=leak_window, leak_rate_bytes_per_s=leak_rate_mib_per_min * 2**20 / 60,
+        leak_settle_s=leak_settle,
+    )  # fmt: skip
+    raise SystemExit(asyncio.run(_run(targets, plans, settings)))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The options of one watch run, checked."""
+
+    interval_s: float
+    once: bool
+    json_output: bool
+    webhooks: list[str]
+    port: int | None
+    host: str
+    duration_s: float | None
+    min_duration_s: float | None
+    free_margin_bytes: float
+    preemption_window_s: float
+    leak_window_s: float
+    leak_rate_bytes_per_s: float
+    leak_settle_s: float
+
+
+def _plans(count: int, plan_files: list[Path], model: str | None, plan_args: list[str]) -> list[PlanFigures | None]:
+    """One plan (or None) per target: a plan given once applies to every target."""
+    from oomguard.watch.plan_figures import load_plan_file, plan_from_flags
+
+    if model:
+        return [plan_from_flags(plan_args)] * count
+    if not plan_files:
+        return [None] * count
+    if len(plan_files) not in (1, count):
+        raise BadInput(f"{len(plan_files)} --plan files for {count} servers",
+                       "pass one plan for all servers, or one per URL in the same order")  # fmt: skip
+    loaded: list[PlanFigures | None] = [load_plan_file(p) for p in plan_files]
+    return loaded * count if len(loaded) == 1 else loaded
+
+
+def _targets(urls: list[str], pids: list[int]) -> list[Target]:
+    from oomguard.watch.sampling import Target
+
+    if urls and pids and len(pids) != len(urls):
+        raise BadInput(f"{len(pids)} --pid for {len(urls)} servers",
+                       "pass one --pid per URL, in the same order (or none: found from the port)")  # fmt: skip
+    if not urls:
+        targets = [Target.for_pid(p) for p in pids]
+    else:
+        targets = [Target.for_url(u, pids[i] if pids else None) for i, u in enumerate(urls)]
+    seen = set()
+    for t in targets:
+        if t.name in seen:
+            raise BadInput(f"{t.name} given twice", "pass each server once")
+        seen.add(t.name)
+    return targets
+
+
+async def _run(targets: list[Target], plans: list[PlanFigures | None], s: RunSettings) -> int:
+    import psutil
+    from rich.console import Console
+
+    from oomguard.watch.alerts import AlertTracker
+    from oomguard.watch.evaluate import Evaluator, LeakSettings
+    from oomguard.watch.runner import Outputs, Watch
+    from oomguard.watch.sinks import JsonLinesSink, WebhookSink
+
+    leak = LeakSettings(window_s=s.leak_window_s, min_rate_bytes_per_s=s.leak_rate_bytes_per_s,
+                        settle_s=s.leak_settle_s)  # fmt: skip
+    evaluator = Evaluator({t.name: p for t, p in zip(targets, plans, strict=True)}, leak,
+                          free_margin_bytes=s.free_margin_bytes,
+                          available_host_bytes=float(psutil.virtual_memory().available),
+                          preemption_window_s=s.preemption_window_s)  # fmt: skip
+    tracker = AlertTracker(0.0 if s.once else s.min_duration_s)
+    own_url = f"http://{s.host}:{s.port}/status" if s.port else ""
+    console = Console(stderr=s.json_output, highlight=False)
+    outputs = Outputs(
+        json=JsonLinesSink() if s.json_output else None,
+        webhooks=[WebhookSink(u, own_url=own_url) for u in s.webhooks],
+        console=console,
+        live=not s.json_output and not s.once and sys.stdout.isatty(),
+    )
+    watch = Watch(targets, evaluator, tracker, outputs, s.interval_s, port=s.port, host=s.host)
+    try:
+        return await watch.run(once=s.once, duration_s=s.duration_s)
+    except BrokenPipeError:  # whoever read the JSON lines went away: nothing left to do
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - no flush error at exit
+        return 0
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``oomguard watch`` to the main app."""
+    app.command("watch")(watch_command)
