@@ -5,11 +5,12 @@ a real tokenizer, the integration tests' generated BPE) on loopback, then one wo
 each target in front of it:
 
 * ``oomguard guard`` with exact prompt counts (a real ``/tokenize`` round trip per request);
+* the same on asyncio's own event loop (``event_loop: asyncio``) instead of uvloop's;
 * ``oomguard guard`` with estimated prompt counts (no round trip);
 * ``oomguard guard --track-progress always``: the tracked path a request takes under KV
   pressure (streamed upstream with per-chunk usage, progress read, the answer assembled);
 * ``oomguard guard --redis-url``: admission shared through a local redis-server (a Lua
-  check-and-reserve and a release per request);
+  capacity ledger synchronised in the background, no Redis call per request);
 * LiteLLM's proxy (if installed), one worker.
 
 Each target is measured with the same load generator in separate processes, non-streamed and
@@ -306,6 +307,7 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 DIRECT = "direct (upstream)"
 GUARD_EXACT = "guard (exact /tokenize)"
 GUARD_REDIS = "guard + Redis"
+GUARD_ASYNCIO = "guard (exact, asyncio loop)"
 LITELLM = "LiteLLM proxy (1 worker)"
 
 
@@ -346,8 +348,11 @@ def _start_targets(
         raise RuntimeError("upstream did not start")
     targets = [Target(DIRECT, up_url, None)]
     redis_server = None
+    asyncio_cfg = workdir / "asyncio-loop.yaml"
+    asyncio_cfg.write_text("event_loop: asyncio\n")
     variants: list[tuple[str, list[str]]] = [
         (GUARD_EXACT, ["--tokenizer", "backend"]),
+        (GUARD_ASYNCIO, ["--tokenizer", "backend", "--config", str(asyncio_cfg)]),
         ("guard (estimated prompt)", ["--tokenizer", "estimate"]),
         ("guard (tracked path)", ["--track-progress", "always"]),
     ]

@@ -1051,6 +1051,19 @@ def _serve_worker(config: GuardConfig) -> None:
     _serve_one(config, reuse_port=True)
 
 
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """The event loop a guard process serves on: uvloop's when ``kind`` is ``uvloop`` and it
+    is installed (libuv does the socket work of each relayed request in C), else asyncio's."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed: serving on asyncio's event loop")
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def _serve_one(config: GuardConfig, reuse_port: bool) -> None:
     web.run_app(
         create_app(config),
@@ -1060,4 +1073,5 @@ def _serve_one(config: GuardConfig, reuse_port: bool) -> None:
         handler_cancellation=True,
         reuse_port=reuse_port or None,
         print=lambda msg: log.info("%s", msg),
+        loop=new_event_loop(config.event_loop),
     )

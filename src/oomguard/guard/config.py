@@ -141,6 +141,9 @@ class GuardConfig(BaseModel):
     redis_timeout_s: float = Field(default=0.5, gt=0.0)
     replicas: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1, le=256)
+    # "uvloop": libuv's event loop (fewer CPU cycles per relayed request) where installed,
+    # else asyncio's own; "asyncio": always asyncio's own.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
     @field_validator("backends", mode="before")
     @classmethod
