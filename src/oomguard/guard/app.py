@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, RequestCost
 from oomguard.guard.auth import ApiKeys, ClientIdentity
 from oomguard.guard.backends import Backend, BackendPool
@@ -705,6 +706,11 @@ class GuardApp:
         self, backend: Backend, model: str | None, payload: dict[str, Any]
     ) -> int | None:
         assert self.session is not None
+        if llama_backend.is_llama(backend):
+            try:
+                return await llama_backend.count_tokens(self.session, backend, payload, self._tokenize_timeout)
+            except (*_UPSTREAM_ERRORS, ValueError):
+                return None
         try:
             async with self.session.post(
                 backend.url + "/tokenize", json=payload, timeout=self._tokenize_timeout

@@ -19,8 +19,10 @@ from typing import Any
 
 import aiohttp
 
+from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
+from oomguard.guard.llama_backend import SlotLayout
 from oomguard.guard.shared import SharedAdmission
 from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
@@ -81,6 +83,8 @@ class Backend:
         if self.healthy:
             return "healthy"
         return "down" if self.ever_healthy else "unreachable"
+        self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
+        self.llama_layout: SlotLayout | None = None
 
     def serves(self, model: str | None) -> bool:
         """Whether this backend can take a request for ``model`` (None: the default model)."""
@@ -150,6 +154,7 @@ class Backend:
             "requests_waiting": self.metrics.requests_waiting,
             "requests_running": self.metrics.requests_running,
             "ejections": self.ejections,
+            **llama_backend.status_fields(self),
         }
 
 
@@ -244,6 +249,9 @@ class BackendPool:
 
     async def _fetch_metrics(self, backend: Backend) -> VllmSnapshot:
         assert self._session is not None
+        from_llama = await llama_backend.poll(self._session, backend)
+        if from_llama is not None:
+            return from_llama
         async with self._session.get(backend.url + "/metrics") as resp:
             if resp.status == 404:
                 # Not a vLLM server with metrics: fall back to a liveness probe; capacity then
@@ -269,6 +277,7 @@ class BackendPool:
         backend.models = {
             str(m["id"]): m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
         }
+        llama_backend.note_models(backend)
 
     def _poll_failed(self, backend: Backend, reason: str, now_s: float) -> None:
         backend.consecutive_failures += 1

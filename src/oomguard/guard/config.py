@@ -31,6 +31,9 @@ class BackendConfig(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     # Sent upstream as ``Authorization: Bearer …`` (vLLM's --api-key) instead of the client's.
     api_key: str | None = None
+    # "auto": llama-server when /props answers as its does (oomguard.guard.llama_backend)
+    engine: Literal["auto", "vllm", "llama.cpp"] = "auto"
+    kv_unified: bool | None = None  # llama-server: one KV pool shared by all slots (None: assumed)
 
     @field_validator("url")
     @classmethod

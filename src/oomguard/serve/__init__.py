@@ -49,20 +49,33 @@ def serve(
     base_dir: str | Path | None = None,
     **options: Any,
 ) -> ServeResult:
-    """Serve ``command`` (a pasted ``vllm serve …`` line) or plan for ``model`` and serve that.
+    """Serve ``command`` (a pasted ``vllm serve …`` or ``llama-server …`` line) or plan for
+    ``model`` (a ``.gguf`` file is served by llama.cpp) and serve that.
 
     ``options`` are :class:`~oomguard.serve.session.ServeOptions` fields (``max_attempts``,
     ``probe``, ``guard_port``, ``plan_settings``, ``log_dir``, ``dry_run`` …). Bad input raises
     :class:`~oomguard.errors.BadInput`; every other outcome is in the result's exit code and
     events.
     """
+    import shlex
+
     from oomguard.serve.command import EngineCommand
+    from oomguard.serve.llama_session import LlamaServeSession, PastedLlamaCommand, is_llama_server
     from oomguard.serve.session import ServeOptions, ServeSession
 
-    parsed = None
+    parsed: Any = None
+    where = Path(base_dir or Path.cwd())
     if command is not None:
         tokens = [command] if isinstance(command, str) else list(command)
-        parsed = EngineCommand.from_tokens(tokens, base_dir=Path(base_dir or Path.cwd()))
+        words = shlex.split(tokens[0]) if len(tokens) == 1 else tokens
+        first = next((w for w in words if "=" not in w or w.startswith("-")), "")
+        if is_llama_server(first):
+            parsed = PastedLlamaCommand.from_tokens(words, base_dir=where)
+            options.setdefault("engine", "llama.cpp")
+        else:
+            parsed = EngineCommand.from_tokens(tokens, base_dir=where)
+    if model is not None and str(model).endswith(".gguf"):
+        options.setdefault("engine", "llama.cpp")
     opts = ServeOptions(
         command=parsed,
         model=model,
@@ -70,6 +83,10 @@ def serve(
         **options,
     )
     handlers = [on_event] if on_event is not None else []
-    session = ServeSession(opts, handlers=handlers, line_sink=on_line, stop_event=stop)
+    session: Any
+    if opts.engine == "llama.cpp":
+        session = LlamaServeSession(opts, handlers=handlers, line_sink=on_line, stop_event=stop)
+    else:
+        session = ServeSession(opts, handlers=handlers, line_sink=on_line, stop_event=stop)
     code = session.run()
     return ServeResult(exit_code=code, events=tuple(session.events.events))

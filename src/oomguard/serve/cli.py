@@ -4,6 +4,8 @@ Two forms::
 
     oomguard serve MODEL [plan flags] [workload flags] [-- extra vLLM flags]
     oomguard serve [options] -- vllm serve MODEL --flags…
+    oomguard serve MODEL.gguf [--engine llama.cpp] [workload flags] [-- extra llama-server flags]
+    oomguard serve [options] -- llama-server -m MODEL.gguf --flags…
 
 Exit codes: 0 stopped cleanly (SIGINT/SIGTERM, or ``--dry-run``), 1 could not be made to
 start (or kept crashing), 2 bad input.
@@ -23,7 +25,7 @@ from oomguard.errors import BadInput
 _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
 # the first word of a pasted command (``vllm serve``, ``python -m …``, ``VAR=x vllm …``)
 _COMMAND_START = re.compile(
-    r"(?:.*/)?(?:vllm|python\d*(?:\.\d+)?|env|docker|podman|nerdctl)$|\w+=.*"
+    r"(?:.*/)?(?:vllm|llama-server|python\d*(?:\.\d+)?|env|docker|podman|nerdctl)$|\w+=.*"
 )
 
 
@@ -75,8 +77,13 @@ def serve_command(
     offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and prediction."),
     json_output: bool = typer.Option(False, "--json", help="One JSON event per line."),
+    engine: str = typer.Option(
+        "auto", "--engine", help="auto (llama.cpp for a .gguf or a llama-server command), vllm or llama.cpp."
+    ),
+    gguf: Path = typer.Option(None, "--gguf", help="The GGUF llama.cpp serves (beside a model id)."),
+    llama_server: str = typer.Option(None, "--llama-server", help="The llama-server binary."),
 ) -> None:
-    """Launch vLLM, check the prediction against its log, heal a startup OOM, supervise."""
+    """Launch vLLM (or llama-server), check the prediction against its log, heal a startup OOM, supervise."""
     from oomguard.serve.session import ServeOptions
 
     options = ServeOptions(
@@ -94,6 +101,9 @@ def serve_command(
         vllm_python=vllm_python,
         allow_hub=not offline,
         dry_run=dry_run,
+        engine=engine,
+        gguf=gguf,
+        llama_server=llama_server,
     )
     plan_flags: dict[str, Any] = {
         "gpu_memory_utilization": gpu_memory_utilization,
@@ -146,13 +156,38 @@ def _read_form(
         if given or host is not None or port is not None:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--host/--port"
             raise BadInput(f"{flags} given beside a pasted command",
-                           "put vLLM's flags in the pasted command itself")  # fmt: skip
+                           "put the engine's flags in the pasted command itself")  # fmt: skip
+        if _names_llama_server(words):
+            from oomguard.serve.llama_session import PastedLlamaCommand
+
+            if options.engine == "vllm":
+                raise BadInput("--engine vllm given with a llama-server command", "drop --engine or paste a vllm command")
+            options.engine = "llama.cpp"
+            options.command = PastedLlamaCommand.from_tokens(words, base_dir=Path.cwd())
+            return
+        if options.engine == "llama.cpp":
+            raise BadInput("--engine llama.cpp given with a vLLM command",
+                           "paste a llama-server command, or serve MODEL.gguf --engine llama.cpp")  # fmt: skip
         options.command = EngineCommand.from_tokens(words, base_dir=Path.cwd())
         return
+    if options.engine == "auto" and str(model).endswith(".gguf"):
+        options.engine = "llama.cpp"
+    if options.engine == "llama.cpp" and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise BadInput(f"{flags} are vLLM flags; llama.cpp does not take them",
+                       "pass llama-server's own flags after --, e.g. -- --ctx-size 8192")  # fmt: skip
     options.model = model
     options.engine_args = tuple(rest)
     options.host, options.port = host, port
     options.plan_settings = _plan_settings(given)
+
+
+def _names_llama_server(words: list[str]) -> bool:
+    """Whether the pasted words run llama-server (after any ``VAR=value`` assignments)."""
+    from oomguard.serve.llama_session import is_llama_server
+
+    first = next((w for w in words if not re.fullmatch(r"\w+=.*", w) and w != "env"), "")
+    return is_llama_server(first)
 
 
 def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
@@ -191,7 +226,22 @@ def _run(options: Any, *, json_output: bool, log_file: Path | None) -> int:
         )
         handlers = [renderer.on_event]
         sink = renderer.on_line
-    session = ServeSession(options, handlers=handlers, line_sink=sink)
+    session: Any
+    why = None
+    if options.engine == "auto" and options.gguf is not None and options.model is not None:
+        from oomguard.serve.choose import choose_engine
+
+        options.engine, why = choose_engine(options)
+        if options.engine == "llama.cpp":
+            options.plan_settings = {}  # vLLM's settings: llama.cpp plans its own split
+    if options.engine == "llama.cpp":
+        from oomguard.serve.llama_session import LlamaServeSession
+
+        session = LlamaServeSession(options, handlers=handlers, line_sink=sink)
+    else:
+        session = ServeSession(options, handlers=handlers, line_sink=sink)
+    if why is not None:
+        session.events.emit("note", text=why)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, lambda *_: session.stop())

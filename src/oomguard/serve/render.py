@@ -126,7 +126,9 @@ class HumanRenderer:
             self.console.print(f"  device: {device['name']}{free_text} · "
                                f"{d['engine']} {d['engine_version']}")  # fmt: skip
         prediction = d.get("prediction")
-        if prediction:
+        if prediction and prediction.get("engine") == "llama.cpp":
+            self._llama_plan(prediction)
+        elif prediction:
             terms = prediction["terms"]
             kv = terms.get("kv_cache_gib", {})
             tokens = terms.get("kv_cache_tokens", {})
@@ -138,6 +140,16 @@ class HumanRenderer:
             )
             for problem in prediction["problems"][:2]:
                 self.console.print(f"  [yellow]{problem}[/]")
+
+    def _llama_plan(self, prediction: dict[str, Any]) -> None:
+        """llama.cpp: the split, the context per slot, the memory per device."""
+        split, ctx = prediction["split"], prediction["context"]
+        verdict = "[green]fits[/]" if prediction["fits"] else "[red]does not fit[/]"
+        per_device = ", ".join(f"{d} {_value(g, 'GiB')}" for d, g in prediction["per_device_gib"].items())
+        self.console.print(f"  predicted: {split['gpu_layers']} of {split['layers']} layers on the GPU, "
+                           f"{ctx['slots']} slots × {ctx['n_ctx_per_slot']:,} tokens; {per_device} — {verdict}")  # fmt: skip
+        for problem in prediction["problems"][:2]:
+            self.console.print(f"  [yellow]{problem}[/]")
 
     def _on_launch(self, d: dict[str, Any]) -> None:
         self._stop_status()

@@ -138,6 +138,24 @@ def _llama_cpp_tier(space: SearchSpace, plan: SplitPlan, ref_s: float | None, ki
                            command=cmd, caveats=tuple(caveats), candidate=None)  # fmt: skip
 
 
+def _offload_checked(alt: Alternative, space: SearchSpace, host_memory_bytes: int | None) -> Alternative:
+    """``--cpu-offload-gb`` moves weights to host memory: it cannot serve on a device that is
+    host memory (a CPU node, a unified-memory part), nor beyond the host memory there is."""
+    if alt.kind != "cpu_offload" or not alt.serves_workload:
+        return alt
+    reason = None
+    if space.gpu.vendor == "cpu" or space.gpu.unified_memory:
+        reason = f"{space.gpu.name} already is host memory: offloading weights to it adds no room"
+    elif host_memory_bytes is not None:
+        need_gib = float(alt.numbers.get("host_ram_gib") or 0.0)
+        if need_gib * GIB > host_memory_bytes:
+            reason = (f"needs {need_gib:g} GiB of pinned host RAM; the host has "
+                      f"{host_memory_bytes / GIB:.1f} GiB usable")  # fmt: skip
+    if reason is None:
+        return alt
+    return dataclasses.replace(alt, serves_workload=False, caveats=(reason, *alt.caveats))
+
+
 def fallback_chain(space: SearchSpace, given: Candidate, alternatives: list[Alternative] | tuple[Alternative, ...],
                    host_memory_bytes: int | None = None) -> list[Alternative]:  # fmt: skip
     """The planner's alternatives in chain order with tiers 1, 6 and 7 added, each priced.
@@ -154,6 +172,7 @@ def fallback_chain(space: SearchSpace, given: Candidate, alternatives: list[Alte
         given.serve.reason if given.serve and given.serve.reason else "does not serve the workload")  # fmt: skip
     first = Alternative(rank=0, kind="as_planned", title=f"vLLM as planned: {problem}", serves_workload=False,
                         numbers={}, command=given.commands()["vllm_serve"], caveats=(), candidate=given)  # fmt: skip
+    alternatives = [_offload_checked(a, space, host_memory_bytes) for a in alternatives]
     items: list[tuple[int, Alternative]] = [(1, first)] + [(_step(a), a) for a in alternatives]
     priced: list[tuple[int, Alternative]] = []
     for step, alt in items:

@@ -7,9 +7,12 @@ The binary is, in order: ``$OOMGUARD_LLAMA_SERVER``, the build that
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import socket
+import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from oomguard.engine import EngineProcess
 from oomguard.errors import BadInput
+from oomguard.tiering.args import FlagTable, parse_help
 from oomguard.tiering.command import llama_server_argv
 from oomguard.tiering.loadlog import LoadLog
 from oomguard.tiering.settings import LlamaCppSettings
@@ -145,3 +149,77 @@ def running_llama_server(
         yield RunningLlamaServer(url, proc, load_log, argv)
     finally:
         proc.stop(grace_s=10.0)
+
+
+# --- what a llama-server binary offers: its flags, its version, the devices it sees -------------
+
+_DEVICE_LINE = re.compile(r"^\s+(?P<name>\S+): (?P<description>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
+_VERSION_LINE = re.compile(r"version: (?P<version>\S+)(?: \(build (?P<build>\d+), commit (?P<commit>\w+)\))?")
+
+
+@dataclass(frozen=True)
+class LlamaDevice:
+    """One device llama.cpp offloads to (``--list-devices``), with its memory now."""
+
+    name: str  # "CUDA0", "RPC0", "Vulkan0" …
+    description: str
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def backend(self) -> str:
+        """The buffer rules of :data:`~oomguard.tiering.settings.GPU_BACKENDS` it follows
+        (ROCm shares ggml-cuda's allocator; other backends are priced like CUDA)."""
+        return "rpc" if self.name.startswith("RPC") else "cuda"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready."""
+        return {"name": self.name, "description": self.description,
+                "total_gib": round(self.total_bytes / 2**30, 3), "free_gib": round(self.free_bytes / 2**30, 3)}  # fmt: skip
+
+
+def _run_binary(binary: Path, args: Sequence[str], timeout_s: float = 30.0) -> str:
+    try:
+        out = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LlamaServerNotFound(f"cannot run {binary}: {exc}", "check the llama-server binary") from None
+    return out.stdout + out.stderr
+
+
+@functools.lru_cache(maxsize=8)
+def _flag_table(binary: str, mtime_ns: int) -> FlagTable:
+    return parse_help(_run_binary(Path(binary), ["--help"]))
+
+
+def llama_server_flags(binary: Path) -> FlagTable:
+    """The flags of ``binary`` as its own ``--help`` lists them (read once per binary)."""
+    return _flag_table(str(binary), binary.stat().st_mtime_ns)
+
+
+def llama_server_version(binary: Path) -> str:
+    """``b<build> (<commit>)`` as ``--version`` prints it, or ``unknown``."""
+    m = _VERSION_LINE.search(_run_binary(binary, ["--version"]))
+    if not m:
+        return "unknown"
+    return f"{m.group('version')} (build {m.group('build')}, {m.group('commit')})" if m.group("build") else m.group("version")
+
+
+def list_devices(binary: Path, rpc: str | None = None, devices: str | None = None) -> list[LlamaDevice]:
+    """The devices llama-server offloads to (``--list-devices``, with the command's ``--rpc``
+    servers), each with its total and free memory now; ``devices`` is ``--device`` (``none``:
+    the CPU only)."""
+    if devices is not None and devices.strip().lower() == "none":
+        return []
+    # --list-devices prints and exits as it is read: the RPC servers must come first
+    args = (["--rpc", rpc] if rpc else []) + ["--list-devices"]
+    found = []
+    for line in _run_binary(binary, args).splitlines():
+        m = _DEVICE_LINE.match(line)
+        if m:
+            found.append(LlamaDevice(m.group("name"), m.group("description"), int(m.group("total")) * 2**20,
+                                     int(m.group("free")) * 2**20))  # fmt: skip
+    if devices:
+        wanted = {d.strip() for d in devices.split(",")}
+        found = [d for d in found if d.name in wanted]
+    return found

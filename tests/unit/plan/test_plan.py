@@ -155,6 +155,19 @@ def test_cpu_offload_alternative_when_weights_are_the_problem() -> None:
     assert not less.fits or float(less.max_concurrency) < 1.1
 
 
+def test_cpu_offload_does_not_serve_beyond_the_host_memory() -> None:
+    """The offload tier holds its weights in pinned host RAM: with less host memory than it
+    needs it is shown with the reason and does not claim to serve."""
+    result = plan(LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False,
+                  host_memory_gib=16)  # fmt: skip
+    offload = next(a for a in result.alternatives if a.kind == "cpu_offload")
+    assert not offload.serves_workload
+    assert "pinned host RAM" in offload.caveats[0] and "16.0 GiB usable" in offload.caveats[0]
+    roomy = plan(LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False,
+                 host_memory_gib=512)  # fmt: skip
+    assert next(a for a in roomy.alternatives if a.kind == "cpu_offload").serves_workload
+
+
 def test_sizing_table_without_gpu() -> None:
     result = plan(LLAMA_8B, p99_tokens=8192, concurrency=32, allow_hub=False)
     assert result.gpu_source == "sizing" and result.sizing
