@@ -53,6 +53,8 @@ class Backend:
         self.ever_healthy = False
         self.longest_restart_s: float | None = None
         self.polls = 0
+        self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
+        self.llama_layout: SlotLayout | None = None
 
     def note_up(self, now_s: float, wall_now_s: float) -> None:
         """A good poll: learn how long the backend took to come back (restart or startup).
@@ -83,8 +85,6 @@ class Backend:
         if self.healthy:
             return "healthy"
         return "down" if self.ever_healthy else "unreachable"
-        self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
-        self.llama_layout: SlotLayout | None = None
 
     def serves(self, model: str | None) -> bool:
         """Whether this backend can take a request for ``model`` (None: the default model)."""
