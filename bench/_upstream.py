@@ -1,12 +1,14 @@
 """A minimal, fast OpenAI-style upstream for the overhead benchmark (asyncio protocol, no framework).
 
 HTTP/1.1 with keep-alive on 127.0.0.1. Answers at once (no model): ``POST /v1/completions`` and
-``/v1/chat/completions`` with a fixed completion (SSE when ``"stream": true``), ``POST /tokenize``
-with a whitespace word count, ``GET /v1/models``, ``/health`` and a ``/metrics`` page in vLLM's
-names with a large KV pool, so the gateway never queues. The point is that the upstream costs as
-little as possible, so what the benchmark measures is the proxy in front of it.
+``/v1/chat/completions`` with a fixed completion (SSE when ``"stream": true``; with
+``continuous_usage_stats`` each chunk carries the token count so far, as vLLM does),
+``POST /tokenize`` (a whitespace word count, or with ``--tokenizer FILE`` a real count by that
+``tokenizer.json``, as vLLM's own endpoint does), ``GET /v1/models``, ``/health`` and a
+``/metrics`` page in vLLM's names with a large KV pool, so the gateway never queues. The point
+is that the upstream costs as little as possible, so what the benchmark measures is the proxy.
 
-Run: ``python bench/_upstream.py --port 18000``
+Run: ``python bench/_upstream.py --port 18000 [--tokenizer PATH/tokenizer.json]``
 """
 
 from __future__ import annotations
@@ -86,6 +88,42 @@ _R_STREAM = _response(b"200 OK", _SSE, b"text/event-stream")
 _R_404 = _response(b"404 Not Found", b'{"error":{"message":"not found","code":404}}')
 
 
+def _usage_sse(chat: bool) -> bytes:
+    """Four chunks, each with the choice's token count so far, then the usage-only chunk."""
+    out = []
+    for i in range(1, 5):
+        choice = (
+            {"index": 0, "delta": {"content": " ok"}, "finish_reason": "length" if i == 4 else None}
+            if chat
+            else {"index": 0, "text": " ok", "finish_reason": "length" if i == 4 else None}
+        )
+        usage = {"prompt_tokens": 8, "completion_tokens": i, "total_tokens": 8 + i}
+        event = {"id": "cmpl-bench", "model": MODEL, "choices": [choice], "usage": usage}
+        out.append(b"data: " + json.dumps(event).encode() + b"\n\n")
+    final = {"id": "cmpl-bench", "model": MODEL, "choices": [], "usage": usage}
+    out.append(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+    return b"".join(out)
+
+
+_R_USAGE_STREAM = _response(b"200 OK", _usage_sse(False), b"text/event-stream")
+_R_USAGE_STREAM_CHAT = _response(b"200 OK", _usage_sse(True), b"text/event-stream")
+_TOKENIZER: object | None = None
+
+
+def _count_tokens(body: bytes) -> int:
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return 1
+    if "messages" in req:
+        text = " ".join(str(m.get("content", "")) for m in req["messages"] if isinstance(m, dict))
+    else:
+        text = str(req.get("prompt", ""))
+    if _TOKENIZER is not None:
+        return len(_TOKENIZER.encode(text).ids)  # type: ignore[attr-defined]
+    return len(text.split()) + 1
+
+
 class _Http(asyncio.Protocol):
     def __init__(self) -> None:
         self.buf = b""
@@ -120,20 +158,16 @@ class _Http(asyncio.Protocol):
             self.transport.write(self._answer(method, path, body))
 
     def _answer(self, method: bytes, path: bytes, body: bytes) -> bytes:
+        stream = b'"stream": true' in body or b'"stream":true' in body
+        usage = b"continuous_usage_stats" in body
         if path == b"/v1/completions":
-            return (
-                _R_STREAM
-                if b'"stream": true' in body or b'"stream":true' in body
-                else _R_COMPLETION
-            )
+            if stream:
+                return _R_USAGE_STREAM if usage else _R_STREAM
+            return _R_COMPLETION
         if path == b"/v1/chat/completions":
-            return _R_CHAT
+            return _R_USAGE_STREAM_CHAT if stream else _R_CHAT
         if path == b"/tokenize":
-            try:
-                req = json.loads(body)
-                count = len(str(req.get("prompt", "")).split()) + 1
-            except ValueError:
-                count = 1
+            count = _count_tokens(body)
             return _response(b"200 OK", b'{"count":%d,"tokens":[],"max_model_len":8192}' % count)
         if path == b"/v1/models":
             return _R_MODELS
@@ -155,7 +189,13 @@ async def serve(port: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--port", type=int, default=18000)
+    ap.add_argument("--tokenizer", help="a tokenizer.json: /tokenize counts with it")
     args = ap.parse_args()
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        global _TOKENIZER
+        _TOKENIZER = Tokenizer.from_file(args.tokenizer)
     try:
         asyncio.run(serve(args.port))
     except KeyboardInterrupt:

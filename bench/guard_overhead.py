@@ -1,11 +1,23 @@
 """Overhead of `oomguard guard` vs LiteLLM's proxy, in front of the same minimal upstream.
 
-Starts ``bench/_upstream.py`` (a fast canned OpenAI-style server) on loopback, then
-``oomguard guard`` (one worker process) and, if installed, LiteLLM's proxy (one worker) in
-front of it, and measures each target with the same load generator in separate processes:
+Starts ``bench/_upstream.py`` (a fast canned OpenAI-style server whose ``/tokenize`` counts with
+a real tokenizer, the integration tests' generated BPE) on loopback, then one worker process of
+each target in front of it:
 
-* latency: one connection, back to back, non-streamed → p50 / p99, and *added* = target − direct;
-* throughput: many connections, non-streamed → requests per second (and non-2xx count).
+* ``oomguard guard`` with exact prompt counts (a real ``/tokenize`` round trip per request);
+* the same on asyncio's own event loop (``event_loop: asyncio``) instead of uvloop's;
+* ``oomguard guard`` with estimated prompt counts (no round trip);
+* ``oomguard guard --track-progress always``: the tracked path a request takes under KV
+  pressure (streamed upstream with per-chunk usage, progress read, the answer assembled);
+* ``oomguard guard --redis-url``: admission shared through a local redis-server (a Lua
+  capacity ledger synchronised in the background, no Redis call per request);
+* LiteLLM's proxy (if installed), one worker.
+
+Each target is measured with the same load generator in separate processes, non-streamed and
+streamed (``"stream": true``; the time is to the end of the stream):
+
+* latency: one connection, back to back → p50 / p99, and *added* = target − direct;
+* throughput: several connection counts → the best requests per second (and failures).
 
 Load generator: ``wrk`` (C) when on PATH (``apt-get install wrk``), else a multi-connection
 aiohttp client in its own process (recorded in the output). LiteLLM lives in its own venv so it
@@ -14,7 +26,8 @@ never touches the project's: create it once with
     python3 -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'
 
 or pass ``--litellm PATH`` to its ``litellm`` executable; without it the LiteLLM rows are
-skipped with a message. Run: ``.venv/bin/python bench/guard_overhead.py``.
+skipped with a message. Targets (per worker): added p50 ≤ 0.5 ms and ≥ 3,000 req/s
+non-streamed; with Redis, added p99 ≤ 2 ms. Run: ``.venv/bin/python bench/guard_overhead.py``.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = Path(__file__).with_name("_upstream.py")
@@ -217,7 +231,7 @@ def run_aiohttp(url: str, body: dict[str, object], connections: int, duration_s:
 
 
 # -- targets ------------------------------------------------------------------------------
-def start_guard(upstream_url: str, port: int, tokenizer: str) -> subprocess.Popen[bytes]:
+def start_guard(upstream_url: str, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -228,8 +242,7 @@ def start_guard(upstream_url: str, port: int, tokenizer: str) -> subprocess.Pope
             upstream_url,
             "--port",
             str(port),
-            "--tokenizer",
-            tokenizer,
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -291,6 +304,189 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
             proc.wait()
 
 
+DIRECT = "direct (upstream)"
+GUARD_EXACT = "guard (exact /tokenize)"
+GUARD_REDIS = "guard + Redis"
+GUARD_ASYNCIO = "guard (exact, asyncio loop)"
+LITELLM = "LiteLLM proxy (1 worker)"
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None
+
+
+def _real_tokenizer(workdir: Path) -> Path:
+    """The integration tests' generated BPE tokenizer (what vLLM's /tokenize would run)."""
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    from tinymodel import create_tiny_model
+
+    return create_tiny_model(workdir / "tiny-llama").path / "tokenizer.json"
+
+
+def _start_targets(
+    args: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen[bytes]]
+) -> tuple[list[Target], list[str], object | None]:
+    """Upstream, every guard variant and LiteLLM; returns targets, notes, the redis server."""
+    notes: list[str] = []
+    up_port = free_port()
+    upstream = subprocess.Popen(
+        [
+            sys.executable,
+            str(UPSTREAM),
+            "--port",
+            str(up_port),
+            "--tokenizer",
+            str(_real_tokenizer(workdir)),
+        ]
+    )
+    procs.append(upstream)
+    up_url = f"http://127.0.0.1:{up_port}"
+    if not wait_http(up_url + "/health", 20, upstream):
+        raise RuntimeError("upstream did not start")
+    targets = [Target(DIRECT, up_url, None)]
+    redis_server = None
+    asyncio_cfg = workdir / "asyncio-loop.yaml"
+    asyncio_cfg.write_text("event_loop: asyncio\n")
+    variants: list[tuple[str, list[str]]] = [
+        (GUARD_EXACT, ["--tokenizer", "backend"]),
+        (GUARD_ASYNCIO, ["--tokenizer", "backend", "--config", str(asyncio_cfg)]),
+        ("guard (estimated prompt)", ["--tokenizer", "estimate"]),
+        ("guard (tracked path)", ["--track-progress", "always"]),
+    ]
+    if shutil.which("redis-server"):
+        sys.path.insert(0, str(ROOT / "tests" / "integration"))
+        from redis_server import RedisServer
+
+        redis_server = RedisServer(workdir / "redis").start()
+        variants.append((GUARD_REDIS, ["--redis-url", redis_server.url]))
+    else:
+        notes.append("redis-server not installed: the Redis row is skipped")
+    for label, extra in variants:
+        port = free_port()
+        g = start_guard(up_url, port, extra)
+        procs.append(g)
+        if not wait_http(f"http://127.0.0.1:{port}/ready", 30, g):
+            raise RuntimeError(f"{label} did not become ready")
+        targets.append(Target(label, f"http://127.0.0.1:{port}", g))
+    if Path(args.litellm).exists():
+        port = free_port()
+        lp = start_litellm(args.litellm, up_url, port, workdir)
+        procs.append(lp)
+        if wait_http(f"http://127.0.0.1:{port}/health/liveliness", 180, lp):
+            targets.append(Target(LITELLM, f"http://127.0.0.1:{port}", lp))
+        else:
+            notes.append("LiteLLM proxy did not start within 180 s; skipped")
+    else:
+        notes.append(
+            f"LiteLLM not installed at {args.litellm}; skipped (python3 -m venv .venv-litellm "
+            "&& .venv-litellm/bin/pip install 'litellm[proxy]')"
+        )
+    return targets, notes, redis_server
+
+
+def _check_answers(targets: list[Target], path: str, body: dict[str, object]) -> None:
+    for t in targets:
+        for stream in (False, True):
+            req = urllib.request.Request(
+                t.url + path,
+                data=json.dumps({**body, "stream": stream}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as r:
+                data = r.read()
+            if stream:
+                assert b"[DONE]" in data, (t.name, data[-200:])
+            else:
+                assert json.loads(data).get("choices"), (t.name, data[:200])
+
+
+@dataclass
+class Measured:
+    latency: LoadResult
+    best: LoadResult
+    per_level: dict[int, LoadResult]
+    cpu_cores: float
+
+
+def _measure(
+    t: Target, load: Any, path: str, body: dict[str, object], args: argparse.Namespace
+) -> Measured:
+    load(t.url + path, body, 4, 1)  # warm
+    lat = load(t.url + path, body, 1, args.latency_seconds)
+    per_level: dict[int, LoadResult] = {}
+    best: LoadResult | None = None
+    cpu = 0.0
+    for conns in [int(c) for c in str(args.connections).split(",")]:
+        c0 = cpu_seconds(t.proc.pid) if t.proc else 0.0
+        t0 = time.monotonic()
+        res = load(t.url + path, body, conns, args.throughput_seconds)
+        per_level[conns] = res
+        if best is None or res.requests_per_s > best.requests_per_s:
+            best = res
+            if t.proc:
+                cpu = (cpu_seconds(t.proc.pid) - c0) / (time.monotonic() - t0)
+    assert best is not None
+    return Measured(lat, best, per_level, cpu)
+
+
+def _print_table(title: str, results: dict[str, Measured]) -> None:
+    direct = results[DIRECT].latency
+    print(f"\n  {title}")
+    header = (
+        f"  {'target':30} {'p50 ms':>8} {'p99 ms':>8} {'p50 +ms':>8} {'p99 +ms':>8} "
+        f"{'req/s':>9} {'failed':>7} {'cpu':>6}"
+    )
+    print(header)
+    print("  " + "-" * (len(header) - 2))
+    for name, m in results.items():
+        la, tp = m.latency, m.best
+        is_direct = name == DIRECT
+        added50 = "" if is_direct else f"{la.p50_ms - direct.p50_ms:8.3f}"
+        added99 = "" if is_direct else f"{la.p99_ms - direct.p99_ms:8.3f}"
+        failed = tp.non_2xx + tp.errors + la.non_2xx + la.errors
+        cpu = "" if is_direct else f"{m.cpu_cores:5.2f}c"
+        print(
+            f"  {name:30} {la.p50_ms:8.3f} {la.p99_ms:8.3f} {added50:>8} {added99:>8} "
+            f"{tp.requests_per_s:9.0f} {failed:7d} {cpu:>6}"
+        )
+    for name, m in results.items():
+        cells = ", ".join(
+            f"c={c}: {r.requests_per_s:.0f} ({r.non_2xx + r.errors} failed)"
+            for c, r in m.per_level.items()
+        )
+        print(f"    {name:30} {cells}")
+
+
+def _verdicts(non_stream: dict[str, Measured]) -> list[str]:
+    direct = non_stream[DIRECT].latency
+    out = []
+    g = non_stream[GUARD_EXACT]
+    added = g.latency.p50_ms - direct.p50_ms
+    out.append(
+        f"guard, exact tokenization, non-streamed: p50 added {added:.3f} ms (≤ 0.5 ms: "
+        f"{'yes' if added <= 0.5 else 'NO'}), {g.best.requests_per_s:.0f} req/s "
+        f"(≥ 3,000: {'yes' if g.best.requests_per_s >= 3000 else 'NO'})"
+    )
+    if GUARD_REDIS in non_stream:
+        r = non_stream[GUARD_REDIS]
+        added99 = r.latency.p99_ms - direct.p99_ms
+        out.append(
+            f"guard + Redis, non-streamed: p99 added {added99:.3f} ms (≤ 2 ms: "
+            f"{'yes' if added99 <= 2.0 else 'NO'}), p50 added "
+            f"{r.latency.p50_ms - direct.p50_ms:.3f} ms, {r.best.requests_per_s:.0f} req/s"
+        )
+    if LITELLM in non_stream:
+        ll = non_stream[LITELLM]
+        out.append(
+            f"LiteLLM, non-streamed: p50 added {ll.latency.p50_ms - direct.p50_ms:.3f} ms, "
+            f"{ll.best.requests_per_s:.0f} req/s"
+        )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="guard overhead vs LiteLLM (see module docstring)")
     ap.add_argument("--endpoint", choices=sorted(BODIES), default="chat")
@@ -314,85 +510,30 @@ def main() -> int:
     load = run_wrk if use_wrk else run_aiohttp
     loadgen_name = "wrk (C, separate process)" if use_wrk else "aiohttp client (separate process)"
     path, body = BODIES[args.endpoint]
-
+    load_before = os.getloadavg()
     procs: list[subprocess.Popen[bytes]] = []
-    targets: list[tuple[str, str, subprocess.Popen[bytes] | None]] = []
     workdir = Path(tempfile.mkdtemp(prefix="guard-overhead-"))
+    redis_server: Any = None
     try:
-        up_port = free_port()
-        upstream = subprocess.Popen([sys.executable, str(UPSTREAM), "--port", str(up_port)])
-        procs.append(upstream)
-        up_url = f"http://127.0.0.1:{up_port}"
-        if not wait_http(up_url + "/health", 10, upstream):
-            print("upstream did not start", file=sys.stderr)
-            return 1
-        targets.append(("direct (upstream)", up_url, None))
-        for mode, label in (
-            ("backend", "oomguard guard (exact /tokenize)"),
-            ("estimate", "oomguard guard (estimated prompt)"),
-        ):
-            port = free_port()
-            g = start_guard(up_url, port, mode)
-            procs.append(g)
-            if not wait_http(f"http://127.0.0.1:{port}/ready", 20, g):
-                print(f"guard ({mode}) did not become ready", file=sys.stderr)
-                return 1
-            targets.append((label, f"http://127.0.0.1:{port}", g))
-        litellm_note = ""
-        if Path(args.litellm).exists():
-            port = free_port()
-            lp = start_litellm(args.litellm, up_url, port, workdir)
-            procs.append(lp)
-            if wait_http(f"http://127.0.0.1:{port}/health/liveliness", 120, lp):
-                targets.append(("LiteLLM proxy (1 worker)", f"http://127.0.0.1:{port}", lp))
-            else:
-                litellm_note = "LiteLLM proxy did not start within 120 s; skipped"
-        else:
-            litellm_note = (
-                f"LiteLLM not installed at {args.litellm}; skipped (python3 -m venv .venv-litellm "
-                "&& .venv-litellm/bin/pip install 'litellm[proxy]')"
-            )
-
-        # Warm every target, and check each answers the request correctly.
-        for name, url, _ in targets:
-            req = urllib.request.Request(
-                url + path,
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=30) as r:
-                answer = json.loads(r.read())
-                assert answer.get("choices"), (name, answer)
-            load(url + path, body, 4, 1)
-
-        lat: dict[str, LoadResult] = {}
-        for name, url, _ in targets:
-            lat[name] = load(url + path, body, 1, args.latency_seconds)
-        levels = [int(c) for c in str(args.connections).split(",")]
-        tput: dict[str, LoadResult] = {}
-        per_level: dict[str, dict[int, LoadResult]] = {}
-        cpu: dict[str, float] = {}
-        for name, url, proc in targets:
-            per_level[name] = {}
-            for conns in levels:
-                c0 = cpu_seconds(proc.pid) if proc else 0.0
-                t0 = time.monotonic()
-                res = load(url + path, body, conns, args.throughput_seconds)
-                per_level[name][conns] = res
-                if name not in tput or res.requests_per_s > tput[name].requests_per_s:
-                    tput[name] = res
-                    if proc:
-                        cpu[name] = (cpu_seconds(proc.pid) - c0) / (time.monotonic() - t0)
+        targets, notes, redis_server = _start_targets(args, workdir, procs)
+        _check_answers(targets, path, body)
+        non_stream = {
+            t.name: _measure(t, load, path, {**body, "stream": False}, args) for t in targets
+        }
+        streamed = {
+            t.name: _measure(t, load, path, {**body, "stream": True}, args) for t in targets
+        }
     finally:
         for p in reversed(procs):
             stop(p)
+        if redis_server is not None:
+            redis_server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    direct = lat["direct (upstream)"]
-    print("\nguard overhead benchmark (non-streamed, loopback)")
+    print("\nguard overhead benchmark (loopback)")
     print(
-        f"  machine: {os.cpu_count()} cores (shared), load average {os.getloadavg()[0]:.2f}; "
-        f"python {sys.version.split()[0]}"
+        f"  machine: {os.cpu_count()} cores (shared), load average {load_before[0]:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after; python {sys.version.split()[0]}"
     )
     print(f"  endpoint: POST {path}  body: {json.dumps(body)}")
     print(f"  load generator: {loadgen_name}")
@@ -400,48 +541,15 @@ def main() -> int:
         f"  latency: 1 connection, back to back, {args.latency_seconds} s per target; "
         f"throughput: {args.connections} connections, {args.throughput_seconds} s per target"
     )
-    print("  each proxy: one worker process; upstream: bench/_upstream.py (canned answers)\n")
-    header = (
-        f"  {'target':34} {'p50 ms':>8} {'p99 ms':>8} {'p50 +ms':>8} {'p99 +ms':>8} "
-        f"{'req/s':>9} {'non-2xx':>8} {'cpu':>6}"
-    )
-    print(header)
-    print("  " + "-" * (len(header) - 2))
-    for name, _, _ in targets:
-        la, tp = lat[name], tput[name]
-        added50 = la.p50_ms - direct.p50_ms
-        added99 = la.p99_ms - direct.p99_ms
-        is_direct = name.startswith("direct")
-        print(
-            f"  {name:34} {la.p50_ms:8.3f} {la.p99_ms:8.3f} "
-            f"{'' if is_direct else f'{added50:8.3f}':>8} {'' if is_direct else f'{added99:8.3f}':>8} "
-            f"{tp.requests_per_s:9.0f} {tp.non_2xx + tp.errors + la.non_2xx + la.errors:8d} "
-            f"{'' if is_direct else f'{cpu.get(name, 0):5.2f}c':>6}"
-        )
-    print("\n  throughput by connections (req/s, failed = non-2xx + socket errors/timeouts):")
-    for name, _, _ in targets:
-        cells = ", ".join(
-            f"c={c}: {r.requests_per_s:.0f} ({r.non_2xx + r.errors} failed)"
-            for c, r in per_level[name].items()
-        )
-        print(f"    {name:34} {cells}")
-    if litellm_note:
-        print(f"\n  {litellm_note}")
-    guard_name = "oomguard guard (exact /tokenize)"
-    g_lat, g_tp = lat[guard_name], tput[guard_name]
-    print(
-        "\n  targets (guard, exact tokenization): "
-        f"p50 added {g_lat.p50_ms - direct.p50_ms:.3f} ms (≤ 1 ms: "
-        f"{'yes' if g_lat.p50_ms - direct.p50_ms <= 1.0 else 'NO'}), "
-        f"{g_tp.requests_per_s:.0f} req/s (≥ 2000: {'yes' if g_tp.requests_per_s >= 2000 else 'NO'})"
-    )
-    ll = "LiteLLM proxy (1 worker)"
-    if ll in lat:
-        print(
-            f"  vs LiteLLM: p50 added {lat[ll].p50_ms - direct.p50_ms:.3f} ms, "
-            f"{tput[ll].requests_per_s:.0f} req/s"
-        )
-    print("  cpu = cores the proxy process used during its throughput run")
+    print("  each proxy: one worker process; upstream: bench/_upstream.py (canned answers)")
+    _print_table("non-streamed", non_stream)
+    _print_table("streamed (to the end of the stream)", streamed)
+    for note in notes:
+        print(f"\n  {note}")
+    print()
+    for line in _verdicts(non_stream):
+        print(f"  {line}")
+    print("  cpu = cores the proxy process used during its best throughput run")
     return 0
 
 

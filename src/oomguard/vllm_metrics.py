@@ -28,10 +28,11 @@ PROMPT_TOKENS = "vllm:prompt_tokens"  # counter
 GENERATION_TOKENS = "vllm:generation_tokens"  # counter
 REQUEST_SUCCESS = "vllm:request_success"  # counter, label finished_reason
 SLEEP_STATE = "vllm:engine_sleep_state"  # 0.12+
+PROCESS_START = "process_start_time_seconds"  # prometheus_client's process collector
 
 FAMILIES = (
     KV_USAGE, KV_USAGE_LEGACY, PREEMPTIONS, RUNNING, WAITING, WAITING_BY_REASON, CACHE_CONFIG,
-    PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, SLEEP_STATE,
+    PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, SLEEP_STATE, PROCESS_START,
 )  # fmt: skip
 _PREFIXES = FAMILIES + tuple(f"# TYPE {f}" for f in FAMILIES) + tuple(f"# HELP {f}" for f in FAMILIES)
 
@@ -53,6 +54,14 @@ class VllmSnapshot:
     engines: int = 0  # engines (DP ranks) seen in the page
     cache_config: dict[str, str] = field(default_factory=dict)  # every label of cache_config_info
     sleeping: bool | None = None
+    process_start_time_s: float | None = None  # Unix time the server process started
+
+    @property
+    def prefix_caching(self) -> bool | None:
+        """Whether the pool shares prompt blocks between requests (``enable_prefix_caching``
+        of ``cache_config_info``; None where the page does not say)."""
+        flag = self.cache_config.get("enable_prefix_caching")
+        return None if flag is None else flag == "True"
 
     @property
     def is_vllm(self) -> bool:
@@ -108,6 +117,7 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
     engines: set[str] = set()
     cache_config: dict[str, str] = {}
     sleeping: bool | None = None
+    started: float | None = None
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -139,6 +149,8 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
                 # one sample per state (awake, weights_offloaded, discard_all); 1 marks the current
                 asleep = value > 0 and labels.get("sleep_state", "awake") != "awake"
                 sleeping = bool(sleeping) or asleep
+            elif name == PROCESS_START and started is None:
+                started = value
     chosen = usage or legacy_usage
     return VllmSnapshot(
         kv_cache_usage=max(chosen.values()) if chosen else None,
@@ -154,4 +166,5 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
         engines=len(engines),
         cache_config=cache_config,
         sleeping=sleeping,
+        process_start_time_s=started,
     )

@@ -24,6 +24,51 @@ from tinymodel import prompt_of_tokens
 from vllm_server import fetch_metrics, free_port, group_pids, http_ok, kill_group, metric_value
 
 
+@dataclass(frozen=True)
+class RequestShape:
+    """One request of a mix: prompt and output length, streamed or not, chat or completions."""
+
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool = True
+    chat: bool = False
+
+
+def _uniform_mix() -> list[RequestShape]:
+    return [RequestShape(180, 300) for _ in range(32)]
+
+
+def _long_short_mix() -> list[RequestShape]:
+    """Long prompts with short answers and short prompts with long answers, interleaved;
+    streamed and not, chat and completions (every combination equally often)."""
+    out = []
+    for i in range(24):
+        long_prompt = i % 2 == 0
+        out.append(
+            RequestShape(
+                700 if long_prompt else 40,
+                40 if long_prompt else 400,
+                stream=(i // 2) % 2 == 0,
+                chat=(i // 4) % 2 == 0,
+            )
+        )
+    return out
+
+
+def _varied_mix() -> list[RequestShape]:
+    """32 requests of seeded random shapes (prompt 50–600, output 30–400 tokens)."""
+    import random
+
+    rng = random.Random(7)
+    return [
+        RequestShape(rng.randint(50, 600), rng.randint(30, 400), i % 2 == 0, i % 3 == 0)
+        for i in range(32)
+    ]
+
+
+MIXES = {"uniform": _uniform_mix, "long-short": _long_short_mix, "varied": _varied_mix}
+
+
 @dataclass
 class RequestResult:
     """One request's fate."""
@@ -106,6 +151,25 @@ def make_prompts(model_dir: Path, n: int, prompt_tokens: int, seed_offset: int) 
     return [prompt_of_tokens(model_dir, prompt_tokens, seed=seed_offset + i) for i in range(n)]
 
 
+# Tokens the tiny models' chat template puts around one user message (bos, <|user|>, the
+# newline, <|assistant|>): a chat request's content is this much shorter than its shape.
+CHAT_TEMPLATE_TOKENS = 4
+
+
+def make_shaped_prompts(
+    model_dir: Path, shapes: Sequence[RequestShape], seed_offset: int
+) -> list[str]:
+    """Distinct prompts for ``shapes`` (exact lengths; a chat shape's template included)."""
+    return [
+        prompt_of_tokens(
+            model_dir,
+            s.prompt_tokens - (CHAT_TEMPLATE_TOKENS if s.chat else 0),
+            seed=seed_offset + i,
+        )
+        for i, s in enumerate(shapes)
+    ]
+
+
 async def _one(
     session: aiohttp.ClientSession,
     url: str,
@@ -115,22 +179,27 @@ async def _one(
     max_tokens: int,
     stream: bool,
     timeout_s: float,
+    chat: bool = False,
 ) -> RequestResult:
     body: dict[str, object] = {
         "model": model,
-        "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": stream,
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     if stream:
         body["stream_options"] = {"include_usage": True}
     res = RequestResult(index=index, ok=False)
     t0 = time.monotonic()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     try:
         async with session.post(
-            url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             res.status = resp.status
             if not stream:
@@ -162,7 +231,7 @@ async def _one(
                         res.error = f"stream error: {str(event['error'])[:200]}"
                         break
                     choices = event.get("choices") or []
-                    if res.ttft_s is None and choices and choices[0].get("text"):
+                    if res.ttft_s is None and choices and _chunk_text(choices[0]):
                         res.ttft_s = time.monotonic() - t0
                     usage = event.get("usage")
                     if usage:
@@ -180,6 +249,69 @@ async def _one(
         res.e2e_s = time.monotonic() - t0
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     return res
+
+
+def _chunk_text(choice: dict[str, object]) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
+
+
+async def send_shaped_burst(
+    url: str,
+    model: str,
+    prompts: Sequence[str],
+    shapes: Sequence[RequestShape],
+    timeout_s: float = 900.0,
+) -> tuple[list[RequestResult], float]:
+    """Send requests of ``shapes`` at the same moment; return results (in order), wall time."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            *(
+                _one(session, url, model, i, p, s.max_tokens, s.stream, timeout_s, chat=s.chat)
+                for i, (p, s) in enumerate(zip(prompts, shapes, strict=True))
+            )
+        )
+        return list(results), time.monotonic() - t0
+
+
+def run_shaped_burst(
+    label: str,
+    send_urls: Sequence[str],
+    vllm_url: str | None,
+    model: str,
+    prompts: Sequence[str],
+    shapes: Sequence[RequestShape],
+) -> BurstResult:
+    """One measured burst of ``shapes``, spread round-robin over ``send_urls`` (several guard
+    replicas, or one URL); preemptions read from vLLM at ``vllm_url`` (None: not read)."""
+    name = "vllm:num_preemptions_total"
+    before = metric_value(fetch_metrics(vllm_url), name) if vllm_url else 0.0
+
+    async def spread() -> tuple[list[RequestResult], float]:
+        groups: dict[str, list[int]] = {}
+        for i in range(len(shapes)):
+            groups.setdefault(send_urls[i % len(send_urls)], []).append(i)
+        t0 = time.monotonic()
+        parts = await asyncio.gather(
+            *(
+                send_shaped_burst(u, model, [prompts[i] for i in idx], [shapes[i] for i in idx])
+                for u, idx in groups.items()
+            )
+        )
+        out: list[RequestResult] = [RequestResult(index=i, ok=False) for i in range(len(shapes))]
+        for (results, _), idx in zip(parts, groups.values(), strict=True):
+            for r, i in zip(results, idx, strict=True):
+                r.index = i
+                out[i] = r
+        return out, time.monotonic() - t0
+
+    results, wall_s = asyncio.run(spread())
+    after = metric_value(fetch_metrics(vllm_url), name) if vllm_url else 0.0
+    return BurstResult(label, results, wall_s, before, after)
 
 
 async def send_burst(

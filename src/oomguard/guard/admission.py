@@ -83,6 +83,14 @@ class AdmissionSettings:
     stagger: bool = True
     stagger_above_fraction: float = 0.5
     progress: ProgressSettings = field(default_factory=ProgressSettings)
+    # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
+    share_prefix_blocks: bool = True
+    # Requests sent ahead of a slot freeing, to wait in vLLM's own queue (see
+    # BackendAdmission._early_margin): at most this many not yet started per backend.
+    engine_queue_requests: int = 2
+    # The smallest first prefill chunk vLLM schedules for a waiting request (its token budget
+    # per step is at least this): a request needs this much of its prompt in free blocks.
+    first_chunk_tokens: int = 512
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,8 @@ class RequestCost:
     num_sequences: int = 1
     prompt_exact: bool = True
     trackable: bool = False
+    # Prompts (or conversations) in the request; its n sequences each share one.
+    inputs: int = 1
 
     @property
     def sequence_tokens(self) -> int:
@@ -109,9 +119,24 @@ class RequestCost:
     def total_tokens(self) -> int:
         return self.sequence_tokens * self.num_sequences
 
-    def blocks(self, block_size: int) -> int:
+    def shared_tokens(self, block_size: int, prefix_caching: bool) -> int:
+        """Prompt tokens in full blocks that all sequences share (0 when they may not).
+
+        vLLM caches a prompt's full blocks as it allocates them, so the ``n`` sequences of one
+        prompt hold them once. Counted only for one exactly measured prompt: with an estimate,
+        moving tokens from private to shared blocks could undercount.
+        """
+        if not prefix_caching or self.num_sequences < 2 or self.inputs != 1:
+            return 0
+        if not self.prompt_exact:
+            return 0
+        return (self.prompt_tokens // block_size) * block_size
+
+    def blocks(self, block_size: int, prefix_caching: bool = False) -> int:
         """KV blocks this request needs on a backend with ``block_size`` tokens per block."""
-        return blocks_for_tokens(self.sequence_tokens, block_size) * self.num_sequences
+        shared = self.shared_tokens(block_size, prefix_caching)
+        private = blocks_for_tokens(self.sequence_tokens - shared, block_size)
+        return shared // block_size + private * self.num_sequences
 
 
 @dataclass
@@ -125,6 +150,8 @@ class BackendAdmission:
     settings: AdmissionSettings = field(default_factory=AdmissionSettings)
     capacity_blocks: int | None = None
     block_size: int | None = None
+    # vLLM's enable_prefix_caching (cache_config_info); None while unknown (nothing shared).
+    prefix_caching: bool | None = None
     effective_fraction: float = 1.0
     reserved_blocks: int = 0
     reserved_tokens: int = 0
@@ -137,21 +164,40 @@ class BackendAdmission:
     inflight: dict[int, RequestProgress] = field(default_factory=dict)
     external_blocks: int = 0
     last_projected_blocks: int = 0
+    # With replicas sharing the backend (Redis): the blocks this replica keeps in the shared
+    # ledger. Admission then counts only its own requests against them.
+    static_share_blocks: int | None = None
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _last_preemptions: float | None = None
     _calm_since_s: float | None = None
     _last_tighten_s: float | None = None
     _last_pressed: RequestProgress | None = None
     _recent_releases: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
+    # Set by admit_margin when it admits ahead of a slot freeing; read by prepare().
+    _early_start_s: float | None = None
 
     def __post_init__(self) -> None:
         self.rate = DecodeRate(self.settings.progress)
 
     # -- capacity -------------------------------------------------------------------------
-    def set_capacity(self, num_gpu_blocks: int, block_size: int) -> None:
+    def set_capacity(
+        self, num_gpu_blocks: int, block_size: int, prefix_caching: bool | None = None
+    ) -> None:
         """Record the pool size as vLLM reports it (``num_gpu_blocks`` includes the null block)."""
         self.capacity_blocks = max(num_gpu_blocks - 1, 0)
         self.block_size = block_size
+        if prefix_caching is not None:
+            self.prefix_caching = prefix_caching
+
+    @property
+    def sharing(self) -> bool:
+        """Whether prompt blocks shared by a request's sequences are counted once."""
+        return bool(self.prefix_caching) and self.settings.share_prefix_blocks
+
+    def need_blocks(self, cost: RequestCost) -> int:
+        """Blocks ``cost`` needs here at its largest (shared prompt blocks counted once)."""
+        assert self.block_size is not None
+        return cost.blocks(self.block_size, self.sharing)
 
     @property
     def usage_ceiling(self) -> float:
@@ -161,6 +207,9 @@ class BackendAdmission:
         projected watermark, so usage up to there is what admission intends, not a warning.
         """
         s = self.settings
+        if self.static_share_blocks is not None:
+            # The report counts every replica's requests, some of them tracked.
+            return max(s.high_watermark, s.projected_watermark)
         if s.track_mode == "off" or not any(p.tracked for p in self.inflight.values()):
             return s.high_watermark
         return max(s.high_watermark, s.projected_watermark)
@@ -171,13 +220,26 @@ class BackendAdmission:
 
     @property
     def effective_capacity_blocks(self) -> int:
+        """The blocks admission plans with: the pool (or this replica's share of it) times the
+        effective fraction."""
         if self.capacity_blocks is None:
             return 0
-        return int(self.capacity_blocks * self.effective_fraction)
+        base = self.capacity_blocks
+        if self.static_share_blocks is not None:
+            base = min(base, self.static_share_blocks)
+        return int(base * self.effective_fraction)
+
+    @property
+    def _external(self) -> int:
+        """KV of traffic not admitted here (under a static share, the others' share)."""
+        return 0 if self.static_share_blocks is not None else self.external_blocks
 
     @property
     def used_blocks(self) -> int:
-        """Blocks in use as far as we know: reservations or the backend's report, the larger."""
+        """Blocks in use as far as we know: reservations or the backend's report, the larger
+        (only reservations under a static share: the report includes the other replicas)."""
+        if self.static_share_blocks is not None:
+            return self.reserved_blocks
         observed = 0
         if self.capacity_blocks:
             observed = math.ceil(self.observed_usage * self.capacity_blocks)
@@ -206,7 +268,7 @@ class BackendAdmission:
         if self.block_size is None:
             return 0
         peak = projected_peak_blocks(self.footprints(now_s), self.block_size)
-        self.last_projected_blocks = peak + self.external_blocks
+        self.last_projected_blocks = peak + self._external
         return self.last_projected_blocks
 
     @property
@@ -221,9 +283,8 @@ class BackendAdmission:
             return False
         if mode == "always":
             return True
-        assert self.block_size is not None
         eff = self.effective_capacity_blocks
-        full = self.reserved_blocks + cost.blocks(self.block_size)
+        full = self.reserved_blocks + self.need_blocks(cost)
         return full > self.settings.track_above_fraction * eff
 
     # -- admission ------------------------------------------------------------------------
@@ -232,7 +293,7 @@ class BackendAdmission:
         if not self.known:
             return False
         assert self.capacity_blocks is not None and self.block_size is not None
-        return cost.blocks(self.block_size) <= self.capacity_blocks
+        return self.need_blocks(cost) <= self.capacity_blocks
 
     def _refresh_latch(self, now_s: float) -> None:
         if not self.paused:
@@ -249,10 +310,11 @@ class BackendAdmission:
         so a large request is never starved by its own size. When the plain reservations
         already fit, the projection is not computed (the hot path stays O(1)).
         """
+        self._early_start_s = None
         if not self.known:
             return None
         assert self.block_size is not None and self.capacity_blocks is not None
-        need = cost.blocks(self.block_size)
+        need = self.need_blocks(cost)
         if need > self.capacity_blocks:
             return None
         self._refresh_latch(now_s)
@@ -260,6 +322,8 @@ class BackendAdmission:
             return None
         eff = self.effective_capacity_blocks
         limit = self.settings.high_watermark * eff
+        if self.static_share_blocks is not None and need > limit:
+            return None  # under a static share even an idle replica keeps to its share
         if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
             return eff - need
         simple = self.used_blocks + need
@@ -272,27 +336,151 @@ class BackendAdmission:
             return None
         current = self.footprints(now_s)
         extra = new_request_footprints(
-            cost.prompt_tokens, cost.max_new_tokens, cost.num_sequences, self.rate, track
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            self.rate,
+            track,
+            cost.shared_tokens(self.block_size, self.sharing),
         )
         fps = [*current, *extra]
         bs = self.block_size
-        unknown = unknown_blocks(fps, bs) + self.external_blocks
+        unknown = unknown_blocks(fps, bs) + self._external
         if unknown <= limit:
-            peak = projected_peak_blocks(fps, bs) + self.external_blocks
+            peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit:
                 return eff - peak
+            if track:
+                early = self._early_margin(cost, extra, proj_limit, now_s)
+                if early is not None:
+                    return early
             # Only the projection is over: it falls as the tracked requests progress, which
             # re-runs admission; no latch needed (the projection does not flap).
-            self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
+            self.last_projected_blocks = projected_peak_blocks(current, bs) + self._external
             return None
         # The requests of unknown progress reach the high watermark. Latch only when they are
         # in the high band; a large request that does not fit while usage is low just waits.
-        base = unknown_blocks(current, bs) + self.external_blocks
-        self.last_projected_blocks = projected_peak_blocks(current, bs) + self.external_blocks
+        base = unknown_blocks(current, bs) + self._external
+        self.last_projected_blocks = projected_peak_blocks(current, bs) + self._external
         if base >= self.settings.low_watermark * eff:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _early_margin(
+        self, cost: RequestCost, extra: list[Footprint], proj_limit: float, now_s: float
+    ) -> int | None:
+        """Admit ``cost`` ahead of a slot freeing, to wait in vLLM's own queue, when safe.
+
+        vLLM starts a waiting request only when its first prefill chunk fits the free blocks.
+        If the started requests of a set S certainly hold so much that it cannot fit while all
+        of S live, it starts only after some A in S has ended; so it is safe when, for every A
+        in S, the projection without A and with the new request starting now fits. Its start
+        may then come as late as the longest-lived member of S ends, which its deadline allows.
+        At most ``engine_queue_requests`` such requests wait unstarted at a time.
+        """
+        s = self.settings
+        assert self.block_size is not None and self.capacity_blocks is not None
+        waiting = sum(1 for p in self.inflight.values() if p.extra_start_s > 0 and not p.started)
+        if waiting >= s.engine_queue_requests or self.static_share_blocks is not None:
+            return None
+        rate_low = self.rate.low_tokens_per_s
+        if not rate_low:
+            return None
+        bs = self.block_size
+        first = blocks_for_tokens(min(cost.prompt_tokens, s.first_chunk_tokens), bs)
+        holders = sorted(
+            (
+                (p.blocks_held_at_least(bs), p)
+                for p in self.inflight.values()
+                if p.tracked and p.started
+            ),
+            key=lambda x: x[0],
+            reverse=True,
+        )
+        chosen: list[RequestProgress] = []
+        held = 0
+        for blocks, p in holders:
+            if self.capacity_blocks - held < first:
+                break
+            chosen.append(p)
+            held += blocks
+        if not chosen or self.capacity_blocks - held >= first:
+            return None
+        worst = 0
+        for a in chosen:
+            others = [
+                f
+                for p in self.inflight.values()
+                if p is not a
+                for f in p.footprints(self.rate, now_s)
+            ]
+            peak = projected_peak_blocks([*others, *extra], bs) + self._external
+            if peak > proj_limit:
+                return None
+            worst = max(worst, peak)
+        longest_steps = max(
+            (f.remaining_steps or 0 for a in chosen for f in a.footprints(self.rate, now_s)),
+            default=0,
+        )
+        self._early_start_s = longest_steps / rate_low
+        return int(self.effective_capacity_blocks - worst)
+
+    def _share_for(self, blocks: int, watermark: float) -> int:
+        """The least share whose effective capacity × ``watermark`` holds ``blocks``."""
+        fraction = self.effective_fraction
+        share = math.ceil(blocks / (watermark * fraction))
+        while watermark * int(share * fraction) < blocks:
+            share += 1
+        return share
+
+    def share_held(self, now_s: float) -> int:
+        """The least share that keeps what is in flight here within the watermarks (what a
+        replica may not give away)."""
+        if self.block_size is None:
+            return 0
+        s = self.settings
+        fps = self.footprints(now_s)
+        bs = self.block_size
+        return max(
+            self._share_for(unknown_blocks(fps, bs), s.high_watermark),
+            self._share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+        )
+
+    def share_needed(self, cost: RequestCost, now_s: float) -> int:
+        """The least share (blocks kept by this replica) at which ``cost`` would be admitted
+        now, the latch and the stagger aside: what a replica asks the shared ledger for."""
+        assert self.block_size is not None
+        s = self.settings
+        need = self.need_blocks(cost)
+        share_for = self._share_for
+        idle = share_for(need, s.high_watermark)
+        if self.reserved_blocks == 0:
+            return idle
+        plain = share_for(self.reserved_blocks + need, s.high_watermark)
+        track = cost.trackable and s.track_mode != "off"
+        fps = [
+            *self.footprints(now_s),
+            *new_request_footprints(
+                cost.prompt_tokens,
+                cost.max_new_tokens,
+                cost.num_sequences,
+                self.rate,
+                track,
+                cost.shared_tokens(self.block_size, self.sharing),
+            ),
+        ]
+        bs = self.block_size
+        projected = max(
+            share_for(unknown_blocks(fps, bs), s.high_watermark),
+            share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+        )
+        return max(idle, min(plain, projected))
+
+    def recent_release_blocks(self, now_s: float) -> int:
+        """Blocks that requests released within ``RELEASE_GRACE_S`` held (a poll may still
+        show them)."""
+        return sum(b for t, b in self._recent_releases if now_s - t <= RELEASE_GRACE_S)
 
     def stagger_tokens(self, cost: RequestCost, limit_blocks: float) -> int:
         """Engine steps between admissions that let requests like ``cost`` finish staggered.
@@ -318,15 +506,23 @@ class BackendAdmission:
         return int(cost.max_new_tokens * mean_blocks / limit_blocks)
 
     def _stagger_ok(self, cost: RequestCost, limit_blocks: float, now_s: float) -> bool:
+        """Whether ``cost`` would not end in the same cohort as the last pressed admission.
+
+        Only a request that would finish within ``stagger_tokens`` steps of the last request
+        admitted under pressure waits (identical requests admitted together end together);
+        requests of other lengths end apart anyway and pass at once.
+        """
         last = self._last_pressed
         if last is None or last.handle not in self.inflight or not last.tracked:
             return True
-        if not last.started:
-            return False
         done = max(
             (g for g, f in zip(last.generated, last.finished, strict=True) if not f), default=None
         )
-        return done is None or done >= self.stagger_tokens(cost, limit_blocks)
+        if done is None and last.started:
+            return True
+        remaining = last.max_new_tokens - (done or 0)
+        gap = abs(remaining - cost.max_new_tokens)
+        return gap >= self.stagger_tokens(cost, limit_blocks)
 
     def can_admit(self, cost: RequestCost, now_s: float = 0.0) -> bool:
         """Whether ``cost`` may be admitted now (see :meth:`admit_margin`)."""
@@ -334,18 +530,36 @@ class BackendAdmission:
 
     def reserve(self, cost: RequestCost, now_s: float = 0.0) -> RequestProgress:
         """Admit the request: record it in flight; returns the handle to report progress on."""
+        progress = self.prepare(cost, now_s)
+        self.register(progress)
+        return progress
+
+    def prepare(
+        self, cost: RequestCost, now_s: float = 0.0, track: bool | None = None
+    ) -> RequestProgress:
+        """The in-flight record ``cost`` would get here (not yet registered; ``track``
+        overrides :meth:`should_track`)."""
         assert self.block_size is not None
+        tracked = self.should_track(cost) if track is None else track and cost.trackable
         progress = RequestProgress(
             cost.prompt_tokens,
             cost.max_new_tokens,
             cost.num_sequences,
             now_s,
-            tracked=self.should_track(cost),
+            tracked=tracked,
             prompt_exact=cost.prompt_exact,
+            shared_tokens=cost.shared_tokens(self.block_size, self.sharing),
         )
+        if tracked and self._early_start_s is not None:
+            progress.extra_start_s = self._early_start_s
+        self._early_start_s = None
         progress.handle = next(self._ids)
-        progress.reserved_blocks = cost.blocks(self.block_size)
+        progress.reserved_blocks = self.need_blocks(cost)
         progress.reserved_tokens = cost.total_tokens
+        return progress
+
+    def register(self, progress: RequestProgress) -> None:
+        """Record a prepared request as in flight here."""
         self.inflight[progress.handle] = progress
         limit = self.settings.high_watermark * self.effective_capacity_blocks
         pressed = self.used_blocks + progress.reserved_blocks > (
@@ -355,7 +569,6 @@ class BackendAdmission:
             self._last_pressed = progress  # admitted under pressure: the next waits for it
         self.reserved_blocks += progress.reserved_blocks
         self.reserved_tokens += progress.reserved_tokens
-        return progress
 
     def release(self, progress: RequestProgress, now_s: float = 0.0) -> None:
         """The request ended (any way): forget it and give its reservation back."""
@@ -493,16 +706,22 @@ def pick_backend(
 
 
 def never_fit_reason(
-    candidates: Sequence[BackendAdmission], cost: RequestCost, max_model_len: int | None
+    candidates: Sequence[BackendAdmission],
+    cost: RequestCost,
+    max_model_len: int | None,
+    prompt_is_lower_bound: bool = False,
 ) -> str | None:
     """Why the request can never run on any known backend, or None if it may.
 
     Returns None while no backend's capacity is known (nothing can be said yet).
+    ``prompt_is_lower_bound``: the cost's prompt is the fewest tokens it can have (the cheap
+    check made before tokenizing); the message then says "at least".
     """
+    least = "at least " if prompt_is_lower_bound else ""
     if max_model_len is not None and cost.sequence_tokens > max_model_len:
         return (
-            f"This request needs {cost.sequence_tokens} tokens of context "
-            f"({cost.prompt_tokens} prompt + {cost.max_new_tokens} max_tokens) but the "
+            f"This request needs {least}{cost.sequence_tokens} tokens of context "
+            f"({least}{cost.prompt_tokens} prompt + {cost.max_new_tokens} max_tokens) but the "
             f"model's maximum context length is {max_model_len} tokens; "
             "shorten the prompt or lower max_tokens."
         )
@@ -515,9 +734,9 @@ def never_fit_reason(
     assert largest.capacity_blocks is not None and largest.block_size is not None
     capacity_tokens = largest.capacity_blocks * largest.block_size
     return (
-        f"This request needs {cost.total_tokens} tokens of KV cache "
-        f"({cost.num_sequences} × ({cost.prompt_tokens} prompt + {cost.max_new_tokens} "
-        f"max_tokens), {cost.blocks(largest.block_size)} blocks of {largest.block_size}) but "
+        f"This request needs {least}{cost.total_tokens} tokens of KV cache "
+        f"({cost.num_sequences} × ({least}{cost.prompt_tokens} prompt + {cost.max_new_tokens} "
+        f"max_tokens), {largest.need_blocks(cost)} blocks of {largest.block_size}) but "
         f"the largest backend holds {capacity_tokens} tokens ({largest.capacity_blocks} blocks); "
         "lower max_tokens or n, or shorten the prompt."
     )

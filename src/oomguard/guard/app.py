@@ -1,7 +1,8 @@
 """The gateway's HTTP application (aiohttp server + pooled aiohttp client).
 
-Routes: ``/v1/completions`` and ``/v1/chat/completions`` (admission-controlled, streamed or
-not), ``/v1/models`` (from the pollers' cache), any other ``/v1/*`` passed through, and the
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/chat/completions/batch``,
+``/v1/responses`` and ``/v1/messages`` (admission-controlled, streamed chunk by chunk or not),
+``/v1/models`` (from the pollers' cache), any other ``/v1/*`` passed through (streamed), and the
 gateway's own ``/health``, ``/ready``, ``/metrics`` and ``/status``.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -21,21 +23,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, RequestCost
+from oomguard.guard.auth import ApiKeys, ClientIdentity
 from oomguard.guard.backends import Backend, BackendPool
 from oomguard.guard.config import GuardConfig
 from oomguard.guard.gate import Gate, NeverFits, QueueFull, QueueTimeout, Ticket
 from oomguard.guard.openai_body import (
+    NON_TEXT_PART_TOKENS,
+    ROUTES,
     ApiError,
     CharsPerTokenLearner,
     GenerationRequest,
+    InputLimits,
+    RouteKind,
     bad_request,
     estimate_prompt_tokens,
     parse_generation,
     parse_json_body,
     parse_priority_header,
+    prompt_tokens_lower_bound,
 )
 from oomguard.guard.projection import ProgressSettings
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+from oomguard.guard.shared import SharedAdmission
 from oomguard.guard.sse import (
     SseSplitter,
     StreamAssembler,
@@ -85,6 +94,17 @@ _NOT_CONVERTIBLE = (
 )
 _PROMPT_TOKENS_RE = re.compile(rb'"prompt_tokens":\s*(\d+)')
 _DONE = b"[DONE]"
+# What the last events of a complete stream carry, by route (OpenAI's [DONE], the Responses
+# API's terminal events, the Messages API's message_stop).
+_STREAM_END: dict[RouteKind, tuple[bytes, ...]] = {
+    "completions": (_DONE,),
+    "chat": (_DONE,),
+    "chat_batch": (_DONE,),
+    "responses": (b"response.completed", b"response.incomplete", b"response.failed"),
+    "messages": (b"message_stop",),
+}
+# Request headers that carry a client's credentials for the gateway, not for the backend.
+_CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 
 
 @dataclass
@@ -101,9 +121,33 @@ def _error_response(err: ApiError) -> web.Response:
     )
 
 
-def _sse_error(message: str, code: int = 502) -> bytes:
+def _sse_error(message: str, code: int = 502, kind: RouteKind = "completions") -> bytes:
+    """The event that ends a broken stream, in the form the route's clients parse."""
+    event: dict[str, Any]
+    if kind == "responses":
+        event = {"type": "error", "code": "upstream_error", "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    if kind == "messages":
+        event = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
     payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
     return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class _EndWatcher:
+    """Whether a relayed stream reached its route's final event (markers may span chunks)."""
+
+    def __init__(self, kind: RouteKind) -> None:
+        self.markers = _STREAM_END[kind]
+        self.tail = b""
+        self.seen = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.seen:
+            return
+        window = self.tail + chunk
+        self.seen = any(m in window for m in self.markers)
+        self.tail = window[-32:]
 
 
 @web.middleware
@@ -146,17 +190,42 @@ class GuardApp:
             track_mode=config.track_progress,
             track_above_fraction=config.track_above_fraction,
             stagger=config.stagger_admissions,
+            share_prefix_blocks=config.share_prefix_blocks,
+            engine_queue_requests=config.engine_queue_requests,
+            first_chunk_tokens=config.first_chunk_tokens,
             progress=ProgressSettings(
                 lag_s=config.progress_lag_s,
                 lag_floor_tokens=config.progress_lag_floor_tokens,
                 start_allowance_s=config.progress_start_allowance_s,
+                rate_quantile=config.rate_quantile,
+                start_quantile=config.start_latency_quantile,
             ),
         )
         self.chars_per_token = CharsPerTokenLearner(config.estimate_chars_per_token)
+        self.keys = ApiKeys(config.api_keys)
+        self.limits = InputLimits(
+            config.max_tokens_limit, config.max_prompts_per_request, config.max_n
+        )
+        self._tokenize_slots: asyncio.Semaphore | None = None
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self.drain = DrainRateMeter()
         self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
-        self.telemetry = Telemetry(self.pool, self.queue, self.drain, self.chars_per_token)
+        self.shared: SharedAdmission | None = None
+        if config.redis_url:
+            self.shared = SharedAdmission(
+                config.redis_url,
+                config.redis_prefix,
+                lease_s=config.lease_s,
+                snapshot_max_age_s=config.snapshot_max_age_s,
+                timeout_s=config.redis_timeout_s,
+                replicas=config.replicas,
+                max_head_bypass=config.max_head_bypass,
+            )
+            self.pool.shared = self.shared
+            self.shared.backends = lambda: [(b.url, b.admission) for b in self.pool.backends]
+        self.telemetry = Telemetry(
+            self.pool, self.queue, self.drain, self.chars_per_token, self.shared
+        )
         self.gate = Gate(
             self.pool,
             self.queue,
@@ -164,7 +233,11 @@ class GuardApp:
             retry_fallback_s=min(config.queue_timeout_s, 30.0),
             max_retry_after_s=config.max_retry_after_s,
             on_queue_wait=self.telemetry.queue_wait.observe,
+            max_head_bypass=config.max_head_bypass,
+            shared=self.shared,
         )
+        if self.shared is not None:
+            self.shared.on_change = self.gate.pump
         self.session: aiohttp.ClientSession | None = None
         self._timeout = aiohttp.ClientTimeout(total=config.upstream_timeout_s)
         self._stream_timeout = aiohttp.ClientTimeout(
@@ -177,15 +250,20 @@ class GuardApp:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self, _app: web.Application) -> None:
+        self._tokenize_slots = asyncio.Semaphore(self.config.tokenize_concurrency)
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )
+        if self.shared is not None:
+            await self.shared.start()
         await self.pool.start()
 
     async def cleanup(self, _app: web.Application) -> None:
         await self.pool.stop()
+        if self.shared is not None:
+            await self.shared.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -230,6 +308,7 @@ class GuardApp:
                 },
                 "watermarks": {"high": c.high_watermark, "low": c.low_watermark},
                 "tokenizer": c.tokenizer,
+                "shared_state": None if self.shared is None else self.shared.status(),
                 "estimate_chars_per_token": {
                     "value": round(self.chars_per_token.value, 4),
                     "configured": c.estimate_chars_per_token,
@@ -249,18 +328,28 @@ class GuardApp:
         return web.json_response({"object": "list", "data": list(models.values())})
 
     # -- passthrough ---------------------------------------------------------------------
-    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    def _upstream_headers(self, request: web.Request, backend: Backend) -> dict[str, str]:
+        """The client's headers for ``backend``: hop-by-hop ones dropped; the client's key
+        replaced by the backend's own when configured, dropped when it was the gateway's."""
+        drop = _HOP_BY_HOP | _CLIENT_KEY_HEADERS if self.keys.enabled else _HOP_BY_HOP
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+        if backend.config.api_key:
+            headers = {k: v for k, v in headers.items() if k.lower() not in _CLIENT_KEY_HEADERS}
+            headers["Authorization"] = f"Bearer {backend.config.api_key}"
+        return headers
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Forward any other ``/v1/*`` request to a healthy backend, without admission."""
+        """Forward any other ``/v1/*`` request to a healthy backend, without admission.
+
+        The answer is relayed as it arrives (a stream stays a stream)."""
         assert self.session is not None
-        if request.path in ("/v1/completions", "/v1/chat/completions"):
+        if request.path in ROUTES:
             raise ApiError(
                 405,
                 f"{request.method} is not allowed on {request.path}; use POST",
                 headers={"Allow": "POST"},
             )
+        self.keys.identify(request.headers)
         body = await self._read_body(request)
         backends = sorted(
             (b for b in self.pool.backends if b.healthy),
@@ -276,25 +365,46 @@ class GuardApp:
                     request.method,
                     backend.url + request.path_qs,
                     data=body or None,
-                    headers=self._upstream_headers(request),
-                    timeout=self._timeout,
+                    headers=self._upstream_headers(request, backend),
+                    timeout=self._stream_timeout,
                 ) as resp:
-                    data = await resp.read()
                     headers = {h: resp.headers[h] for h in _RESPONSE_HEADERS if h in resp.headers}
-                    status = resp.status if resp.status < 500 else 502
-                    return web.Response(status=status, body=data, headers=headers)
+                    if resp.status >= 500:
+                        data = await resp.read()
+                        return web.Response(status=502, body=data, headers=headers)
+                    out = web.StreamResponse(status=resp.status, headers=headers)
+                    await out.prepare(request)
+                    try:
+                        async for chunk in resp.content.iter_any():
+                            await out.write(chunk)
+                        await out.write_eof()
+                    except (ConnectionError, *_UPSTREAM_ERRORS):
+                        pass  # a cut relay ends the response; the client sees it incomplete
+                    return out
             except _UPSTREAM_ERRORS as exc:
                 last_error = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, aiohttp.ClientConnectorError):
                     self.pool.eject(backend, last_error)
         raise ApiError(502, f"backend unreachable: {last_error}", type_="upstream_error")
 
-    def _no_backend_error(self) -> ApiError:
+    def _no_backend_error(self, model: str | None = None) -> ApiError:
+        """503 for a request no healthy backend can take, with the backends' states and a
+        ``Retry-After`` from the health checks (the expected end of a restart, else the time
+        the next polls take)."""
+        now = time.monotonic()
+        retry = min(math.ceil(self.pool.expected_back_in_s(now)), self.config.max_retry_after_s)
+        states = "; ".join(
+            f"{b.url} {b.state}" + (f" ({b.last_error})" if b.last_error else "")
+            for b in self.pool.backends
+            if b.serves(model)
+        )
+        what = f" for model {model}" if model else ""
         return ApiError(
             503,
-            "no healthy backend; retry later",
+            f"no healthy backend{what}: {states or 'none configured'}; retry after {retry} s",
             type_="service_unavailable",
-            headers={"Retry-After": str(self.gate.retry_after_s())},
+            code="no_healthy_backend",
+            headers={"Retry-After": str(retry)},
         )
 
     # -- generation ----------------------------------------------------------------------
@@ -310,11 +420,13 @@ class GuardApp:
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes") from None
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+    def handler(self, kind: RouteKind) -> Any:
+        """The aiohttp handler of generation route ``kind``."""
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._generate(request, kind)
+
+        return handle
 
     def _queue_timeout_s(self, request: web.Request) -> float:
         raw = request.headers.get("x-queue-timeout")
@@ -331,27 +443,48 @@ class GuardApp:
             raise bad_request("header x-queue-timeout must be positive", "x-queue-timeout")
         return min(v, limit)
 
-    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    def _priority(
+        self, request: web.Request, req: GenerationRequest, identity: ClientIdentity
+    ) -> int:
+        """The queue priority: the client's (header, else body) when its key allows it."""
+        header = parse_priority_header(request.headers.get("x-priority"))
+        wanted = header if header is not None else req.priority
+        if wanted is None:
+            return 0
+        if not identity.may_set_priority:
+            self.telemetry.priority_ignored.inc()
+            return 0
+        return wanted
+
+    def _check_any_healthy(self, model: str | None) -> None:
+        if not self.pool.candidates(model):
+            self.telemetry.outcome["no_backend"].inc()
+            raise self._no_backend_error(model)
+
+    async def _generate(self, request: web.Request, kind: RouteKind) -> web.StreamResponse:
         t0 = time.perf_counter()
         tel = self.telemetry
         try:
+            identity = self.keys.identify(request.headers)
             raw = await self._read_body(request)
             body = parse_json_body(raw)
-            req = parse_generation(body, chat=chat, max_tokens_limit=self.config.max_tokens_limit)
-            header_priority = parse_priority_header(request.headers.get("x-priority"))
-            priority = header_priority if header_priority is not None else (req.priority or 0)
+            req = parse_generation(body, kind=kind, limits=self.limits)
+            priority = self._priority(request, req, identity)
             timeout_s = self._queue_timeout_s(request)
             self._check_model(req.model)
-            if "priority" in body and not self.config.forward_priority:
+            self._check_any_healthy(req.model)
+            if "priority" in body and not (
+                self.config.forward_priority and identity.may_set_priority
+            ):
                 del body["priority"]
                 raw = json.dumps(body).encode()
+            # What can never fit is refused on a cheap bound before any tokenizing.
+            cheap = self._cost_from(req, [prompt_tokens_lower_bound(req)], True)
+            self._refuse_never_fitting(cheap, req.model, lower_bound=True)
             cost = await self._cost(req)
-            reason = self.gate.never_fit_reason(cost, req.model)
-            if reason is not None:
-                tel.outcome["never_fits"].inc()
-                raise ApiError(400, reason, param="max_tokens", code="context_length_exceeded")
+            self._refuse_never_fitting(cost, req.model)
         except ApiError as err:
-            if err.code != "context_length_exceeded":
+            if err.code not in ("context_length_exceeded", "no_healthy_backend"):
                 tel.outcome["client_error"].inc()
             raise
         try:
@@ -359,6 +492,14 @@ class GuardApp:
         except asyncio.CancelledError:
             tel.outcome["client_disconnected"].inc()
             raise
+
+    def _refuse_never_fitting(
+        self, cost: RequestCost, model: str | None, lower_bound: bool = False
+    ) -> None:
+        reason = self.gate.never_fit_reason(cost, model, lower_bound)
+        if reason is not None:
+            self.telemetry.outcome["never_fits"].inc()
+            raise ApiError(400, reason, param="max_tokens", code="context_length_exceeded")
 
     async def _admit_and_forward(
         self,
@@ -394,17 +535,20 @@ class GuardApp:
             except QueueTimeout as exc:
                 tel.shed_timeout.inc()
                 tel.outcome["shed_queue_timeout" if attempts == 0 else "upstream_failed"].inc()
-                what = (
-                    "waiting for KV capacity"
-                    if attempts == 0
-                    else "waiting for a healthy backend after a backend failure"
-                )
+                if attempts == 0:
+                    message = f"timed out after {exc.waited_s:.1f} s waiting for KV capacity"
+                    code = "queue_timeout"
+                else:
+                    message = (
+                        f"the backend failed this request and no healthy backend came back "
+                        f"within {exc.waited_s:.0f} s (restart_wait_s); it was not completed"
+                    )
+                    code = "backend_restart_timeout"
                 raise ApiError(
                     503,
-                    f"timed out after {exc.waited_s:.1f} s {what}; retry after "
-                    f"{exc.retry_after_s} s",
+                    f"{message}; retry after {exc.retry_after_s} s",
                     type_="service_unavailable",
-                    code="queue_timeout",
+                    code=code,
                     headers={"Retry-After": str(exc.retry_after_s)},
                 ) from None
             except NeverFits as exc:
@@ -435,7 +579,7 @@ class GuardApp:
                     code="upstream_failed",
                 )
             tel.retries.inc()
-            timeout_s = self.config.retry_wait_s
+            timeout_s = self.pool.restart_wait_s()
 
     def _check_model(self, model: str | None) -> None:
         if model is None:
@@ -451,6 +595,10 @@ class GuardApp:
 
     async def _cost(self, req: GenerationRequest) -> RequestCost:
         counts, exact = await self._prompt_tokens(req)
+        return self._cost_from(req, counts, exact)
+
+    def _cost_from(self, req: GenerationRequest, counts: list[int], exact: bool) -> RequestCost:
+        """The request's KV cost with prompts of ``counts`` tokens (``exact``: not estimated)."""
         prompt = max(counts)
         mml = self.pool.max_model_len(req.model)
         if req.max_tokens is not None:
@@ -463,7 +611,8 @@ class GuardApp:
         return RequestCost(
             prompt_tokens=prompt,
             max_new_tokens=new_tokens,
-            num_sequences=req.num_sequences * len(counts),
+            num_sequences=req.num_sequences * max(req.inputs, 1),
+            inputs=max(req.inputs, 1),
             prompt_exact=exact,
             trackable=_trackable(req),
         )
@@ -476,7 +625,11 @@ class GuardApp:
         return None
 
     async def _prompt_tokens(self, req: GenerationRequest) -> tuple[list[int], bool]:
-        """Prompt length of each prompt: exact from the backend's /tokenize, else estimated."""
+        """Prompt length of each input: exact from the backend's /tokenize, else estimated.
+
+        Routes whose input is converted to chat messages (Responses, Messages) are tokenized
+        that way, plus an allowance per non-text part: close, but counted as estimated.
+        """
         if not req.chat and all(isinstance(p, list) for p in req.prompts):
             return [len(p) for p in req.prompts], True
         if self.config.tokenizer == "backend":
@@ -484,51 +637,69 @@ class GuardApp:
             if backend is not None:
                 counts = await self._tokenize(backend, req)
                 if counts is not None:
-                    return counts, True
+                    converted = req.kind in ("responses", "messages")
+                    extra = req.non_text_parts * NON_TEXT_PART_TOKENS
+                    return [c + extra for c in counts], not converted
         self.telemetry.estimated_prompts.inc()
         return estimate_prompt_tokens(req, self.chars_per_token.value), False
 
-    async def _tokenize(self, backend: Backend, req: GenerationRequest) -> list[int] | None:
-        if req.chat:
-            payload: dict[str, Any] = {"messages": req.messages}
-            for key in (
-                "add_generation_prompt",
-                "continue_final_message",
-                "chat_template",
-                "chat_template_kwargs",
-                "tools",
-                "documents",
-                "mm_processor_kwargs",
-            ):
-                if key in req.body:
-                    payload[key] = req.body[key]
-            if req.model:
-                payload["model"] = req.model
-            count = await self._tokenize_one(backend, req.model, payload)
-            return None if count is None else [count]
+    def _tokenize_payloads(self, req: GenerationRequest) -> list[dict[str, Any] | int]:
+        """One ``/tokenize`` body per input (token-id prompts are counted in place)."""
         payloads: list[dict[str, Any] | int] = []
-        for p in req.prompts:
-            if isinstance(p, list):
-                payloads.append(len(p))
-                continue
-            pl: dict[str, Any] = {"prompt": p}
-            if req.model:
-                pl["model"] = req.model
-            payloads.append(pl)
-        results: list[int] = []
+        if req.chat:
+            for conversation in req.conversations:
+                payload: dict[str, Any] = {"messages": conversation}
+                for key in (
+                    "add_generation_prompt",
+                    "continue_final_message",
+                    "chat_template",
+                    "chat_template_kwargs",
+                    "tools",
+                    "documents",
+                    "mm_processor_kwargs",
+                ):
+                    if key in req.body and req.kind in ("chat", "chat_batch"):
+                        payload[key] = req.body[key]
+                payloads.append(payload)
+        else:
+            for p in req.prompts:
+                payloads.append(len(p) if isinstance(p, list) else {"prompt": p})
+        if req.model:
+            for item in payloads:
+                if isinstance(item, dict):
+                    item["model"] = req.model
+        return payloads
+
+    async def _tokenize(self, backend: Backend, req: GenerationRequest) -> list[int] | None:
+        """Counts of every input, at most ``tokenize_concurrency_per_request`` calls at once
+        for this request and ``tokenize_concurrency`` for the whole gateway."""
+        payloads = self._tokenize_payloads(req)
+        mine = asyncio.Semaphore(self.config.tokenize_concurrency_per_request)
+        shared = self._tokenize_slots
+        assert shared is not None
+
+        async def one(item: dict[str, Any]) -> int | None:
+            async with mine, shared:
+                return await self._tokenize_one(backend, req.model, item)
+
         pending = [item for item in payloads if isinstance(item, dict)]
-        counts = await asyncio.gather(
-            *(self._tokenize_one(backend, req.model, item) for item in pending)
-        )
+        if len(pending) == 1:
+            counts: list[int | None] = [await one(pending[0])]
+        else:
+            tasks = [asyncio.ensure_future(one(item)) for item in pending]
+            try:
+                counts = list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
         it = iter(counts)
+        results: list[int] = []
         for item in payloads:
-            if isinstance(item, int):
-                results.append(item)
-            else:
-                c = next(it)
-                if c is None:
-                    return None
-                results.append(c)
+            c = item if isinstance(item, int) else next(it)
+            if c is None:
+                return None
+            results.append(c)
         return results
 
     async def _tokenize_one(
@@ -604,7 +775,7 @@ class GuardApp:
             async with self.session.post(
                 backend.url + request.path_qs,
                 data=body,
-                headers=self._upstream_headers(request),
+                headers=self._upstream_headers(request, backend),
                 timeout=self._stream_timeout if req.stream else self._timeout,
             ) as resp:
                 if resp.status >= 500:
@@ -721,18 +892,18 @@ class GuardApp:
         )
         await out.prepare(request)
         rewrite = _StreamRewriter(self, ticket, req) if ticket.tracked else None
+        end = _EndWatcher(req.kind)
         chunk = first
-        tail = b""
         upstream_error: str | None = None
         while True:
             data = chunk if rewrite is None else rewrite.feed(chunk)
+            end.feed(chunk)
             try:
                 if data:
                     await out.write(data)
             except ConnectionError:
                 tel.outcome["client_disconnected"].inc()
                 return out
-            tail = (tail + chunk)[-64:]
             try:
                 chunk = await resp.content.readany()
             except _UPSTREAM_ERRORS as exc:
@@ -744,12 +915,13 @@ class GuardApp:
                 break
         if rewrite is not None:
             self._learn_prompt(req, cost, rewrite.prompt_tokens)
-        if upstream_error is None and b"[DONE]" not in tail:
-            upstream_error = f"the backend {backend.url} ended the stream before [DONE]"
+        if upstream_error is None and not end.seen:
+            upstream_error = f"the backend {backend.url} ended the stream before its last event"
         try:
             if upstream_error is not None:
                 tel.outcome["stream_error"].inc()
-                await out.write(_sse_error(upstream_error + "; the response is incomplete"))
+                message = upstream_error + "; the response is incomplete"
+                await out.write(_sse_error(message, kind=req.kind))
             else:
                 tel.outcome["ok"].inc()
             await out.write_eof()
@@ -798,7 +970,7 @@ class _StreamRewriter:
 def _trackable(req: GenerationRequest) -> bool:
     """Whether the request's progress can be read: streams, and convertible non-streams."""
     body = req.body
-    if body.get("use_beam_search"):
+    if req.kind not in ("completions", "chat") or body.get("use_beam_search"):
         return False
     if req.stream:
         return True
@@ -820,8 +992,8 @@ def create_app(config: GuardConfig) -> web.Application:
     app.on_startup.append(guard.startup)
     app.on_cleanup.append(guard.cleanup)
     r = app.router
-    r.add_post("/v1/completions", guard.completions)
-    r.add_post("/v1/chat/completions", guard.chat_completions)
+    for path, kind in ROUTES.items():
+        r.add_post(path, guard.handler(kind))
     r.add_get("/v1/models", guard.models)
     r.add_get("/health", guard.health)
     r.add_get("/ready", guard.ready)
@@ -865,13 +1037,47 @@ async def start_guard(config: GuardConfig) -> GuardServer:
 
 
 def run_guard(config: GuardConfig) -> None:
-    """Serve the gateway until interrupted (blocking; one process, one event loop)."""
+    """Serve the gateway until interrupted (blocking).
+
+    One process, or with ``workers`` > 1 that many processes listening on the same port
+    (``SO_REUSEPORT``: the kernel spreads connections over them), each a replica on the shared
+    Redis state; a worker that dies is started again.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if config.workers <= 1:
+        _serve_one(config, reuse_port=False)
+        return
+    from oomguard.guard.workers import run_workers
+
+    run_workers(config, _serve_worker)
+
+
+def _serve_worker(config: GuardConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _serve_one(config, reuse_port=True)
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """The event loop a guard process serves on: uvloop's when ``kind`` is ``uvloop`` and it
+    is installed (libuv does the socket work of each relayed request in C), else asyncio's."""
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed: serving on asyncio's event loop")
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _serve_one(config: GuardConfig, reuse_port: bool) -> None:
     web.run_app(
         create_app(config),
         host=config.host,
         port=config.port,
         access_log=None,
         handler_cancellation=True,
+        reuse_port=reuse_port or None,
         print=lambda msg: log.info("%s", msg),
+        loop=new_event_loop(config.event_loop),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,8 @@ from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
 from oomguard.guard.llama_backend import SlotLayout
-from oomguard.guard.metrics_parse import VllmMetrics, parse_vllm_metrics
+from oomguard.guard.shared import SharedAdmission
+from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 log = logging.getLogger("oomguard.guard")
 
@@ -41,13 +43,48 @@ class Backend:
         self.ejections = 0
         self.last_error: str | None = None
         self.models: dict[str, dict[str, Any]] = {}
-        self.metrics: VllmMetrics = VllmMetrics()
+        self.metrics: VllmSnapshot = VllmSnapshot()
         self.in_flight = 0
         self.tokenize_supported = True
         self.tokenize_retry_at_s = 0.0
         self.next_models_refresh_s = 0.0
+        # Restarts: when it went down (monotonic), and the longest restart or startup seen.
+        self.down_since_s: float | None = None
+        self.ever_healthy = False
+        self.longest_restart_s: float | None = None
+        self.polls = 0
         self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
         self.llama_layout: SlotLayout | None = None
+
+    def note_up(self, now_s: float, wall_now_s: float) -> None:
+        """A good poll: learn how long the backend took to come back (restart or startup).
+
+        The time it was seen down is a lower bound of a restart; the server's own
+        ``process_start_time_seconds`` gives the whole startup when its process is new.
+        """
+        took: float | None = None
+        if self.down_since_s is not None and self.polls > 0:
+            took = now_s - self.down_since_s
+            started = self.metrics.process_start_time_s
+            down_wall_s = wall_now_s - took
+            if started is not None and started >= down_wall_s - 1.0:
+                took = max(took, wall_now_s - started)
+        if took is not None and took > 0:
+            self.longest_restart_s = max(self.longest_restart_s or 0.0, took)
+        self.down_since_s = None
+        self.ever_healthy = True
+
+    def note_down(self, now_s: float) -> None:
+        """A failed poll or connection: remember since when the backend is down."""
+        if self.down_since_s is None:
+            self.down_since_s = now_s
+
+    @property
+    def state(self) -> str:
+        """``healthy``, ``unreachable`` (never answered yet) or ``down`` (ejected)."""
+        if self.healthy:
+            return "healthy"
+        return "down" if self.ever_healthy else "unreachable"
 
     def serves(self, model: str | None) -> bool:
         """Whether this backend can take a request for ``model`` (None: the default model)."""
@@ -86,7 +123,14 @@ class Backend:
         return {
             "url": self.url,
             "healthy": self.healthy,
+            "state": self.state,
             "last_error": self.last_error,
+            "down_for_s": (
+                None if self.down_since_s is None else round(now_s - self.down_since_s, 1)
+            ),
+            "longest_restart_s": (
+                None if self.longest_restart_s is None else round(self.longest_restart_s, 1)
+            ),
             "models": sorted(self.models),
             "capacity_blocks": a.capacity_blocks,
             "block_size": a.block_size,
@@ -130,6 +174,7 @@ class BackendPool:
         self.config = config
         self.backends = [Backend(b, settings) for b in config.backends]
         self.on_change = on_change
+        self.shared: SharedAdmission | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -174,7 +219,7 @@ class BackendPool:
                 await self._fetch_models(backend)
                 backend.next_models_refresh_s = now + self.config.models_refresh_s
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, _PollError) as exc:
-            self._poll_failed(backend, f"{type(exc).__name__}: {exc}".strip(": "))
+            self._poll_failed(backend, f"{type(exc).__name__}: {exc}".strip(": "), now)
             return False
         backend.metrics = metrics
         a = backend.admission
@@ -183,17 +228,26 @@ class BackendPool:
             and metrics.num_gpu_blocks is not None
             and metrics.block_size is not None
         ):
-            a.set_capacity(metrics.num_gpu_blocks, metrics.block_size)
+            a.set_capacity(metrics.num_gpu_blocks, metrics.block_size, metrics.prefix_caching)
+        elif metrics.prefix_caching is not None:
+            a.prefix_caching = metrics.prefix_caching
         a.observe(metrics.kv_cache_usage, metrics.preemptions_total, now)
+        if self.shared is not None:
+            observed = None
+            if metrics.kv_cache_usage is not None and a.capacity_blocks:
+                observed = math.ceil(metrics.kv_cache_usage * a.capacity_blocks)
+            await self.shared.snapshot(backend.url, a, observed)
         backend.consecutive_failures = 0
         backend.last_error = None
         if not backend.healthy:
+            backend.note_up(now, time.time())
             backend.healthy = True
             log.info("backend %s is healthy", backend.url)
+        backend.polls += 1
         self.on_change()
         return True
 
-    async def _fetch_metrics(self, backend: Backend) -> VllmMetrics:
+    async def _fetch_metrics(self, backend: Backend) -> VllmSnapshot:
         assert self._session is not None
         from_llama = await llama_backend.poll(self._session, backend)
         if from_llama is not None:
@@ -205,7 +259,7 @@ class BackendPool:
                 async with self._session.get(backend.url + "/health") as h:
                     if h.status != 200:
                         raise _PollError(f"/health answered {h.status}")
-                return VllmMetrics()
+                return VllmSnapshot()
             if resp.status != 200:
                 raise _PollError(f"/metrics answered {resp.status}")
             text = await resp.text()
@@ -225,9 +279,13 @@ class BackendPool:
         }
         llama_backend.note_models(backend)
 
-    def _poll_failed(self, backend: Backend, reason: str) -> None:
+    def _poll_failed(self, backend: Backend, reason: str, now_s: float) -> None:
         backend.consecutive_failures += 1
         backend.last_error = reason
+        backend.note_down(now_s)
+        if backend.polls == 0 and backend.consecutive_failures == 1:
+            log.warning("backend %s is unreachable at start: %s", backend.url, reason)
+        backend.polls += 1
         if backend.healthy and backend.consecutive_failures >= self.config.eject_after_failures:
             self.eject(backend, reason)
 
@@ -239,6 +297,7 @@ class BackendPool:
         backend.ejections += 1
         backend.last_error = reason
         backend.admission.forget_observations()
+        backend.note_down(time.monotonic())
         log.warning("backend %s ejected: %s", backend.url, reason)
         self.on_change()
 
@@ -263,6 +322,28 @@ class BackendPool:
             if b.serves(model) and (v := b.max_model_len(model)) is not None
         ]
         return max(values) if values else None
+
+    def restart_wait_s(self) -> float:
+        """How long an accepted request waits for a failed backend: the configured value, or
+        twice the longest restart seen here, at least ``restart_wait_min_s``."""
+        if self.config.restart_wait_s is not None:
+            return self.config.restart_wait_s
+        seen = [b.longest_restart_s for b in self.backends if b.longest_restart_s is not None]
+        return max(self.config.restart_wait_min_s, 2.0 * max(seen, default=0.0))
+
+    def expected_back_in_s(self, now_s: float) -> float:
+        """Seconds until a backend is expected to be healthy again (for ``Retry-After``).
+
+        A backend down for less than its longest restart seen is expected at the end of it;
+        otherwise the next polls decide, so the answer is the time they take.
+        """
+        polls_s = self.config.poll_interval_s * self.config.eject_after_failures
+        waits = []
+        for b in self.backends:
+            if b.down_since_s is not None and b.longest_restart_s is not None:
+                waits.append(b.longest_restart_s - (now_s - b.down_since_s))
+        remaining = min((w for w in waits if w > 0), default=0.0)
+        return max(remaining, polls_s, 1.0)
 
     def largest_capacity_tokens(self) -> int | None:
         """KV capacity of the largest backend whose capacity is known."""

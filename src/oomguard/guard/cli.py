@@ -51,6 +51,31 @@ def register(app: typer.Typer) -> None:
                 "under KV pressure), 'always' or 'off'."
             ),
         ] = None,
+        redis_url: Annotated[
+            str | None,
+            typer.Option(
+                help="Share admission with other guard replicas through this Redis "
+                "(redis://HOST:6379/0 or unix:///PATH)."
+            ),
+        ] = None,
+        workers: Annotated[
+            int | None,
+            typer.Option(help="Worker processes on the one port (needs --redis-url) (1)."),
+        ] = None,
+        replicas: Annotated[
+            int | None,
+            typer.Option(
+                help="Replicas the static share divides by while Redis is away "
+                "(default: those last seen in Redis)."
+            ),
+        ] = None,
+        restart_wait: Annotated[
+            float | None,
+            typer.Option(
+                help="Seconds an accepted request waits for a failed backend (default: twice "
+                "the longest restart seen, at least 900)."
+            ),
+        ] = None,
     ) -> None:
         """Memory-aware admission gateway in front of vLLM servers (OpenAI-compatible)."""
         from oomguard.guard.app import run_guard
@@ -67,5 +92,9 @@ def register(app: typer.Typer) -> None:
             "queue_timeout_s": queue_timeout,
             "tokenizer": tokenizer,
             "track_progress": track_progress,
+            "redis_url": redis_url,
+            "workers": workers,
+            "replicas": replicas,
+            "restart_wait_s": restart_wait,
         }
         run_guard(load_config(config, overrides))

@@ -7,7 +7,15 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from oomguard.errors import BadInput, MalformedConfig
 
@@ -21,6 +29,8 @@ class BackendConfig(BaseModel):
     num_gpu_blocks: int | None = Field(default=None, ge=2)
     block_size: int | None = Field(default=None, ge=1)
     max_model_len: int | None = Field(default=None, ge=1)
+    # Sent upstream as ``Authorization: Bearer …`` (vLLM's --api-key) instead of the client's.
+    api_key: str | None = None
     # "auto": llama-server when /props answers as its does (oomguard.guard.llama_backend)
     engine: Literal["auto", "vllm", "llama.cpp"] = "auto"
     kv_unified: bool | None = None  # llama-server: one KV pool shared by all slots (None: assumed)
@@ -34,10 +44,27 @@ class BackendConfig(BaseModel):
         return v.rstrip("/")
 
 
+class ApiKeyConfig(BaseModel):
+    """One client key. ``role: priority`` may set ``x-priority`` / the body's ``priority``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    key: str | None = Field(default=None, min_length=8)
+    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+    role: Literal["user", "priority"] = "user"
+
+    @model_validator(mode="after")
+    def _one_key(self) -> ApiKeyConfig:
+        if (self.key is None) == (self.key_sha256 is None):
+            raise ValueError(f"API key {self.name!r} needs exactly one of `key` or `key_sha256`")
+        return self
+
+
 class GuardConfig(BaseModel):
     """Everything ``oomguard guard`` runs with; defaults are the documented behaviour."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     backends: list[BackendConfig] = Field(min_length=1)
     host: str = "127.0.0.1"
@@ -66,7 +93,16 @@ class GuardConfig(BaseModel):
     progress_lag_s: float = Field(default=0.02, ge=0.0, le=10.0)
     progress_lag_floor_tokens: int = Field(default=2, ge=0)
     progress_start_allowance_s: float = Field(default=0.5, gt=0.0)
+    rate_quantile: float = Field(default=0.9, gt=0.0, le=1.0)
+    start_latency_quantile: float = Field(default=0.95, gt=0.0, le=1.0)
     stagger_admissions: bool = True
+    # A request that fits may pass a queue head that does not, at most this many times per head.
+    max_head_bypass: int = Field(default=8, ge=0)
+    # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
+    share_prefix_blocks: bool = True
+    # Requests sent ahead of a slot freeing to wait in vLLM's queue, per backend (0: none).
+    engine_queue_requests: int = Field(default=2, ge=0)
+    first_chunk_tokens: int = Field(default=512, ge=1)
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)
     max_queue_tokens: int = Field(default=4_000_000, ge=0)
@@ -75,10 +111,16 @@ class GuardConfig(BaseModel):
     # input limits
     max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
     max_tokens_limit: int = Field(default=1_000_000, ge=1)
+    max_prompts_per_request: int = Field(default=256, ge=1)
+    max_n: int = Field(default=128, ge=1, le=4096)
     # cost
     tokenizer: Literal["backend", "estimate"] = "backend"
     estimate_chars_per_token: float = Field(default=3.0, gt=0.0)
     learn_chars_per_token: bool = True
+    tokenize_concurrency: int = Field(default=16, ge=1)
+    tokenize_concurrency_per_request: int = Field(default=4, ge=1)
+    # clients: no keys (the default) = no authentication and no priority honoured
+    api_keys: list[ApiKeyConfig] = Field(default_factory=list)
     forward_priority: bool = False
     # backends and failures
     poll_interval_s: float = Field(default=0.25, gt=0.0)
@@ -88,7 +130,23 @@ class GuardConfig(BaseModel):
     upstream_timeout_s: float = Field(default=600.0, gt=0.0)
     tokenize_timeout_s: float = Field(default=5.0, gt=0.0)
     max_retries: int = Field(default=3, ge=0)
-    retry_wait_s: float = Field(default=120.0, gt=0.0)
+    # How long an accepted request waits for a failed backend to come back. None (default):
+    # twice the longest restart or startup seen on the backends, at least restart_wait_min_s.
+    restart_wait_s: float | None = Field(
+        default=None, gt=0.0, validation_alias=AliasChoices("restart_wait_s", "retry_wait_s")
+    )
+    restart_wait_min_s: float = Field(default=900.0, gt=0.0)
+    # replicas sharing admission through Redis
+    redis_url: str | None = None
+    redis_prefix: str = Field(default="oomguard", min_length=1)
+    lease_s: float = Field(default=10.0, ge=1.0)
+    snapshot_max_age_s: float = Field(default=2.0, gt=0.0)
+    redis_timeout_s: float = Field(default=0.5, gt=0.0)
+    replicas: int | None = Field(default=None, ge=1)
+    workers: int = Field(default=1, ge=1, le=256)
+    # "uvloop": libuv's event loop (fewer CPU cycles per relayed request) where installed,
+    # else asyncio's own; "asyncio": always asyncio's own.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
 
     @field_validator("backends", mode="before")
     @classmethod
@@ -103,6 +161,19 @@ class GuardConfig(BaseModel):
             raise ValueError(
                 f"low_watermark ({self.low_watermark}) must be below high_watermark "
                 f"({self.high_watermark})"
+            )
+        if self.workers > 1 and not self.redis_url:
+            raise ValueError(
+                f"workers={self.workers} needs redis_url: the worker processes share admission "
+                "through Redis (pass --redis-url redis://HOST:6379/0)"
+            )
+        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in (
+            "redis",
+            "rediss",
+            "unix",
+        ):
+            raise ValueError(
+                f"redis_url {self.redis_url!r} must look like redis://HOST:PORT/DB or unix:///PATH"
             )
         if self.projected_watermark < self.high_watermark:
             raise ValueError(

@@ -5,7 +5,8 @@ line of the queue is empty and a backend admits the request; otherwise the reque
 bounded queue until ``pump`` places it, it times out, or its client goes away. ``pump`` runs
 whenever a request ends, a poll changes the picture, or (throttled) progress of a tracked
 request moves the projected peak. Each model has its own line, so a head that does not fit
-blocks only requests for the same model.
+holds back only requests for the same model, and those that fit may pass it a bounded number
+of times.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
 from oomguard.guard.projection import RequestProgress
-from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
+from oomguard.guard.shared import SharedAdmission, wants_for
 
 # Progress of tracked requests re-runs admission at most this often (seconds).
 PROGRESS_PUMP_INTERVAL_S = 0.005
@@ -86,6 +88,8 @@ class Gate:
         retry_fallback_s: float,
         max_retry_after_s: int,
         on_queue_wait: Callable[[float], None] = lambda _s: None,
+        max_head_bypass: int = 8,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.pool = pool
         self.queue = queue
@@ -93,7 +97,10 @@ class Gate:
         self.retry_fallback_s = retry_fallback_s
         self.max_retry_after_s = max_retry_after_s
         self.on_queue_wait = on_queue_wait
+        self.max_head_bypass = max_head_bypass
+        self.shared = shared
         self._pumping = False
+        self._first_refused: _Pending | None = None
         self._last_progress_pump_s = 0.0
         self._tick: asyncio.TimerHandle | None = None
 
@@ -104,16 +111,30 @@ class Gate:
             ahead, time.monotonic(), self.retry_fallback_s, self.max_retry_after_s
         )
 
-    def never_fit_reason(self, cost: RequestCost, model: str | None) -> str | None:
+    def never_fit_reason(
+        self, cost: RequestCost, model: str | None, prompt_is_lower_bound: bool = False
+    ) -> str | None:
         """Why ``cost`` can never run on the backends serving ``model``, or None."""
         serving = [b.admission for b in self.pool.backends if b.serves(model)]
-        return never_fit_reason(serving, cost, self.pool.max_model_len(model))
+        return never_fit_reason(
+            serving, cost, self.pool.max_model_len(model), prompt_is_lower_bound
+        )
 
     def _place(self, cost: RequestCost, model: str | None) -> Ticket | None:
+        """Reserve ``cost`` on the backend that admits it now, or None.
+
+        With replicas on Redis each backend admits against the blocks this replica keeps in
+        the shared ledger (no Redis call here: capacity moves between replicas in the
+        background, see :mod:`oomguard.guard.shared`).
+        """
         cands = self.pool.candidates(model)
         if not cands:
             return None
         now = time.monotonic()
+        shared = self.shared
+        if shared is not None:
+            for b in cands:
+                b.admission.static_share_blocks = shared.admission_share(b.url)
         i = pick_backend([b.admission for b in cands], cost, now)
         if i is None:
             return None
@@ -121,7 +142,21 @@ class Gate:
         progress = backend.admission.reserve(cost, now)
         backend.in_flight += 1
         self.drain.record(now)
+        if shared is not None:
+            shared.note_admitted(backend.url)
         return Ticket(backend, progress)
+
+    def _publish_wants(self) -> None:
+        """Tell the shared ledger what the first request that did not fit lacks (or nothing)."""
+        shared = self.shared
+        if shared is None:
+            return
+        refused = self._first_refused
+        if refused is None or not self.queue.depth:
+            shared.set_wants({})
+            return
+        cands = [(b.url, b.admission) for b in self.pool.candidates(refused.model)]
+        shared.set_wants(wants_for(shared, cands, refused.cost, time.monotonic()))
 
     async def acquire(
         self,
@@ -152,8 +187,7 @@ class Gate:
             raise QueueFull(self.retry_after_s())
         self.pump()
         try:
-            if not fut.done():
-                await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            await self._wait(fut, model, start, timeout_s)
         except asyncio.TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 return fut.result()
@@ -171,6 +205,28 @@ class Gate:
             raise
         return fut.result()
 
+    async def _wait(
+        self, fut: asyncio.Future[Ticket], model: str | None, start_s: float, timeout_s: float
+    ) -> None:
+        """Wait for ``fut`` up to ``timeout_s``; time during which no backend serving ``model``
+        is healthy does not count (an accepted request outlives a restart), up to the restart
+        wait in all."""
+        deadline = start_s + timeout_s
+        hard = start_s + max(timeout_s, self.pool.restart_wait_s())
+        last = start_s
+        while not fut.done():
+            now = time.monotonic()
+            if not self.pool.candidates(model):
+                deadline += now - last
+            last = now
+            left = min(deadline, hard) - now
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), min(left, 1.0))
+            except asyncio.TimeoutError:
+                continue
+
     def release(self, ticket: Ticket) -> None:
         """The request ended: give its reservation back (idempotent) and admit who now fits."""
         if ticket.released:
@@ -179,6 +235,8 @@ class Gate:
         b = ticket.backend
         b.admission.release(ticket.progress, time.monotonic())
         b.in_flight -= 1
+        if self.shared is not None:
+            self.shared.note_released(b.url)
         self.pump()
 
     def note_progress(
@@ -207,44 +265,46 @@ class Gate:
             self.pump()
 
     def pump(self) -> None:
-        """Admit queued requests: each line's head, best first, while any head fits.
-
-        A head that does not fit (yet) leaves its line waiting and the next line is tried.
-        """
+        """Admit queued requests: each line's head first, best line first; a request that fits
+        may pass a head that does not, ``max_head_bypass`` times per head (see
+        :func:`admit_waiting`). With replicas, the first request that did not fit is what this
+        replica asks the shared ledger for."""
         if self._pumping:
             return
         self._pumping = True
+        self._first_refused = None
         try:
-            progressed = True
-            while progressed and self.queue.depth:
-                progressed = False
-                for waiter in self.queue.heads():
-                    pending: _Pending = waiter.data
-                    if pending.future.done():
-                        self.queue.remove(waiter)
-                        progressed = True
-                        continue
-                    ticket = self._place(pending.cost, pending.model)
-                    if ticket is None:
-                        reason = self.never_fit_reason(pending.cost, pending.model)
-                        if reason is None:
-                            continue
-                        self.queue.remove(waiter)
-                        pending.future.set_exception(NeverFits(reason))
-                        progressed = True
-                        continue
-                    self.queue.remove(waiter)
-                    self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
-                    pending.future.set_result(ticket)
-                    progressed = True
+            run_now(admit_waiting(self.queue, self._place_waiter, self.max_head_bypass))
         finally:
             self._pumping = False
+        self._publish_wants()
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
         if self.queue.depth and self._tick is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return
             self._tick = loop.call_later(WAITING_PUMP_INTERVAL_S, self._on_tick)
+
+    async def _place_waiter(self, waiter: Waiter) -> bool:
+        """Admit one queued request if it fits now; True when it leaves the queue."""
+        pending: _Pending = waiter.data
+        if pending.future.done():
+            return True  # its client went away or it timed out
+        ticket = self._place(pending.cost, pending.model)
+        if ticket is None:
+            reason = self.never_fit_reason(pending.cost, pending.model)
+            if reason is None:
+                if self._first_refused is None:
+                    self._first_refused = pending
+                return False
+            pending.future.set_exception(NeverFits(reason))
+            return True
+        self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
+        pending.future.set_result(ticket)
+        return True
 
     def _on_tick(self) -> None:
         self._tick = None

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from oomguard.guard.metrics_parse import VllmMetrics
+from oomguard.vllm_metrics import VllmSnapshot
 
 if TYPE_CHECKING:
     from oomguard.guard.backends import Backend
@@ -87,7 +87,7 @@ def is_llama(backend: Backend) -> bool:
     return backend.engine == LLAMA_CPP
 
 
-async def poll(session: aiohttp.ClientSession, backend: Backend) -> VllmMetrics | None:
+async def poll(session: aiohttp.ClientSession, backend: Backend) -> VllmSnapshot | None:
     """One poll of a llama-server backend: health, capacity, busy slots as usage.
 
     None when the backend is not llama-server (so the vLLM poll runs); raises
@@ -115,7 +115,7 @@ async def poll(session: aiohttp.ClientSession, backend: Backend) -> VllmMetrics 
     layout = backend.llama_layout
     assert layout is not None
     busy = await _busy_slots(session, backend)
-    return VllmMetrics(kv_cache_usage=None if busy is None else busy * layout.block_tokens / layout.capacity_tokens,
+    return VllmSnapshot(kv_cache_usage=None if busy is None else busy * layout.block_tokens / layout.capacity_tokens,
                        requests_running=busy, num_gpu_blocks=layout.slots + 1, block_size=layout.block_tokens)  # fmt: skip
 
 

@@ -10,9 +10,18 @@ import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 MAX_N = 128
+# The generation routes the gateway admits, by path.
+RouteKind = Literal["completions", "chat", "chat_batch", "responses", "messages"]
+ROUTES: dict[str, RouteKind] = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/chat/completions/batch": "chat_batch",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+}
 PRIORITY_LIMIT = 1_000_000
 # Tokens a chat template adds around each message (role markers, separators), and a flat
 # guess for a non-text content part (an image or audio clip) when no tokenizer is reachable.
@@ -63,7 +72,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 @dataclass
 class GenerationRequest:
-    """What the gateway needs from a completions / chat body; ``body`` is the parsed JSON."""
+    """What the gateway needs from a generation body; ``body`` is the parsed JSON.
+
+    ``chat`` is True for the routes whose input is a conversation: ``messages`` is the (first)
+    conversation in chat-completions form, ``conversations`` all of them (several for the
+    batch route; Responses and Messages inputs converted to chat messages).
+    """
 
     chat: bool
     body: dict[str, Any]
@@ -74,6 +88,15 @@ class GenerationRequest:
     priority: int | None
     prompts: list[str | list[int]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    kind: RouteKind = "completions"
+    conversations: list[list[dict[str, Any]]] = field(default_factory=list)
+    # Parts of the input that cannot be tokenized from text (images, audio, tool items).
+    non_text_parts: int = 0
+
+    @property
+    def inputs(self) -> int:
+        """Prompts or conversations in the request (each runs ``n`` sequences)."""
+        return len(self.conversations) if self.chat else len(self.prompts)
 
 
 def _int_field(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
@@ -127,10 +150,29 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on one request's size, checked before any other work is done for it."""
+
+    max_tokens: int = 1_000_000
+    max_prompts: int = 256
+    max_n: int = MAX_N
+
+
 def parse_generation(
-    body: dict[str, Any], *, chat: bool, max_tokens_limit: int
+    body: dict[str, Any],
+    *,
+    chat: bool = False,
+    max_tokens_limit: int | None = None,
+    kind: RouteKind | None = None,
+    limits: InputLimits | None = None,
 ) -> GenerationRequest:
-    """Check a completions (``chat=False``) or chat-completions body; raises ApiError(400)."""
+    """Check a generation body of route ``kind`` (default: completions, or chat when
+    ``chat``); raises ApiError(400) naming the field and the limit."""
+    kind = kind or ("chat" if chat else "completions")
+    lim = limits or InputLimits()
+    if max_tokens_limit is not None:
+        lim = InputLimits(max_tokens_limit, lim.max_prompts, lim.max_n)
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise bad_request("'model' must be a non-empty string", "model")
@@ -139,57 +181,149 @@ def parse_generation(
         stream = False
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be true or false", "stream")
-    max_tokens = _int_field(body, "max_tokens", 0, max_tokens_limit)
-    if chat:
-        mct = _int_field(body, "max_completion_tokens", 0, max_tokens_limit)
-        if mct is not None:
-            max_tokens = mct if max_tokens is None else min(max_tokens, mct)
-    n = _int_field(body, "n", 1, MAX_N) or 1
-    best_of = None if chat else _int_field(body, "best_of", 1, MAX_N)
-    if best_of is not None and best_of < n:
-        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
-    priority = _int_field(body, "priority", -PRIORITY_LIMIT, PRIORITY_LIMIT)
+    if stream and kind == "chat_batch":
+        raise bad_request("the batch route does not stream; send 'stream': false", "stream")
     req = GenerationRequest(
-        chat=chat,
+        chat=kind != "completions",
         body=body,
         model=model,
         stream=stream,
-        max_tokens=max_tokens,
-        num_sequences=max(n, best_of or 1),
-        priority=priority,
+        max_tokens=_max_tokens(body, kind, lim.max_tokens),
+        num_sequences=1,
+        priority=_int_field(body, "priority", -PRIORITY_LIMIT, PRIORITY_LIMIT),
+        kind=kind,
     )
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty array of messages", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise bad_request(
-                    f"messages[{i}] must be an object with a string 'role'", "messages"
-                )
-            content = m.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise bad_request(
-                    f"messages[{i}].content must be a string or an array of parts", "messages"
-                )
-        req.messages = messages
+    if kind in ("completions", "chat"):
+        n = _int_field(body, "n", 1, lim.max_n) or 1
+        best_of = None if kind == "chat" else _int_field(body, "best_of", 1, lim.max_n)
+        if best_of is not None and best_of < n:
+            raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n})", "best_of")
+        req.num_sequences = max(n, best_of or 1)
+    if kind == "completions":
+        req.prompts = _prompts(body.get("prompt"), lim.max_prompts)
+    elif kind == "chat":
+        req.conversations = [_checked_messages(body.get("messages"), "messages")]
+    elif kind == "chat_batch":
+        req.conversations = _batch_conversations(body.get("messages"), lim.max_prompts)
+    elif kind == "responses":
+        req.conversations = [_responses_conversation(body, req)]
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            req.prompts = [prompt]
-        elif _is_token_list(prompt) and prompt:
-            req.prompts = [prompt]
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(p, str) or (_is_token_list(p) and p) for p in prompt)
-        ):
-            req.prompts = list(prompt)
-        else:
-            raise bad_request(
-                "'prompt' must be a string, an array of strings, or token ids", "prompt"
-            )
+        req.conversations = [_anthropic_conversation(body, req)]
+    if req.chat:
+        req.messages = req.conversations[0]
     return req
+
+
+def _max_tokens(body: dict[str, Any], kind: RouteKind, limit: int) -> int | None:
+    if kind == "responses":
+        return _int_field(body, "max_output_tokens", 0, limit)
+    max_tokens = _int_field(body, "max_tokens", 1 if kind == "messages" else 0, limit)
+    if kind == "messages" and max_tokens is None:
+        raise bad_request("'max_tokens' is required by the Messages API", "max_tokens")
+    if kind in ("chat", "chat_batch"):
+        mct = _int_field(body, "max_completion_tokens", 0, limit)
+        if mct is not None:
+            max_tokens = mct if max_tokens is None else min(max_tokens, mct)
+    return max_tokens
+
+
+def _prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > max_prompts:
+            raise ApiError(
+                400,
+                f"'prompt' holds {len(prompt)} prompts; this gateway takes at most {max_prompts} "
+                "per request: split the list over several requests",
+                param="prompt",
+                code="too_many_prompts",
+            )
+        if all(isinstance(p, str) or (_is_token_list(p) and p) for p in prompt):
+            return list(prompt)
+    raise bad_request("'prompt' must be a string, an array of strings, or token ids", "prompt")
+
+
+def _checked_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"'{where}' must be a non-empty array of messages", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"{where}[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad_request(
+                f"{where}[{i}].content must be a string or an array of parts", "messages"
+            )
+    return messages
+
+
+def _batch_conversations(value: Any, max_prompts: int) -> list[list[dict[str, Any]]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty array of conversations", "messages")
+    if len(value) > max_prompts:
+        raise ApiError(
+            400,
+            f"'messages' holds {len(value)} conversations; this gateway takes at most "
+            f"{max_prompts} per request: split them over several requests",
+            param="messages",
+            code="too_many_prompts",
+        )
+    return [_checked_messages(c, f"messages[{i}]") for i, c in enumerate(value)]
+
+
+def _text_of_parts(content: Any, req: GenerationRequest) -> str:
+    """Text of a content value (string or parts); counts parts that carry no text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return "" if content is None else json.dumps(content)
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") in ("tool_use", "tool_result"):
+            texts.append(json.dumps(part))
+        else:
+            req.non_text_parts += 1
+    return "\n".join(texts)
+
+
+def _responses_conversation(body: dict[str, Any], req: GenerationRequest) -> list[dict[str, Any]]:
+    """The Responses API input as chat messages (instructions as the system message)."""
+    if body.get("background"):
+        raise bad_request(
+            "'background': true runs the response after the HTTP exchange ends, where the "
+            "gateway cannot hold its KV reservation; send it without 'background'",
+            "background",
+        )
+    out: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        out.append({"role": "system", "content": body["instructions"]})
+    value = body.get("input")
+    if isinstance(value, str):
+        out.append({"role": "user", "content": value})
+    elif isinstance(value, list) and value:
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                raise bad_request(f"input[{i}] must be an object", "input")
+            role = item.get("role") if isinstance(item.get("role"), str) else "user"
+            content = item.get("content") if "content" in item else json.dumps(item)
+            out.append({"role": role, "content": _text_of_parts(content, req)})
+    else:
+        raise bad_request("'input' must be a string or a non-empty array of items", "input")
+    return out
+
+
+def _anthropic_conversation(body: dict[str, Any], req: GenerationRequest) -> list[dict[str, Any]]:
+    """The Messages API body as chat messages (the system prompt first)."""
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text_of_parts(system, req)})
+    for m in _checked_messages(body.get("messages"), "messages"):
+        out.append({"role": m["role"], "content": _text_of_parts(m.get("content"), req)})
+    return out
 
 
 def estimate_text_tokens(text: str, chars_per_token: float) -> int:
@@ -215,25 +349,42 @@ def _message_text_chars(message: dict[str, Any]) -> tuple[int, int]:
     return chars, other
 
 
+def _conversation_estimate(
+    messages: list[dict[str, Any]], extra_parts: int, tools: Any, chars_per_token: float
+) -> int:
+    total = 0
+    for m in messages:
+        chars, other = _message_text_chars(m)
+        total += (
+            math.ceil(chars / chars_per_token)
+            + CHAT_TOKENS_PER_MESSAGE
+            + other * NON_TEXT_PART_TOKENS
+        )
+    if tools:
+        total += math.ceil(len(json.dumps(tools)) / chars_per_token)
+    return total + CHAT_TOKENS_PER_MESSAGE + extra_parts * NON_TEXT_PART_TOKENS
+
+
 def estimate_prompt_tokens(req: GenerationRequest, chars_per_token: float) -> list[int]:
     """Estimated prompt tokens of each prompt in the request (exact for token ids)."""
     if req.chat:
-        total = 0
-        for m in req.messages:
-            chars, other = _message_text_chars(m)
-            total += (
-                math.ceil(chars / chars_per_token)
-                + CHAT_TOKENS_PER_MESSAGE
-                + other * NON_TEXT_PART_TOKENS
-            )
         tools = req.body.get("tools")
-        if tools:
-            total += math.ceil(len(json.dumps(tools)) / chars_per_token)
-        return [total + CHAT_TOKENS_PER_MESSAGE]
+        return [
+            _conversation_estimate(c, req.non_text_parts, tools, chars_per_token)
+            for c in req.conversations
+        ]
     return [
         len(p) if isinstance(p, list) else estimate_text_tokens(p, chars_per_token)
         for p in req.prompts
     ]
+
+
+def prompt_tokens_lower_bound(req: GenerationRequest) -> int:
+    """Fewest prompt tokens the longest input can have (token ids count exactly; text at least
+    one). Cheap: used to refuse what can never fit before anything is tokenized."""
+    if req.chat:
+        return 1
+    return max((len(p) if isinstance(p, list) else 1) for p in req.prompts)
 
 
 def prompt_chars(req: GenerationRequest) -> int | None:
@@ -242,6 +393,8 @@ def prompt_chars(req: GenerationRequest) -> int | None:
     Single text prompts and chat requests of text only (no tools, no non-text parts) qualify;
     for chat the per-message allowance of :func:`estimate_prompt_tokens` is the template.
     """
+    if req.kind != "chat" and req.kind != "completions":
+        return None
     if req.chat:
         if req.body.get("tools"):
             return None

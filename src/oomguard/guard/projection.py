@@ -23,6 +23,7 @@ allowances of :class:`ProgressSettings`.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,12 +48,14 @@ class Footprint:
     final_tokens: int
     remaining_steps: int | None
     sequences: int = 1
+    # Tokens added per step (0: a constant term, e.g. prompt blocks shared by n sequences).
+    growth: int = 1
 
     def blocks_at(self, step: int, block_size: int) -> int:
         """Blocks held ``step`` engine steps from now."""
         if self.remaining_steps is not None and step >= self.remaining_steps:
             return 0
-        tokens = min(self.hi_tokens + step, self.final_tokens)
+        tokens = min(self.hi_tokens + self.growth * step, self.final_tokens)
         return self.sequences * blocks_for_tokens(tokens, block_size)
 
 
@@ -64,10 +67,9 @@ def full_footprint(final_tokens: int, sequences: int) -> Footprint:
 def projected_peak_blocks(footprints: Iterable[Footprint], block_size: int) -> int:
     """The most blocks the footprints hold together at any future step (0 for none).
 
-    Every footprint's use is non-decreasing until it drops to zero, so the sum can only reach
-    a new maximum just before some footprint ends (step ``remaining_steps − 1``) or after all
-    bounded ones ended; only those steps are evaluated (O(n·m) for n footprints, m distinct
-    ends).
+    Every footprint's use is non-decreasing until it drops to zero, so the sum can only reach a new maximum just before some footprint ends (step
+    ``remaining_steps − 1``) or after all bounded ones ended; only those steps are evaluated
+    (O(n·m) for n footprints, m distinct ends).
     """
     fps = [f for f in footprints if f.remaining_steps is None or f.remaining_steps > 0]
     if not fps:
@@ -108,62 +110,74 @@ class ProgressSettings:
 
     ``lag_s``: how far behind the engine an observation may be when it arrives (API-server
     output coalescing, network, the gateway's own event loop); ``lag_floor_tokens``: tokens
-    added on top (the engine schedules a step ahead, the last sampled token);
-    ``start_allowance_s``: how long an admitted request may take to get its first token at
-    least — a request that shows no progress for longer (or twice the slowest start seen) is
-    treated as unknown again and holds its full size; ``rate_half_life_s``: how fast the
-    remembered peak decode rate decays.
+    added on top (the engine schedules a step ahead, the last sampled token).
+
+    Rates and start latencies are taken from recent samples (``window`` of each), not from the
+    worst ever seen: the decode rate at its ``rate_quantile``, the start latency at its
+    ``start_quantile`` times ``start_margin``. Until ``min_samples`` starts were seen, a request
+    is assumed to show progress within ``start_allowance_s``; one that shows none by its
+    deadline is treated as unknown again and holds its full size (so a late start costs
+    capacity, never safety).
     """
 
     lag_s: float = 0.02
     lag_floor_tokens: int = 2
     start_allowance_s: float = 1.0
-    rate_half_life_s: float = 30.0
+    rate_quantile: float = 0.9
+    start_quantile: float = 0.95
+    start_margin: float = 1.5
+    min_start_s: float = 0.05
+    window: int = 64
+    min_samples: int = 8
+
+
+def _quantile(values: Iterable[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
 @dataclass
 class DecodeRate:
-    """Per-sequence decode speed of one backend (tokens/s), remembered as a decaying peak.
-
-    A peak, not an average: the envelope needs an upper bound on how many tokens a sequence
-    may have produced since it was last seen. A smaller batch decodes faster, so the highest
-    recent rate is the safe one. ``start_latency_s`` is likewise the slowest recent time from
-    sending a request to seeing its first progress.
-    """
+    """Per-sequence decode speed (tokens/s) and start latency of one backend, from recent
+    samples: ``tokens_per_s`` is a high quantile (the envelope needs how far a sequence may
+    have got since it was last seen), ``low_tokens_per_s`` a low one (how few steps pass in a
+    given time)."""
 
     settings: ProgressSettings = field(default_factory=ProgressSettings)
     tokens_per_s: float | None = None
+    low_tokens_per_s: float | None = None
     start_latency_s: float = 0.0
-    _rate_at_s: float = 0.0
-    _start_at_s: float = 0.0
+    _rates: deque[float] = field(default_factory=deque)
+    _starts: deque[float] = field(default_factory=deque)
 
-    def _decayed(self, value: float, since_s: float, now_s: float) -> float:
-        half = self.settings.rate_half_life_s
-        if half <= 0 or now_s <= since_s:
-            return value
-        return value * 0.5 ** ((now_s - since_s) / half)
-
-    def observe_rate(self, tokens_per_s: float, now_s: float) -> None:
+    def observe_rate(self, tokens_per_s: float, now_s: float = 0.0) -> None:
         """One sample of a sequence's decode speed."""
         if not tokens_per_s > 0 or not math.isfinite(tokens_per_s):
             return
-        current = (
-            0.0
-            if self.tokens_per_s is None
-            else self._decayed(self.tokens_per_s, self._rate_at_s, now_s)
-        )
-        self.tokens_per_s = max(current, tokens_per_s)
-        self._rate_at_s = now_s
+        self._rates.append(tokens_per_s)
+        while len(self._rates) > self.settings.window:
+            self._rates.popleft()
+        self.tokens_per_s = _quantile(self._rates, self.settings.rate_quantile)
+        self.low_tokens_per_s = _quantile(self._rates, 1.0 - self.settings.rate_quantile)
 
-    def observe_start(self, latency_s: float, now_s: float) -> None:
+    def observe_start(self, latency_s: float, now_s: float = 0.0) -> None:
         """One request's time from being sent to its first observed progress."""
-        current = self._decayed(self.start_latency_s, self._start_at_s, now_s)
-        self.start_latency_s = max(current, max(latency_s, 0.0))
-        self._start_at_s = now_s
+        self._starts.append(max(latency_s, 0.0))
+        while len(self._starts) > self.settings.window:
+            self._starts.popleft()
+        self.start_latency_s = _quantile(self._starts, self.settings.start_quantile)
+
+    @property
+    def start_samples(self) -> int:
+        """Start latencies remembered."""
+        return len(self._starts)
 
     def start_deadline_s(self) -> float:
         """Seconds after sending within which a request is assumed to show progress."""
-        return max(self.settings.start_allowance_s, 2.0 * self.start_latency_s)
+        s = self.settings
+        if len(self._starts) < s.min_samples:
+            return max(s.start_allowance_s, s.start_margin * self.start_latency_s)
+        return max(s.min_start_s, s.start_margin * self.start_latency_s)
 
 
 # A rate sample needs this much time and this many tokens behind it: the API server coalesces
@@ -197,6 +211,11 @@ class RequestProgress:
     started: bool = False
     last_seen_s: float = 0.0
     last_step_tokens: int = 0
+    # Prompt tokens in full blocks that the sequences share (n > 1, vLLM's prefix cache).
+    shared_tokens: int = 0
+    # Sent ahead of a slot freeing (it waits in vLLM's queue): its start may come this much
+    # later than the usual deadline.
+    extra_start_s: float = 0.0
     _first_seen: list[tuple[float, int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -253,13 +272,18 @@ class RequestProgress:
 
         Untracked requests, and any request while the backend's decode rate is unknown, hold
         their full size with no end; so does a sequence overdue to show its first progress.
+        Shared prompt blocks are one constant footprint that lasts as long as the longest
+        sequence; every sequence's own footprint counts only its private tokens.
         """
         tps = rate.tokens_per_s
+        shared = self.shared_tokens
         if not self.tracked or tps is None:
-            return [full_footprint(self.final_tokens, self.num_sequences)]
+            return self._with_shared(
+                [full_footprint(self.final_tokens - shared, self.num_sequences)], None
+            )
         s = rate.settings
         waited_s = max(now_s - self.sent_at_s, 0.0)
-        deadline_s = rate.start_deadline_s()
+        deadline_s = rate.start_deadline_s() + self.extra_start_s
         unseen = 0
         out: list[Footprint] = []
         lag = (
@@ -276,25 +300,56 @@ class RequestProgress:
             prompt = self.prompt_of[i]
             if prompt is None:
                 prompt = self.prompt_tokens
-            final = prompt + self.max_new_tokens
-            lo = prompt + self.generated[i]
+            final = prompt + self.max_new_tokens - shared
+            lo = prompt + self.generated[i] - shared
             out.append(Footprint(min(lo + lag, final), final, max(final - lo, 0)))
         if unseen:
             if waited_s > deadline_s:
-                out.append(full_footprint(self.final_tokens, unseen))
+                out.append(full_footprint(self.final_tokens - shared, unseen))
             else:
-                # It may have started unseen (hi), and may start as late as the deadline (end).
-                hi = self.prompt_tokens + s.lag_floor_tokens + math.ceil(tps * (waited_s + s.lag_s))
-                start_steps = math.ceil(tps * (deadline_s - waited_s)) + 1
-                out.append(
-                    Footprint(
-                        min(hi, self.final_tokens),
-                        self.final_tokens,
-                        self.max_new_tokens + start_steps,
-                        unseen,
-                    )
-                )
-        return out
+                out.append(self._unseen_footprint(rate, unseen, waited_s, deadline_s))
+        ends = [f.remaining_steps for f in out]
+        longest = None if not out or None in ends else max(e or 0 for e in ends)
+        return self._with_shared(out, longest) if out else out
+
+    def blocks_held_at_least(self, block_size: int) -> int:
+        """Blocks the request certainly holds for as long as it lives: its seen, unfinished
+        sequences at their observed length (a sequence only grows until it ends)."""
+        if not self.tracked:
+            return 0
+        held = 0
+        for i in range(self.num_sequences):
+            if self.finished[i] or self._first_seen[i] is None:
+                continue
+            seen_prompt = self.prompt_of[i]
+            prompt = self.prompt_tokens if seen_prompt is None else seen_prompt
+            held += blocks_for_tokens(prompt + self.generated[i] - self.shared_tokens, block_size)
+        if held and self.shared_tokens:
+            held += self.shared_tokens // block_size
+        return held
+
+    def _unseen_footprint(
+        self, rate: DecodeRate, unseen: int, waited_s: float, deadline_s: float
+    ) -> Footprint:
+        """Sequences not seen yet: they may have started unseen (``hi``), and start by the
+        deadline at the latest (the end)."""
+        s = rate.settings
+        tps = rate.tokens_per_s or 0.0
+        final = self.final_tokens - self.shared_tokens
+        hi = (
+            self.prompt_tokens
+            - self.shared_tokens
+            + s.lag_floor_tokens
+            + math.ceil(tps * (waited_s + s.lag_s))
+        )
+        latest_start_steps = math.ceil(tps * (deadline_s - waited_s)) + 1
+        return Footprint(min(hi, final), final, self.max_new_tokens + latest_start_steps, unseen)
+
+    def _with_shared(self, fps: list[Footprint], longest: int | None) -> list[Footprint]:
+        if self.shared_tokens <= 0:
+            return fps
+        shared = Footprint(self.shared_tokens, self.shared_tokens, longest, 1, growth=0)
+        return [*fps, shared]
 
 
 def new_request_footprints(
@@ -303,9 +358,17 @@ def new_request_footprints(
     num_sequences: int,
     rate: DecodeRate,
     track: bool,
+    shared_tokens: int = 0,
 ) -> list[Footprint]:
     """The envelope of a request about to be sent (``track``: its progress will be read)."""
-    probe = RequestProgress(prompt_tokens, max_new_tokens, num_sequences, 0.0, tracked=track)
+    probe = RequestProgress(
+        prompt_tokens,
+        max_new_tokens,
+        num_sequences,
+        0.0,
+        tracked=track,
+        shared_tokens=shared_tokens,
+    )
     return probe.footprints(rate, 0.0)
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -26,6 +29,8 @@ class Waiter:
     data: Any = None
     removed: bool = False
     key: Any = None
+    # Times a later request of its line was admitted while it waited at the head.
+    bypassed: int = 0
 
 
 @dataclass
@@ -40,6 +45,13 @@ class _Line:
             q = self.classes[priority] = deque()
             self.order = sorted(self.classes)
         return q
+
+    def waiting(self) -> Iterator[Waiter]:
+        """The line's waiters in the order they are served."""
+        for prio in self.order:
+            for w in self.classes[prio]:
+                if not w.removed:
+                    yield w
 
     def head(self) -> Waiter | None:
         for prio in self.order:
@@ -137,6 +149,13 @@ class AdmissionQueue:
             if line.depth == 0:
                 del self._lines[waiter.key]
 
+    def lines(self) -> list[list[Waiter]]:
+        """Each non-empty line's waiters in serving order, the lines ordered by their heads."""
+        out = [list(line.waiting()) for line in self._lines.values() if line.depth]
+        out = [w for w in out if w]
+        out.sort(key=lambda ws: (ws[0].priority, ws[0].enqueued_at_s))
+        return out
+
     def depth_of(self, key: Any) -> int:
         """Requests waiting in the line of ``key``."""
         line = self._lines.get(key)
@@ -190,3 +209,54 @@ class DrainRateMeter:
         rate = self.rate_per_s(now_s)
         seconds = fallback_s if rate <= 0.0 else (requests_ahead + 1) / rate
         return int(min(max(math.ceil(seconds), 1), max_s))
+
+
+async def admit_waiting(
+    queue: AdmissionQueue,
+    place: Callable[[Waiter], Awaitable[bool]],
+    max_head_bypass: int,
+    scan_limit: int = 32,
+) -> int:
+    """Admit queued requests in order; returns how many left the queue.
+
+    ``place(waiter)`` admits the waiter (True) or says it does not fit now (False); it removes
+    nothing from the queue itself. In each line the head goes first; a head that does not fit
+    lets later requests of its line that do fit pass it, at most ``max_head_bypass`` times (then
+    the line waits for its head, so nothing starves), looking at most ``scan_limit`` deep.
+    """
+    admitted = 0
+    progressed = True
+    while progressed and queue.depth:
+        progressed = False
+        for line in queue.lines():
+            head = line[0]
+            if head.removed:
+                continue
+            if await place(head):
+                queue.remove(head)
+                admitted += 1
+                progressed = True
+                continue
+            for later in line[1 : scan_limit + 1]:
+                if head.bypassed >= max_head_bypass:
+                    break
+                if later.priority != head.priority:
+                    break  # a lower class never passes a higher one
+                if later.removed:
+                    continue
+                if await place(later):
+                    queue.remove(later)
+                    head.bypassed += 1
+                    admitted += 1
+                    progressed = True
+    return admitted
+
+
+def run_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never suspends (the in-process admission) to its end, here."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return cast(T, stop.value)
+    coro.close()
+    raise RuntimeError("run_now: the coroutine suspended")

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from oomguard.guard.backends import BackendPool
     from oomguard.guard.openai_body import CharsPerTokenLearner
     from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
+    from oomguard.guard.shared import SharedAdmission
 
 OUTCOMES = (
     "ok",
@@ -30,6 +31,7 @@ OUTCOMES = (
     "upstream_failed",
     "stream_error",
     "client_disconnected",
+    "no_backend",
 )
 
 _LATENCY_BUCKETS_S = (
@@ -56,9 +58,11 @@ class _StateCollector(Collector):
         queue: AdmissionQueue,
         drain: DrainRateMeter,
         chars_per_token: CharsPerTokenLearner | None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.pool, self.queue, self.drain = pool, queue, drain
         self.chars_per_token = chars_per_token
+        self.shared = shared
 
     def collect(self) -> Iterable[Metric]:
         return list(self._collect())
@@ -83,6 +87,8 @@ class _StateCollector(Collector):
                 "Characters per token the prompt estimate uses (learned from exact counts)",
                 value=self.chars_per_token.value,
             )
+        if self.shared is not None:
+            yield from self._shared_metrics(self.shared)
         now = time.monotonic()
         g = {
             name: GaugeMetricFamily(name, doc, labels=["backend"])
@@ -142,6 +148,40 @@ class _StateCollector(Collector):
         yield pre
         yield pauses
 
+    def _shared_metrics(self, shared: SharedAdmission) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "oomguard_shared_state_up",
+            "1 while admission is shared through Redis, 0 while the static share applies",
+            value=1.0 if shared.active else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "oomguard_replicas",
+            "Guard replicas the fair share divides by (0 while unknown)",
+            value=float(shared.replicas or 0),
+        )
+        yield CounterMetricFamily(
+            "oomguard_shared_state_failures",
+            "Redis calls that failed (admission then keeps to the static share)",
+            value=shared.failures,
+        )
+        share = GaugeMetricFamily(
+            "oomguard_static_share_blocks",
+            "KV blocks this replica keeps per backend: it admits within them, Redis or not",
+            labels=["backend"],
+        )
+        offered = GaugeMetricFamily(
+            "oomguard_shared_offered_blocks",
+            "KV blocks this replica offers to the others per backend (assumed taken while "
+            "Redis is away)",
+            labels=["backend"],
+        )
+        for b in self.pool.backends:
+            budget = shared.budget(b.url)
+            share.add_metric([b.url], float(budget.kept))
+            offered.add_metric([b.url], float(budget.offered))
+        yield share
+        yield offered
+
 
 class Telemetry:
     """All gateway metrics; ``registry`` is what ``/metrics`` renders."""
@@ -152,6 +192,7 @@ class Telemetry:
         queue: AdmissionQueue,
         drain: DrainRateMeter,
         chars_per_token: CharsPerTokenLearner | None = None,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         requests = Counter(
@@ -174,6 +215,11 @@ class Telemetry:
             "Upstream attempts retried after a backend failure",
             registry=self.registry,
         )
+        self.priority_ignored = Counter(
+            "oomguard_priority_ignored",
+            "Requests that asked for a priority their API key does not allow (served at 0)",
+            registry=self.registry,
+        )
         self.estimated_prompts = Counter(
             "oomguard_prompt_tokens_estimated",
             "Requests whose prompt length was estimated (no tokenizer reachable)",
@@ -191,4 +237,4 @@ class Telemetry:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(pool, queue, drain, chars_per_token))
+        self.registry.register(_StateCollector(pool, queue, drain, chars_per_token, shared))

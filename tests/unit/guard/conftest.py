@@ -28,7 +28,15 @@ async def make_guard() -> AsyncIterator[GuardFactory]:
     started: list[GuardServer] = []
 
     async def _make(backends: list[str], **settings: Any) -> GuardServer:
-        values: dict[str, Any] = {"backends": backends, "port": 0, "poll_interval_s": 0.05}
+        # A fake backend on loopback answers a poll in milliseconds; on a loaded 2-core
+        # machine it can take over the default second, and a backend wrongly taken for
+        # unreachable turns a test of something else into a 503.
+        values: dict[str, Any] = {
+            "backends": backends,
+            "port": 0,
+            "poll_interval_s": 0.05,
+            "health_timeout_s": 5.0,
+        }
         values.update(settings)
         server = await start_guard(build_config(values))
         started.append(server)

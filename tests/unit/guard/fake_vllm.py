@@ -48,6 +48,11 @@ class FakeState:
     peak_running_blocks: int = 0
     tokenize_calls: int = 0
     streams_with_usage: int = 0
+    tokenize_delay_s: float = 0.0
+    tokenize_active: int = 0
+    tokenize_peak: int = 0
+    # When given, a streamed Responses/Messages answer waits on it after its first delta.
+    stream_gate: asyncio.Event | None = None
     active_transports: set[Any] = field(default_factory=set)
 
     @property
@@ -83,6 +88,8 @@ class FakeVllm:
         r = self.app.router
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/responses", self.responses)
+        r.add_post("/v1/messages", self.messages)
         r.add_post("/tokenize", self.tokenize)
         r.add_get("/v1/models", self.models)
         r.add_get("/health", self.health)
@@ -168,6 +175,13 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
     async def tokenize(self, r: web.Request) -> web.Response:
         s = self.state
         s.tokenize_calls += 1
+        s.tokenize_active += 1
+        s.tokenize_peak = max(s.tokenize_peak, s.tokenize_active)
+        try:
+            if s.tokenize_delay_s:
+                await asyncio.sleep(s.tokenize_delay_s)
+        finally:
+            s.tokenize_active -= 1
         body = await r.json()
         if body.get("model") not in (None, s.model):
             return _error(404, f"The model `{body.get('model')}` does not exist.")
@@ -324,6 +338,85 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
             s.running_blocks -= blocks
             if r.transport is not None:
                 s.active_transports.discard(r.transport)
+
+    async def _events(
+        self, r: web.Request, prompt_tokens: int, n_tokens: int, events: Any
+    ) -> web.StreamResponse:
+        """Stream named SSE events (Responses / Messages style), holding a KV slot meanwhile."""
+        s = self.state
+        s.requests_seen += 1
+        s.running += 1
+        blocks = math.ceil((prompt_tokens + n_tokens) / s.block_size)
+        s.running_blocks += blocks
+        s.peak_running_blocks = max(s.peak_running_blocks, s.running_blocks)
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(r)
+            for i, (name, payload) in enumerate(events):
+                await resp.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode())
+                if i == 1 and s.stream_gate is not None:
+                    await s.stream_gate.wait()
+                elif s.token_rate:
+                    await asyncio.sleep(1.0 / s.token_rate)
+            await resp.write_eof()
+            s.completed += 1
+            return resp
+        finally:
+            s.running -= 1
+            s.running_blocks -= blocks
+
+    async def responses(self, r: web.Request) -> web.StreamResponse:
+        body = await r.json()
+        text = body.get("input")
+        prompt = count_prompt(text) if isinstance(text, str) else count_messages(text or [])
+        n = int(body.get("max_output_tokens") or 16)
+        if not body.get("stream"):
+            self.state.requests_seen += 1
+            self.state.completed += 1
+            return web.json_response(
+                {
+                    "id": "resp-1",
+                    "object": "response",
+                    "status": "completed",
+                    "output": [{"type": "message", "content": [{"text": " tok" * n}]}],
+                    "usage": {"input_tokens": prompt, "output_tokens": n},
+                }
+            )
+        events: list[tuple[str, dict[str, Any]]] = [
+            ("response.created", {"type": "response.created"})
+        ]
+        events += [
+            ("response.output_text.delta", {"type": "response.output_text.delta", "delta": " tok"})
+            for _ in range(n)
+        ]
+        events.append(("response.completed", {"type": "response.completed"}))
+        return await self._events(r, prompt, n, events)
+
+    async def messages(self, r: web.Request) -> web.StreamResponse:
+        body = await r.json()
+        prompt = count_messages(body.get("messages") or [])
+        n = int(body.get("max_tokens") or 16)
+        if not body.get("stream"):
+            self.state.requests_seen += 1
+            self.state.completed += 1
+            return web.json_response(
+                {
+                    "id": "msg-1",
+                    "type": "message",
+                    "content": [{"type": "text", "text": " tok" * n}],
+                    "usage": {"input_tokens": prompt, "output_tokens": n},
+                }
+            )
+        events: list[tuple[str, dict[str, Any]]] = [("message_start", {"type": "message_start"})]
+        events += [
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "delta": {"type": "text_delta", "text": " tok"}},
+            )
+            for _ in range(n)
+        ]
+        events.append(("message_stop", {"type": "message_stop"}))
+        return await self._events(r, prompt, n, events)
 
 
 async def start_fake(port: int = 0, **kwargs: Any) -> FakeVllm:

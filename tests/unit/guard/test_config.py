@@ -86,3 +86,25 @@ def test_cli_command_raises_bad_input_for_bad_settings() -> None:
             ["guard", "--backend", "http://127.0.0.1:1", "--low-watermark", "0.99"],
             standalone_mode=False,
         )
+
+
+def test_every_configuration_key_is_documented() -> None:
+    from oomguard.guard.config import ApiKeyConfig, BackendConfig, GuardConfig
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "guard-config.md").read_text()
+    keys = [f"`{k}`" for k in GuardConfig.model_fields]
+    keys += [f"`backends[].{k}`" for k in BackendConfig.model_fields]
+    keys += [f"`api_keys[].{k}`" for k in ApiKeyConfig.model_fields]
+    missing = [k for k in keys if k not in doc]
+    assert not missing, f"docs/guard-config.md lacks {missing}"
+
+
+def test_workers_need_redis_and_redis_urls_are_checked() -> None:
+    with pytest.raises(BadInput) as exc:
+        load_config(None, {"backends": ["http://x:1"], "workers": 3})
+    assert "redis_url" in exc.value.one_line()
+    with pytest.raises(BadInput) as exc:
+        load_config(None, {"backends": ["http://x:1"], "redis_url": "http://r:6379"})
+    assert "redis://" in exc.value.one_line()
+    cfg = load_config(None, {"backends": ["http://x:1"], "retry_wait_s": 30})
+    assert cfg.restart_wait_s == 30

@@ -123,7 +123,12 @@ async def test_never_fitting_requests_get_400_with_the_limit(
         guard = await make_guard([small.url])
         code, body, _ = await post(client, guard.url + "/v1/completions", completion(1100))
         assert code == 400
-        assert "1024" in body["error"]["message"] and "1108" in body["error"]["message"]
+        # Refused on the cheap bound, before tokenizing: at least 1 prompt token + 1100.
+        assert "1024" in body["error"]["message"] and "at least 1101" in body["error"]["message"]
+        assert small.state.tokenize_calls == 0
+        code, body, _ = await post(client, guard.url + "/v1/completions", completion(505))
+        assert code == 400 and "513 tokens of KV" in body["error"]["message"]  # exact: 8 + 505
+        assert small.state.tokenize_calls == 1
         assert body["error"]["code"] == "context_length_exceeded"
         code, body, _ = await post(client, guard.url + "/v1/completions", completion(600))
         assert code == 400
@@ -241,35 +246,91 @@ async def test_queue_timeout_gives_503_with_retry_after(
         await slow.stop()
 
 
-async def test_priority_classes_are_served_in_order(
+async def test_priority_classes_are_served_in_order_for_keys_that_may_set_them(
     make_guard: GuardFactory, client: aiohttp.ClientSession
 ) -> None:
     slow = await start_fake(delay_s=0.4)
     try:
-        guard = await make_guard([slow.url])
+        guard = await make_guard(
+            [slow.url],
+            api_keys=[
+                {"name": "ops", "key": "ops-key-123456", "role": "priority"},
+                {"name": "app", "key": "app-key-123456"},
+            ],
+        )
         url = guard.url + "/v1/completions"
         done: list[str] = []
+        ops = {"Authorization": "Bearer ops-key-123456"}
+        app = {"Authorization": "Bearer app-key-123456"}
 
         async def run(name: str, headers: dict[str, str], body: dict[str, Any]) -> None:
-            code, _, _ = await post(client, url, body, headers)
-            assert code == 200
+            code, out, _ = await post(client, url, body, headers)
+            assert code == 200, out
             done.append(name)
 
         def depth(n: int) -> Any:
             return lambda s: s["queue"]["depth"] == n
 
-        hold = asyncio.create_task(run("hold", {}, completion(1000)))  # 63 blocks, alone
+        hold = asyncio.create_task(run("hold", app, completion(1000)))  # 63 blocks, alone
         await wait_status(client, guard.url, lambda s: s["backends"][0]["reserved_blocks"] == 63)
-        tasks = [asyncio.create_task(run("low-1", {}, completion(1000, priority=5)))]
+        tasks = [asyncio.create_task(run("low-1", ops, completion(1000, priority=5)))]
         await wait_status(client, guard.url, depth(1))
-        tasks.append(asyncio.create_task(run("low-2", {"x-priority": "5"}, completion(1000))))
+        tasks.append(
+            asyncio.create_task(run("low-2", {**ops, "x-priority": "5"}, completion(1000)))
+        )
         await wait_status(client, guard.url, depth(2))
-        tasks.append(asyncio.create_task(run("high", {"x-priority": "-1"}, completion(1000))))
+        # A key without the priority role asks to jump the queue: served at 0, not -1.
+        tasks.append(asyncio.create_task(run("app", {**app, "x-priority": "-1"}, completion(1000))))
         await wait_status(client, guard.url, depth(3))
+        tasks.append(
+            asyncio.create_task(run("high", {**ops, "x-priority": "-1"}, completion(1000)))
+        )
+        await wait_status(client, guard.url, depth(4))
         await asyncio.gather(hold, *tasks)
-        assert done == ["hold", "high", "low-1", "low-2"]
+        assert done == ["hold", "high", "app", "low-1", "low-2"]
+        assert await metric(client, guard.url, "oomguard_priority_ignored_total") == 1
+        # Without a key, or with an unknown one: 401, nothing reaches the backend.
+        seen = slow.state.requests_seen
+        for headers in ({}, {"Authorization": "Bearer nope-nope-nope"}):
+            code, out, _ = await post(client, url, completion(2), headers)
+            assert code == 401 and out["error"]["type"] == "authentication_error", out
+        assert slow.state.requests_seen == seen
     finally:
         await slow.stop()
+
+
+async def test_without_keys_no_priority_is_honoured(
+    make_guard: GuardFactory, client: aiohttp.ClientSession
+) -> None:
+    slow = await start_fake(delay_s=0.3)
+    try:
+        guard = await make_guard([slow.url])
+        url = guard.url + "/v1/completions"
+        done: list[str] = []
+
+        async def run(name: str, headers: dict[str, str]) -> None:
+            code, _, _ = await post(client, url, completion(1000), headers)
+            assert code == 200
+            done.append(name)
+
+        hold = asyncio.create_task(run("hold", {}))
+        await wait_status(client, guard.url, lambda s: s["backends"][0]["reserved_blocks"] == 63)
+        first = asyncio.create_task(run("first", {}))
+        await wait_status(client, guard.url, lambda s: s["queue"]["depth"] == 1)
+        jumper = asyncio.create_task(run("jumper", {"x-priority": "-100"}))
+        await wait_status(client, guard.url, lambda s: s["queue"]["depth"] == 2)
+        await asyncio.gather(hold, first, jumper)
+        assert done == ["hold", "first", "jumper"]
+    finally:
+        await slow.stop()
+
+
+async def metric(client: aiohttp.ClientSession, guard_url: str, name: str) -> float:
+    async with client.get(guard_url + "/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
 
 
 async def test_client_disconnect_frees_queue_slot_and_reservation(
@@ -416,11 +477,11 @@ async def test_routes_to_backend_with_most_free_kv_and_ejects_dead_one(
         port = int(a.url.rsplit(":", 1)[1])
         await a.kill()
         await wait_status(
-            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [False, True], 3
+            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [False, True], 15
         )
         a2 = await start_fake(port=port)
         await wait_status(
-            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [True, True], 3
+            client, guard.url, lambda s: [x["healthy"] for x in s["backends"]] == [True, True], 15
         )
         await a2.stop()
     finally:

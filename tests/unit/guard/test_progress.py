@@ -170,6 +170,7 @@ async def test_tracked_stream_relays_only_what_the_client_asked_for(
 ) -> None:
     fake.state.token_rate = 300.0
     guard = await make_guard([fake.url], track_progress="always")
+    await wait_status(client, guard.url, lambda s: all(b["healthy"] for b in s["backends"]))
     body = completion(20, stream=True)
     if include_usage:
         body["stream_options"] = {"include_usage": True}

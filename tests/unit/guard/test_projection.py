@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission, RequestCost
@@ -113,15 +113,35 @@ def test_finished_sequences_hold_nothing_and_unseen_ones_are_bounded() -> None:
     assert fps[1] == full_footprint(150, 1)
 
 
-def test_decode_rate_keeps_a_decaying_peak_and_start_latency() -> None:
-    r = DecodeRate(ProgressSettings(rate_half_life_s=10.0, start_allowance_s=0.2))
-    r.observe_rate(200.0, 0.0)
-    r.observe_rate(50.0, 0.0)
-    assert r.tokens_per_s == 200.0
-    r.observe_rate(50.0, 20.0)  # 200 halved twice = 50
-    assert r.tokens_per_s == pytest.approx(50.0)
-    r.observe_start(0.3, 0.0)
-    assert r.start_deadline_s() == pytest.approx(0.6)
+def test_decode_rate_and_start_latency_come_from_recent_quantiles() -> None:
+    r = DecodeRate(ProgressSettings(window=10, rate_quantile=0.9, start_allowance_s=0.2))
+    for v in (100.0,) * 9 + (1000.0,):
+        r.observe_rate(v)
+    # One outlier in ten: the 0.9 quantile is it; after ten more ordinary samples it is gone.
+    assert r.tokens_per_s == 1000.0 and r.low_tokens_per_s == 100.0
+    for _ in range(10):
+        r.observe_rate(120.0)
+    assert r.tokens_per_s == 120.0
+    # Until min_samples starts were seen the allowance holds; then margin × quantile.
+    r.observe_start(0.3)
+    assert r.start_deadline_s() == pytest.approx(1.5 * 0.3)
+    for v in (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1):
+        r.observe_start(v)
+    assert r.start_deadline_s() == pytest.approx(1.5 * 0.3)  # 0.95 quantile of 10 = 0.3
+
+
+def test_shared_prompt_blocks_count_once_for_n_sequences() -> None:
+    r = rate(100.0)
+    # 300-token prompt, n = 4, 100 new tokens, blocks of 128: 2 full prompt blocks shared.
+    p = RequestProgress(300, 100, 4, 0.0, tracked=False, shared_tokens=256)
+    fps = p.footprints(r, 0.0)
+    # Private: 44 + 100 = 144 tokens = 2 blocks each; shared: 2 blocks once.
+    assert projected_peak_blocks(fps, 128) == 4 * 2 + 2
+    assert RequestCost(300, 100, 4, inputs=1).blocks(128, prefix_caching=True) == 10
+    assert RequestCost(300, 100, 4, inputs=1).blocks(128, prefix_caching=False) == 4 * 4
+    # Estimated prompts, or several prompts, share nothing.
+    assert RequestCost(300, 100, 4, prompt_exact=False).blocks(128, True) == 16
+    assert RequestCost(300, 100, 4, inputs=2).blocks(128, True) == 16
 
 
 # -- the lockstep engine ------------------------------------------------------------------
@@ -146,6 +166,7 @@ class _Live:
     handle: RequestProgress
     admitted_step: int
     generated: int = 0
+    started: bool = False
     history: list[int] = field(default_factory=list)  # generated after each step
     engine_done_step: int | None = None
 
@@ -181,11 +202,24 @@ def simulate(
         now = step * STEP_S
         while pending and pending[0].at_step <= step:
             queue.append(pending.popleft())
-        # Engine: every started, unfinished sequence gains one token in this step.
+        # Engine: like vLLM, a request starts (after its delay) only when its prompt fits the
+        # free blocks; every started, unfinished sequence gains one token in this step.
+        held = sum(
+            blocks_for_tokens(lv.arrival.prompt + lv.generated, block_size)
+            for lv in live
+            if lv.started and lv.engine_done_step is None
+        )
+        for lv in live:
+            ready = step >= lv.admitted_step + lv.arrival.start_delay
+            if ready and not lv.started:
+                need = blocks_for_tokens(lv.arrival.prompt + 1, block_size)
+                if held + need <= capacity_blocks:
+                    lv.started = True
+                    held += need
         used = 0
         running = 0
         for lv in live:
-            if lv.engine_done_step is None and step >= lv.admitted_step + lv.arrival.start_delay:
+            if lv.engine_done_step is None and lv.started:
                 lv.generated += 1
                 if lv.generated >= lv.arrival.stop_after:
                     lv.engine_done_step = step
@@ -243,6 +277,7 @@ arrival_st = st.builds(
     max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 @given(
     st.lists(arrival_st, min_size=1, max_size=24),

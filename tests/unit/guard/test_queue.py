@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter
+from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
 
 
 def w(priority: int = 0, tokens: int = 10, name: str = "") -> Waiter:
@@ -84,3 +84,44 @@ def test_retry_after_from_drain_rate() -> None:
     assert m.retry_after_s(10_000, 9.8, fallback_s=30, max_s=300) == 300
     # Nothing drained: the fallback.
     assert DrainRateMeter().retry_after_s(5, 0.0, fallback_s=30, max_s=300) == 30
+
+
+def _line(*sizes: int) -> tuple[AdmissionQueue, list[Waiter]]:
+    q = AdmissionQueue(100, 10**9)
+    ws = [Waiter(0, s, float(i), data=s) for i, s in enumerate(sizes)]
+    for w in ws:
+        assert q.push(w)
+    return q, ws
+
+
+def test_a_request_that_fits_passes_a_blocked_head_a_bounded_number_of_times() -> None:
+    q, ws = _line(100, 5, 5, 5, 5)
+    free = [12]
+
+    async def place(w: Waiter) -> bool:
+        if w.data <= free[0]:
+            free[0] -= w.data
+            return True
+        return False
+
+    assert run_now(admit_waiting(q, place, max_head_bypass=2)) == 2
+    assert ws[0].bypassed == 2 and q.depth == 3  # the head and two small ones still wait
+    free[0] = 100
+    # The head has been passed twice: the line now waits for it first.
+    assert run_now(admit_waiting(q, place, max_head_bypass=2)) == 1
+    assert q.depth == 2 and ws[0].removed
+    free[0] = 10
+    assert run_now(admit_waiting(q, place, max_head_bypass=2)) == 2 and q.depth == 0
+
+
+def test_no_bypass_across_priority_classes() -> None:
+    q = AdmissionQueue(100, 10**9)
+    head = Waiter(0, 100, 0.0, data=100)
+    low = Waiter(5, 1, 1.0, data=1)
+    q.push(head)
+    q.push(low)
+
+    async def place(w: Waiter) -> bool:
+        return bool(w.data <= 10)
+
+    assert run_now(admit_waiting(q, place, max_head_bypass=8)) == 0

@@ -1,10 +1,11 @@
-"""Parsing vLLM's /metrics page (names as vLLM V1 exports them)."""
+"""What the guard reads from vLLM's /metrics page through the one shared parser
+(oomguard.vllm_metrics, which bench and watch read too)."""
 
 from __future__ import annotations
 
 import pytest
 
-from oomguard.guard.metrics_parse import parse_vllm_metrics
+from oomguard.vllm_metrics import parse_vllm_metrics
 
 PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -35,6 +36,9 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",cpu_offload_gb="0",ena
 # TYPE vllm:e2e_request_latency_seconds histogram
 vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 0.0
 vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 0.0
+# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.
+# TYPE process_start_time_seconds gauge
+process_start_time_seconds 1.76409e+09
 """
 
 
@@ -46,6 +50,8 @@ def test_reads_the_values_the_gateway_needs() -> None:
     assert m.requests_waiting == 7.0  # the _by_reason family is not double counted
     assert m.num_gpu_blocks == 2221
     assert m.block_size == 16
+    assert m.prefix_caching is True
+    assert m.process_start_time_s == pytest.approx(1.76409e9)
 
 
 def test_old_usage_name_and_missing_values() -> None:
@@ -55,6 +61,7 @@ def test_old_usage_name_and_missing_values() -> None:
     m = parse_vllm_metrics(page)
     assert m.kv_cache_usage == 0.25
     assert m.preemptions_total is None and m.num_gpu_blocks is None
+    assert m.prefix_caching is None and m.process_start_time_s is None
 
 
 def test_empty_and_unrelated_pages() -> None:
