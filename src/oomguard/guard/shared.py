@@ -108,6 +108,10 @@ class Budget:
     synced: bool = False
     holding: int = 0
     lost_state: bool = False
+    # When the last synchronisation attempt ended (monotonic s; None: none yet), and whether
+    # admission was held back because that was too long ago.
+    attempt_s: float | None = None
+    held_for_age: bool = False
 
     @property
     def wants(self) -> bool:
@@ -227,6 +231,13 @@ class SharedAdmission:
     def admission_share(self, backend_url: str) -> int:
         """The capacity local admission may plan with now (0: admit nothing here now)."""
         b = self.budget(backend_url)
+        if b.attempt_s is not None and time.monotonic() - b.attempt_s > self.lease_ms / 2000:
+            # This replica has not tried the ledger for half a lease (its event loop was
+            # starved): what it keeps may have been reclaimed meanwhile (a lease expiry, or a
+            # ledger rebuilt after Redis lost its data). Admit nothing until it has tried again.
+            b.held_for_age = True
+            self._wake.set()
+            return 0
         if self.up and b.stale:
             return 0  # no replica has polled the backend lately: it counts as full
         if self.up and b.waiting_elsewhere > 0 and b.bypassed >= self.max_head_bypass:
@@ -327,11 +338,19 @@ class SharedAdmission:
             )
         except Exception as exc:  # any Redis or network failure: keep what is kept
             self._went_down(exc)
+            self._attempted(b)
             return False
         self._came_up()
         self.syncs += 1
         self._adopt(backend_url, b, out, args.holding)
+        self._attempted(b)
         return True
+
+    def _attempted(self, b: Budget) -> None:
+        b.attempt_s = time.monotonic()
+        if b.held_for_age:
+            b.held_for_age = False
+            self.on_change()  # admission held back for the attempt's age may go on
 
     def _adopt(self, backend_url: str, b: Budget, out: list[Any], holding: int) -> None:
         epoch = _text(out[0])

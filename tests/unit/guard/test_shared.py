@@ -279,6 +279,29 @@ async def test_a_replica_that_stops_synchronising_is_reclaimed_after_its_lease(
         await alive.shared.stop()
 
 
+async def test_a_replica_that_has_not_tried_the_ledger_for_half_a_lease_waits_for_it(
+    redis_server: RedisServer,
+) -> None:
+    """A starved event loop: what the replica keeps may have been reclaimed meanwhile, so it
+    admits nothing until its next synchronisation attempt, then goes on (and says so)."""
+    prefix = f"age{uuid.uuid4().hex}"
+    r = Replica.make(redis_server.url, prefix, lease_s=1.0)
+    changes: list[int] = []
+    r.shared.on_change = lambda: changes.append(1)
+    try:
+        await r.poll(0)
+        await settle([r])
+        assert r.kept > 10 and r.try_admit(10)
+        await asyncio.sleep(0.6)  # more than half the lease without an attempt
+        assert not r.try_admit(10)
+        before = len(changes)
+        assert await r.sync()
+        assert len(changes) > before  # the held-back admission is pumped again
+        assert r.try_admit(10)
+    finally:
+        await r.shared.stop()
+
+
 async def test_the_requests_of_a_dead_replica_stay_claimed_while_vllm_shows_them(
     redis_server: RedisServer,
 ) -> None:
