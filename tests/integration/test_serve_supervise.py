@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,19 @@ def _completion(url: str, model: str) -> None:
     with urllib.request.urlopen(request, timeout=120) as resp:
         assert resp.status == 200
         assert json.loads(resp.read().decode())["choices"]
+
+
+def _wait_ready(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def test_serve_restarts_a_killed_engine_and_stops_cleanly(
@@ -60,7 +74,9 @@ def test_serve_restarts_a_killed_engine_and_stops_cleanly(
         second = run.wait_for("ready", 900, lambda e: e["launch"] > first["launch"])
         assert second["command"] == first["command"]
         _completion(second["url"], str(tiny_model.path))
-        _completion(guard["url"], str(tiny_model.path))  # the guard follows the new engine
+        # the guard follows the new engine (once its health check has seen it)
+        assert _wait_ready(guard["url"], 120), "the guard did not see the restarted engine"
+        _completion(guard["url"], str(tiny_model.path))
 
         serve_pid = run.proc.pid if run.proc else 0
         assert run.terminate() == 0
