@@ -32,19 +32,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from oomguard.doctor.findings import CAUSES  # the labels the doctor ranks
+
 CORPUS = Path(__file__).resolve().parent / "data" / "oom-cases-corpus.jsonl"
-CAUSES = (
-    "util_overshoot",
-    "kv_too_small_for_max_len",
-    "concurrency_or_batch",
-    "weights_dont_fit",
-    "cuda_graph",
-    "fragmentation",
-    "multimodal_encoder",
-    "leak_or_other_process",
-    "cpu_ram",
-    "other",
-)
 CONFIDENCES = ("high", "medium", "low")
 REQUIRED = ("source", "log", "label", "confidence")
 _GITHUB = re.compile(r"^https?://(?:www\.)?github\.com/([^/]+)/([^/#?]+)/(?:issues|pull|discussions)/(\d+)")

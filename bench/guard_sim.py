@@ -250,9 +250,29 @@ def _drive(
         done += len(finished)
         if engine.steps > 1_000_000:
             raise RuntimeError("simulation does not finish")
+    return _result(label, engine, seqs, m)
+
+
+def _result(label: str, engine: Engine, seqs: list[_Seq], m: EngineModel) -> RunResult:
     makespan = max(s.done_s or 0.0 for s in seqs) + m.observe_s
     tokens = sum(s.shape.max_tokens for s in seqs)
     return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
+
+
+def _step_observed(
+    engine: Engine, now_s: float, m: EngineModel, push: Callable[[float, str, _Seq, int], None]
+) -> float:
+    """One engine step; the guards see its progress and finishes ``observe_s`` later. Returns
+    the time after the step."""
+    duration, finished_seqs = engine.step(now_s)
+    now_s += duration
+    for seq in engine.running:
+        push(now_s + m.observe_s, "progress", seq, seq.generated)
+    for seq in finished_seqs:
+        push(now_s + m.observe_s, "finish", seq, seq.generated)
+    if engine.steps > 1_000_000:
+        raise RuntimeError("simulation does not finish")
+    return now_s
 
 
 @dataclass(order=True)
@@ -331,17 +351,8 @@ def run_guard(
                 break
             engine_now = max(engine_now, events[0].at_s)
             continue
-        duration, finished_seqs = engine.step(engine_now)
-        engine_now += duration
-        for seq in engine.running:
-            push(engine_now + m.observe_s, "progress", seq, seq.generated)
-        for seq in finished_seqs:
-            push(engine_now + m.observe_s, "finish", seq, seq.generated)
-        if engine.steps > 1_000_000:
-            raise RuntimeError("simulation does not finish")
-    makespan = max(s.done_s or 0.0 for s in seqs) + m.observe_s
-    tokens = sum(s.shape.max_tokens for s in seqs)
-    return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
+        engine_now = _step_observed(engine, engine_now, m, push)
+    return _result(label, engine, seqs, m)
 
 
 _BACKEND = "http://simulated-vllm"
@@ -494,17 +505,8 @@ def _drive_replicas(
                 break
             engine_now = max(engine_now, events[0].at_s)
             continue
-        duration, finished_seqs = engine.step(engine_now)
-        engine_now += duration
-        for seq in engine.running:
-            push(engine_now + m.observe_s, "progress", seq, seq.generated)
-        for seq in finished_seqs:
-            push(engine_now + m.observe_s, "finish", seq, seq.generated)
-        if engine.steps > 1_000_000:
-            raise RuntimeError("simulation does not finish")
-    makespan = max(s.done_s or 0.0 for s in seqs) + m.observe_s
-    tokens = sum(s.shape.max_tokens for s in seqs)
-    return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
+        engine_now = _step_observed(engine, engine_now, m, push)
+    return _result(label, engine, seqs, m)
 
 
 def default_settings() -> AdmissionSettings:
