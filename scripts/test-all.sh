@@ -16,6 +16,10 @@ echo "== ruff"
 "$VENV/bin/ruff" check src tests bench deploy
 echo "== mypy"
 "$VENV/bin/mypy"
+echo "== docs (mkdocs, strict)"
+site_dir="$(mktemp -d)"
+"$VENV/bin/mkdocs" build --strict --quiet -d "$site_dir"
+rm -rf "$site_dir"
 
 if [ "${OOMGUARD_SKIP_INTEGRATION:-0}" != "1" ]; then
   echo "== system programs for the integration tier (redis-server, promtool, chromium)"
