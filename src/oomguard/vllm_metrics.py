@@ -1,6 +1,6 @@
 """Read a vLLM server's ``/metrics`` page (Prometheus text format) into one typed snapshot.
 
-Names as vLLM's V1 engine exports them (``vllm/v1/metrics/loggers.py``; vllm-memory.md §10).
+Names as vLLM's V1 engine exports them (``vllm/v1/metrics/loggers.py``; docs/memory-model.md §10).
 prometheus_client appends ``_total`` to counters in the exposition, so the counter registered
 as ``vllm:num_preemptions`` is scraped as ``vllm:num_preemptions_total``. Every metric carries
 ``model_name`` and ``engine`` (the data-parallel rank) labels: counts are summed over engines,

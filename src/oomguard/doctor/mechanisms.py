@@ -1,7 +1,7 @@
 """Tier 1: named mechanism checks. Each fires only when the numbers it needs are in the log.
 
-Every check models one way vLLM or PyTorch spends memory (vllm-memory.md §2–§7) and returns a
-:class:`Verdict` — a cause the numbers prove, with those numbers as its evidence — or None.
+Every check models one way vLLM or PyTorch spends memory (docs/memory-model.md §2–§7) and
+returns a :class:`Verdict` — a cause the numbers prove, with its numbers as evidence — or None.
 None means "this mechanism cannot be shown from what the log states", never "it is not the
 cause": the calibrated ranking (``model.py``) handles everything the checks leave open.
 

@@ -27,7 +27,7 @@ from oomguard.memory.spec import (
     VisionSpec,
 )
 
-# Keys vLLM reads for the default max_model_len (vllm-memory.md §3.5).
+# Keys vLLM reads for the default max_model_len (docs/memory-model.md §3.5).
 _MAX_LEN_KEYS = (
     "max_position_embeddings",
     "n_positions",
@@ -1371,7 +1371,7 @@ def _rope_params(text: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def derive_max_model_len(text: Mapping[str, Any], model_type: str) -> int:
-    """vLLM's default ``max_model_len`` for a (text) config (vllm-memory.md §3.5, vLLM 0.32).
+    """vLLM's default ``max_model_len`` for a (text) config (docs/memory-model.md §3.5, vLLM 0.32).
 
     Min over the length keys (``model_max_length`` overrides), 2048 when none is present, times
     the RoPE ``factor`` unless the rope type keeps the length (llama3/yarn/longrope/...) or the

@@ -1,7 +1,7 @@
 """Detect a checkpoint's weight format from ``quantization_config`` or, failing that, its name.
 
 The result is a :class:`QuantSpec`; the byte cost of each format lives in the memory model
-(vllm-memory.md §8). Methods whose layout we cannot size raise :class:`UnsupportedArchitecture`
+(docs/memory-model.md §8). Methods whose layout is unknown raise :class:`UnsupportedArchitecture`
 rather than being treated as 16-bit.
 """
 

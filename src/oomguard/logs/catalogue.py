@@ -3,7 +3,7 @@
 Each :class:`Pattern` names the message it matches, a cheap lower-case trigger (the regex runs
 only on records containing one of its triggers), the fields its named groups set, the
 signature it raises and the startup phase it marks. Texts and their version ranges are those
-of ``vllm-memory.md`` §2, §5.4, §7.2, §9, §11 (read from the published vLLM wheels 0.9.2 …
+of ``docs/memory-model.md`` §2, §5.4, §7.2, §9, §11 (read from the published vLLM wheels 0.9.2 …
 0.33.0 and the installed 0.32.0 CPU build), plus PyTorch's allocator messages (old
 ``(GPU 0; X total capacity; …)`` and new ``GPU 0 has a total capacity of …`` forms). Number
 formats differ by version (``%.2f``, ``format_gib`` without trailing zeros, ``%.4f``, thousands

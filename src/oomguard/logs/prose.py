@@ -311,7 +311,7 @@ VERSION = re.compile(
 # vLLM releases that changed where memory goes; (version, cause, what changed). Sources: the
 # v0.2.7 release notes (CUDA graphs captured by default, --enforce-eager added; vLLM PR
 # #1926) and the v0.8.0 release notes (the V1 engine on by default, with torch.compile
-# piecewise CUDA graphs over more batch sizes; vllm-memory.md §2.6).
+# piecewise CUDA graphs over more batch sizes; docs/memory-model.md §2.6).
 VERSION_BOUNDARIES: tuple[tuple[tuple[int, ...], str, str], ...] = (
     ((0, 2, 7), "cuda_graph", "vLLM 0.2.7 started capturing CUDA graphs by default"),
     (

@@ -3,8 +3,8 @@
 These are runtime measurements inside vLLM (§2.3–2.6). Each is modelled from what vLLM's own
 code allocates in the version at hand, and carries a range: the band its out-of-sample errors
 on real startup logs of the same era showed (``oomguard.memory.bands``, derived by
-``bench/planner_accuracy.py --bands``). Section numbers refer to the project's vllm-memory
-notes; "observed" figures cite the startup-log data sets (``shared/data/vllm-startup-logs.jsonl``
+``bench/planner_accuracy.py --bands``). Section numbers refer to docs/memory-model.md;
+"observed" figures cite the startup-log data sets (``shared/data/vllm-startup-logs.jsonl``
 as *dev*, ``bench/data/startup-logs-holdout.jsonl`` as *holdout*).
 
 The three mechanisms:

@@ -3,8 +3,8 @@
 Mirrors vLLM's ``v1/kv_cache_interface.py`` (one small frozen class per attention kind, each
 knowing its ``page_size_bytes`` and how many blocks one request needs) and the planning math
 of ``v1/core/kv_cache_utils.py`` (grouping, ``bytes_per_block``, ``num_blocks``, capacity,
-fit check, estimated maximum model length). Section numbers refer to the project's
-vllm-memory notes. Everything here is exact integer arithmetic; nothing is estimated.
+fit check, estimated maximum model length). Section numbers refer to the memory
+model, docs/memory-model.md. Everything here is exact integer arithmetic; nothing is estimated.
 """
 
 from __future__ import annotations

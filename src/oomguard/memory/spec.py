@@ -158,7 +158,7 @@ class ModelSpec:
     head_size: int
     vocab_size: int
     tie_word_embeddings: bool
-    derived_max_model_len: int  # vLLM's default max_model_len (§3.5 of vllm-memory.md)
+    derived_max_model_len: int  # vLLM's default max_model_len (docs/memory-model.md §3.5)
     layers: tuple[LayerSpec, ...]
     params: tuple[ParamGroup, ...]
     quant: QuantSpec = field(default_factory=QuantSpec)

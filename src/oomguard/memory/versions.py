@@ -3,7 +3,7 @@
 Every behaviour that changed between vLLM 0.10 and 0.33 and matters for the KV-cache budget is
 one field of :class:`VllmEra`; :data:`ERAS` holds one row per minor release. Code elsewhere asks
 the era (``era.requested_ceil``), never compares version numbers itself. Source: the published
-vLLM wheels 0.10.0 … 0.33.0 as summarised in the project's vllm-memory notes (sections cited per
+vLLM wheels 0.10.0 … 0.33.0 as summarised in docs/memory-model.md (sections cited per
 field).
 """
 
@@ -93,7 +93,7 @@ class VllmEra:
 
 
 def _era_for_minor(minor: int) -> VllmEra:
-    """Build the era row for 0.<minor> from the change log (vllm-memory §0)."""
+    """Build the era row for 0.<minor> from the change log (docs/memory-model.md §0)."""
     m = minor
     return VllmEra(
         minor=m,

@@ -351,7 +351,7 @@ class PlanResult:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        """One JSON-ready object (keys documented in the README's plan section)."""
+        """One JSON-ready object (keys documented in docs/plan.md)."""
         p = self.plan.prediction
         s = p.settings
         settings = {
