@@ -56,7 +56,8 @@ def test_every_section_citation_in_src_resolves() -> None:
 
 def test_named_section_citations_resolve() -> None:
     headings = [
-        h.lower() for h in re.findall(r"^#+\s+(.*)$", MEMORY_MODEL.read_text(encoding="utf-8"), re.M)
+        h.lower()
+        for h in re.findall(r"^#+\s+(.*)$", MEMORY_MODEL.read_text(encoding="utf-8"), re.M)
     ]
     for path in _sources():
         for word in _NAMED.findall(path.read_text(encoding="utf-8")):
@@ -91,3 +92,19 @@ def test_every_docs_page_is_in_the_site_navigation() -> None:
     nav = set(_nav_pages(config["nav"]))
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert pages == nav, f"not in nav: {sorted(pages - nav)}; missing files: {sorted(nav - pages)}"
+
+
+QUICK_START = (
+    "python3 -m venv .venv && .venv/bin/pip install -q . && .venv/bin/oomguard plan "
+    'meta-llama/Llama-3.1-70B-Instruct --gpu "RTX 4090" --p99-tokens 8192 --concurrency 16'
+)
+
+
+def test_the_readme_is_a_landing_page_whose_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    assert QUICK_START in readme and "bash scripts/test-all.sh" in readme
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    assert len(links) >= 10
+    missing = sorted({link for link in links if not (ROOT / link).is_file()})
+    assert not missing, f"README links to missing pages: {missing}"
