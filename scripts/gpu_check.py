@@ -149,6 +149,19 @@ def nvml_free_bytes(index: int = 0) -> int:
         pynvml.nvmlShutdown()
 
 
+def wait_settled(timeout_s: float = 10.0) -> dict[int, int]:
+    """NVML's used memory once two reads 0.2 s apart agree within 16 MiB (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    last = nvml_used_bytes()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = nvml_used_bytes()
+        if all(abs(now[i] - last.get(i, 0)) <= 16 * MIB for i in now):
+            return now
+        last = now
+    return last
+
+
 class CoTenant:
     """A PyTorch process holding ``nbytes`` of GPU memory until told to free it and exit."""
 
@@ -356,14 +369,20 @@ def cotenant_bytes(total_bytes: int, requested_gib: float | None) -> int:
 def run_checks(requested_gib: float | None) -> list[Check]:
     """Every check, in order; the co-tenant is stopped whatever happens."""
     checks = [check_torch_vs_nvml()]
+    used_before = wait_settled()  # the torch process above has let go of its context
     baseline, error = plan_auto()
-    if baseline is None:
+    if baseline is None or baseline["gpu"].get("free_gib") is None:
         failed = Check("plan-gpu-auto")
-        failed.expect(False, f"plan --gpu auto runs on this machine ({error})")
+        why = error if baseline is None else f"the GPU came from {baseline['gpu'].get('source')!r}"
+        failed.expect(False, f"plan --gpu auto reads this machine's GPU through NVML ({why})")
         return [*checks, failed]
     total = int(checks[0].figures.get("torch_total_bytes") or baseline["gpu"]["total_gib"] * GIB)
-    used_before = nvml_used_bytes()
-    cotenant = CoTenant(cotenant_bytes(total, requested_gib))
+    try:
+        cotenant = CoTenant(cotenant_bytes(total, requested_gib))
+    except RuntimeError as exc:
+        failed = Check("cotenant")
+        failed.expect(False, str(exc))
+        return [*checks, failed]
     try:
         checks.append(check_plan_auto(baseline, cotenant))
         checks.append(check_watch(cotenant))
