@@ -6,6 +6,7 @@ The checks themselves need a GPU (docs/gpu-check.md); here only the paths that r
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -72,3 +73,56 @@ def test_with_every_module_but_no_driver_it_exits_3(tmp_path: Path) -> None:
     )
     assert run.returncode == 3, run.stderr
     assert run.stderr.strip() == "gpu-check: NVML sees no NVIDIA GPU on this machine"
+
+
+def test_every_check_runs_end_to_end_on_a_stand_in_gpu(tmp_path: Path) -> None:
+    """The whole script against stand-ins for NVML and torch.cuda (``gpu_stand_in/``).
+
+    The oomguard commands run for real (plan, watch, the release wait); only the device is
+    simulated, so a renamed JSON key or a changed face breaks this before a GPU run is spent.
+    """
+    stand_in = Path(__file__).parent / "gpu_stand_in"
+    figures = tmp_path / "figures.json"
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([str(stand_in), os.environ["PATH"]]),
+        "PYTHON": sys.executable,
+        "OOMGUARD_GPU_CHECK_DEPS": str(stand_in),
+        "OOMGUARD_STAND_IN_STATE": str(tmp_path / "held.json"),
+        "OOMGUARD_HOME": str(tmp_path),
+    }
+    run = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "gpu-check.sh"),
+            "--cotenant-gib",
+            "40",
+            "--json",
+            str(figures),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = {c["name"]: c for c in json.loads(figures.read_text())}
+    assert list(checks) == [
+        "nvml-vs-torch",
+        "plan-gpu-auto",
+        "watch-per-process",
+        "serve-wait-release",
+    ]
+    assert all(c["status"] == "PASS" for c in checks.values()), run.stdout
+    plan = checks["plan-gpu-auto"]["figures"]
+    # 40 GiB held by the co-tenant (and its 0.5 GiB context) come off what plan sees free
+    drop = plan["alone"]["free_gib"] - plan["with_cotenant"]["free_gib"]
+    assert 40.0 <= drop <= 41.0
+    assert plan["settings"]["gpu_memory_utilization"] < 0.92  # lowered to fit beside it
+    watch = checks["watch-per-process"]["figures"]["server"]
+    assert watch["gpu_source"] == "nvml-process"
+    assert sum(g["used_bytes"] for g in watch["gpus"]) == (40 << 30) + (512 << 20)
+    release = checks["serve-wait-release"]["figures"]
+    assert release["released"] and release["excess_used_mib"] <= 0
+    assert run.stdout.splitlines()[-1].startswith("gpu-check: 4 of 4 checks passed")
