@@ -200,10 +200,16 @@ GPU_CATALOGUE: tuple[GPUSpec, ...] = tuple(_spec(r) for r in _ROWS)
 _NOISE_WORDS = re.compile(
     r"\b(nvidia|geforce|tesla|amd|instinct|radeon|graphics|gpu|generation|edition|workstation)\b"
 )
+# Board variants that nvidia-smi names but that carry the same GPU and memory as the catalogue
+# entry, differing only in cooling and power: "RTX PRO 6000 Blackwell Server Edition" and
+# "... Max-Q Workstation Edition" are the Workstation Edition's GB202 with its 96 GB (same silicon,
+# other cooling: vllm-project/vllm#40991; NVIDIA RTX PRO 6000 Blackwell data sheets).
+_SAME_MEMORY_VARIANTS = re.compile(r"\b(server\s+edition|max-?q)\b")
 
 
 def _key(name: str) -> str:
-    text = _NOISE_WORDS.sub(" ", name.lower())
+    text = _SAME_MEMORY_VARIANTS.sub(" ", name.lower())
+    text = _NOISE_WORDS.sub(" ", text)
     text = re.sub(r"(\d+)\s*g(b|ib)?\b", r"\1gb", text)  # 80G / 80 GiB → 80gb
     return re.sub(r"[^a-z0-9]", "", text)
 

@@ -29,6 +29,17 @@ from oomguard.facts.gpus import GPU_CATALOGUE, NoGPUDetected, custom_gpu, detect
         ("RTX PRO 6000", "RTX PRO 6000 Blackwell"),
         ("AMD Instinct MI300X", "MI300X"),
         ("rtx 4090 24gb", "RTX 4090"),
+        # names exactly as nvidia-smi / NVML print them
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Blackwell"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX PRO 6000 Blackwell"),
+        ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", "RTX PRO 6000 Blackwell"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
+        ("NVIDIA A100-PCIE-40GB", "A100 40GB PCIe"),
+        ("Tesla V100-SXM2-32GB", "V100 32GB SXM2"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
+        ("NVIDIA GeForce RTX 4070 Ti SUPER", "RTX 4070 Ti Super"),
+        ("NVIDIA GH200 480GB", "GH200"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
     ],
 )
 def test_forgiving_names(name: str, canonical: str) -> None:
@@ -49,6 +60,19 @@ def test_observed_totals_match_real_logs() -> None:
     assert (
         find_gpu("a100").device_name.lower().find("a100") >= 0
     )  # vLLM keys default tiers on "a100"
+
+
+def test_every_catalogue_device_name_resolves_to_its_own_entry() -> None:
+    # the name NVML reports for a catalogued product finds that product (shared device names,
+    # e.g. "NVIDIA H20" for both H20 sizes or "Orin", resolve to one of them)
+    for gpu in GPU_CATALOGUE:
+        found = find_gpu(gpu.device_name)
+        assert found.device_name == gpu.device_name, gpu.name
+
+
+def test_a_variant_word_does_not_hide_another_product() -> None:
+    with pytest.raises(UnknownGPU):
+        find_gpu("NVIDIA RTX PRO 5000 Blackwell Server Edition")
 
 
 def test_unknown_gpu_lists_close_names() -> None:
