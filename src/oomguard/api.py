@@ -14,6 +14,7 @@ from typing import Any
 
 from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
+from oomguard.memory.kv import KV_MARGIN
 from oomguard.memory.spec import GPUSpec, ModelSpec
 from oomguard.plan.recommend import (
     SearchSpace,
@@ -27,7 +28,7 @@ from oomguard.plan.result import Calibration, Candidate, PlanResult, Workload
 from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
 
 GIB = 2**30
-DEFAULT_MARGIN = 0.10
+DEFAULT_MARGIN = KV_MARGIN
 # the format words oomguard.calibration.model_family keeps in a family name
 _CHECKPOINT_FORMATS = ("awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb-4bit", "gguf",
                        "nvfp4", "mxfp4")  # fmt: skip

@@ -1,11 +1,15 @@
-"""Fixes, computed from the numbers with a margin, and checked by the memory model.
+"""Every fix of a memory failure, computed from the numbers with a margin, and checked by the
+memory model. ``oomguard doctor`` prints them; ``oomguard serve`` runs the first its checks
+accept (:mod:`oomguard.serve.heal`) and computes none of its own.
 
 Margins (never a fix at the exact edge):
 
 - a utilization sized to the free memory leaves ``margin_gib(total)`` = max(1 GiB, 2 % of the
   device) unrequested, so the start-up check still passes when free memory moves by half a
-  GiB between the failure and the restart;
-- a ``--max-model-len`` from the KV capacity the log states keeps 10 % of it spare;
+  GiB between the failure and the restart; the free memory is the log's, or the memory free
+  now when the caller measured less (``Context.free_gib``);
+- a ``--max-model-len`` from the KV capacity the log states keeps ``KV_MARGIN`` (10 %) of it
+  spare;
 - a ``--kv-cache-memory-bytes`` holds 25 % more than one max_model_len request needs.
 
 When the model and the device are known, every flag fix of a start-up failure is run through
@@ -26,10 +30,15 @@ from oomguard.doctor.outcome import apply_fix, current_settings, predict_run
 from oomguard.doctor.situation import Situation, ceil2, floor2, nice_max_model_len
 from oomguard.doctor.weights import weights_fixes
 from oomguard.logs.parsed import Phase
+from oomguard.memory.kv import KV_MARGIN
 
+# The one margin rule of every fix that sizes memory, the doctor's and serve's alike: twice the
+# drift of free memory between a failure and its restart (FREE_DRIFT_GIB), so a fix sized at
+# the failure still starts when half a GiB less is free; 2 % on large devices, whose free
+# memory moves more in absolute terms.
 MARGIN_MIN_GIB = 1.0
 MARGIN_SHARE = 0.02
-LENGTH_KEEP = 0.9
+LENGTH_KEEP = 1 - KV_MARGIN
 KV_BYTES_FACTOR = 1.25
 # free memory may move by this much between the failure and the restart
 FREE_DRIFT_GIB = 0.5
@@ -51,9 +60,20 @@ def margin_gib(total_gib: float) -> float:
     return max(MARGIN_MIN_GIB, MARGIN_SHARE * total_gib)
 
 
+def free_gib(s: Situation) -> float | None:
+    """The free memory a fix is sized to: the log's start-up figure, or the memory free now
+    when the caller measured less (None when the log states none)."""
+    logged = s.get("startup_free_gib")
+    if logged is None:
+        return None
+    now = s.context.free_gib
+    return float(logged) if now is None else min(float(logged), float(now))
+
+
 def util_within_free(free_gib: float, total_gib: float) -> float:
-    """The largest utilization (two decimals) whose request leaves the margin free."""
-    return max(floor2((free_gib - margin_gib(total_gib)) / total_gib), 0.01)
+    """The largest utilization (two decimals) whose request leaves the margin free (0 when
+    the free memory is within the margin: no utilization does)."""
+    return max(floor2((free_gib - margin_gib(total_gib)) / total_gib), 0.0)
 
 
 def is_startup_failure(s: Situation) -> bool:
@@ -76,8 +96,8 @@ def _checked(s: Situation, fixes: list[Fix]) -> list[Fix]:
     """Keep the flag fixes the memory model predicts to start (with free memory 0.5 GiB
     lower); a fix that then fails only the length check gets the fitting ``--max-model-len``
     as its companion. When every flag fix fails, an action says what the model predicts."""
-    free = s.get("startup_free_gib")
-    drifted = float(free) - FREE_DRIFT_GIB if free is not None else None
+    free = free_gib(s)
+    drifted = free - FREE_DRIFT_GIB if free is not None else None
     out: list[Fix] = []
     dropped: list[str] = []
     for fix in fixes:
@@ -182,9 +202,9 @@ def _kv_util_raise(s: Situation) -> Fix | None:
     missing = (float(need) - float(avail)) * 1.2
     new = ceil2(float(util) + missing / float(total))
     ceiling = MAX_UTIL
-    free = s.get("startup_free_gib")
+    free = free_gib(s)
     if free is not None:
-        ceiling = min(ceiling, util_within_free(float(free), float(total)))
+        ceiling = min(ceiling, util_within_free(free, float(total)))
     if new > ceiling or new <= float(util):
         return None
     return Fix("--gpu-memory-utilization", f"{new:.2f}",
@@ -229,11 +249,15 @@ def _low_util_fixes(s: Situation, verdict: Verdict) -> list[Fix]:
 
 def _util_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     """Utilization asks for more than the device has free."""
-    free, total = s.get("startup_free_gib"), s.get("startup_total_gib") or s.total_gib
+    free, total = free_gib(s), s.get("startup_total_gib") or s.total_gib
     if free is not None and total:
-        new = util_within_free(float(free), float(total))
+        new = util_within_free(free, float(total))
+        if new < 0.01:
+            return [Fix("action", f"free GPU memory: {free:.2f} of {float(total):.2f} GiB "
+                        f"{_were_free(s, free)}, less than the {margin_gib(float(total)):.1f} GiB "
+                        "a start must leave unrequested", "")]
         return [Fix("--gpu-memory-utilization", f"{new:.2f}",
-                    f"{float(free):.2f} of {float(total):.2f} GiB were free; {new:.2f} × "
+                    f"{free:.2f} of {float(total):.2f} GiB {_were_free(s, free)}; {new:.2f} × "
                     f"{float(total):.2f} leaves {margin_gib(float(total)):.1f} GiB of them "
                     "unrequested, so the check passes if free memory moves a little")]
     util = s.util
@@ -243,6 +267,12 @@ def _util_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
                     "vLLM does not account for")]
     return [Fix("action", "lower --gpu-memory-utilization below (free memory − 1 GiB) ÷ total "
                 "memory, as nvidia-smi shows them before the start", "")]
+
+
+def _were_free(s: Situation, free: float) -> str:
+    """How the free memory a fix was sized to is said: at the failure, or now."""
+    logged = s.get("startup_free_gib")
+    return "were free" if logged is not None and float(logged) <= free else "are free now"
 
 
 def _other_process_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
@@ -380,8 +410,9 @@ def _host_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
 
 def _other_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if verdict is not None and verdict.mechanism == "allocator_conflict":
-        return [Fix("PYTORCH_CUDA_ALLOC_CONF", "(unset expandable_segments)",
-                    "expandable segments are refused here (sleep mode's pool, WSL2)")]
+        return [Fix("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False",
+                    "expandable segments are refused here (sleep mode's pool, WSL2): turn them "
+                    "off wherever they are set")]
     return [Fix("action", "read the first error of the log: the failure is not one of vLLM's "
                 "memory mechanisms (a bug, a driver, a version)", "")]
 

@@ -23,6 +23,7 @@ class Context:
     command: str | None = None  # the original ``vllm serve …`` line
     args: dict[str, Any] = field(default_factory=dict)  # extra settings (underscore names)
     expect_cotenant: bool = False  # another workload is meant to share the GPU
+    free_gib: float | None = None  # memory free on the device now, when measured (serve)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,9 @@ DTYPE_BYTES: dict[str, int] = {
     "half": 2,
 }
 
+# spare KV capacity a sized configuration keeps: plan's default margin over the workload, the
+# share of the pool's capacity a shortened --max-model-len leaves unused
+KV_MARGIN = 0.10
 FP8_KV_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
 # DeepSeek's fp8_ds_mla token: 512 fp8 NoPE values, 4 fp32 scales, 64 bf16 RoPE values
 # (v1/attention/backends/mla/flashmla_sparse.py; kv_cache_interface.py MLAAttentionSpec)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.serve.events import Event, EventHandler
-from oomguard.serve.heal import Workload
+from oomguard.serve.heal import HealWorkload
 
-__all__ = ["Event", "ServeResult", "Workload", "serve"]
+__all__ = ["Event", "ServeResult", "HealWorkload", "serve"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def serve(
     opts = ServeOptions(
         command=parsed,
         model=model,
-        workload=Workload(p99_tokens=p99_tokens, concurrency=concurrency),
+        workload=HealWorkload(p99_tokens=p99_tokens, concurrency=concurrency),
         **options,
     )
     handlers = [on_event] if on_event is not None else []

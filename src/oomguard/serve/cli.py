@@ -122,7 +122,7 @@ def serve_command(
 
 
 def _workload(p99_tokens: str | None, concurrency: int | None) -> Any:
-    from oomguard.serve.heal import Workload
+    from oomguard.serve.heal import HealWorkload
     from oomguard.vllm_args import parse_human_int
 
     p99 = None if p99_tokens is None else parse_human_int(p99_tokens, flag="--p99-tokens")
@@ -130,7 +130,7 @@ def _workload(p99_tokens: str | None, concurrency: int | None) -> Any:
         raise BadInput(f"--p99-tokens {p99_tokens} must be positive", "pass a token count")
     if concurrency is not None and concurrency < 1:
         raise BadInput(f"--concurrency {concurrency} must be at least 1", "pass a count")
-    return Workload(p99_tokens=p99, concurrency=concurrency)
+    return HealWorkload(p99_tokens=p99, concurrency=concurrency)
 
 
 def _read_form(

@@ -111,5 +111,5 @@ class VllmEngine:
         return LogFollower()
 
     def heal(self, ctx: HealContext) -> HealDecision:
-        """The doctor's fix, checked, else serve's own (:mod:`oomguard.serve.heal`)."""
+        """The first of the doctor's fixes serve's checks accept (:mod:`oomguard.serve.heal`)."""
         return decide(ctx)

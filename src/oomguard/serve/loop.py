@@ -47,7 +47,7 @@ from oomguard.errors import BadInput, OomguardError
 from oomguard.logs import ParsedLog, Phase
 from oomguard.logs.follow import Failure, LineNews
 from oomguard.serve.events import EventHandler, EventLog
-from oomguard.serve.heal import Workload
+from oomguard.serve.heal import HealWorkload
 
 GIB = 2**30
 EXIT_STOPPED = 0
@@ -150,7 +150,7 @@ class ServeOptions:
     engine_args: tuple[str, ...] = ()  # extra engine flags for the planned command
     host: str | None = None
     port: int | None = None
-    workload: Workload = field(default_factory=Workload)
+    workload: HealWorkload = field(default_factory=HealWorkload)
     max_attempts: int = 3
     probe: bool | None = None  # None: on when a workload is given
     calibrate: bool = True

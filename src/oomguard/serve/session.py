@@ -4,8 +4,8 @@
 the process, the kill on a failure line, the restarts and the stop): it plans the command on
 this machine's device, predicts vLLM's startup report, compares each number vLLM prints with
 its prediction as the line appears (:mod:`oomguard.serve.verify`), heals a memory failure
-with the doctor's fix or its own (:mod:`oomguard.serve.heal`), stores the observed terms in
-the calibration store and probes the ready server.
+with the first of the doctor's fixes it accepts (:mod:`oomguard.serve.heal`), stores the
+observed terms in the calibration store and probes the ready server.
 """
 
 from __future__ import annotations

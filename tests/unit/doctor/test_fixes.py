@@ -148,3 +148,25 @@ def test_a_kv_budget_far_below_the_model_s_prediction_is_said_to_be_held_elsewhe
     assert "held by something the model does not see" in top.explanation
     healthy = _top(lines[:1] + [lines[1].replace("2.00", "53.00"), lines[2]], model=LLAMA_8B, gpu="H100")
     assert "does not see" not in healthy.explanation
+
+
+def test_free_memory_within_the_margin_gets_no_utilization() -> None:
+    # 0.41 of 79.18 GiB free: every utilization leaves less than the 1.58 GiB margin unrequested
+    top = _top([_startup(0.41, 79.18, 0.9)])
+    assert top.cause == "leak_or_other_process"
+    assert top.fixes and all(f.flag == "action" for f in top.fixes), top.fixes
+    shared = _top([_startup(0.41, 79.18, 0.9)], expect_cotenant=True)
+    assert shared.cause == "util_overshoot" and len(shared.fixes) == 1
+    assert shared.fixes[0].flag == "action" and "1.6 GiB" in str(shared.fixes[0].value)
+
+
+def test_a_utilization_is_sized_to_the_memory_free_now_when_less_than_the_logs() -> None:
+    line = _startup(78.1, 79.18, 0.99)
+    logged = _top([line]).fixes[0]
+    now = _top([line], free_gib=60.0).fixes[0]
+    more = _top([line], free_gib=79.0).fixes[0]
+    assert float(str(logged.value)) * 79.18 <= 78.1 - margin_gib(79.18)
+    now_gib, logged_gib = float(str(now.value)) * 79.18, float(str(logged.value)) * 79.18
+    assert now_gib <= 60.0 - margin_gib(79.18) < logged_gib
+    assert "are free now" in now.why and "were free" in logged.why
+    assert more == logged  # more free now than at the failure: the log's figure holds
