@@ -160,6 +160,18 @@ def _compile(source: str) -> Any:
     return env, env.from_string(source)
 
 
+def _fast_render(template: Any) -> Callable[..., str]:
+    """``template.render`` without rebuilding the globals for every call (what ``render``
+    spends most of its time on for a short chat): they are merged into the variables once."""
+    constant = dict(template.globals)
+    new_context, root = template.new_context, template.root_render_func
+
+    def render(**variables: Any) -> str:
+        return "".join(root(new_context({**constant, **variables}, shared=True)))
+
+    return render
+
+
 @dataclass
 class ChatTemplate:
     """One compiled chat template and what vLLM reads from its source."""
@@ -178,7 +190,7 @@ class ChatTemplate:
         ast = env.parse(source)
         return cls(
             source=source,
-            render=template.render,
+            render=_fast_render(template),
             variables=frozenset(jinja2.meta.find_undeclared_variables(ast)),
             content_as_parts=loops_over_content(ast),
             knows_developer='"developer"' in source or "'developer'" in source,
@@ -324,7 +336,10 @@ class ModelTokenizer:
             "messages": conversation,
             "tools": tools,
         }
-        return template.render(**context)
+        try:
+            return template.render(**context)
+        except Exception:  # noqa: BLE001 - the template refused the chat: /tokenize says why
+            return None
 
     def _template(self, with_tools: bool) -> ChatTemplate | None:
         if with_tools and "tool_use" in self.templates:

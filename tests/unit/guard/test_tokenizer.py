@@ -152,6 +152,21 @@ def test_what_cannot_be_rendered_here_goes_to_the_backend(tok: ModelTokenizer) -
     assert tok.render_chat(text, {"continue_final_message": True}) is None
 
 
+def test_a_template_that_refuses_the_chat_leaves_the_answer_to_the_backend(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    d = tmp_path / "strict"
+    shutil.copytree(model_dir, d)
+    (d / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
+        "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+        "{{ m.content | tojson }}{% endfor %}"
+    )
+    tok = ModelTokenizer.load(d)
+    assert tok.render_chat([{"role": "user", "content": "é<b>"}], {}) == '"é<b>"'
+    assert tok.render_chat([{"role": "system", "content": "x"}], {}) is None
+
+
 def test_content_parts_developer_role_and_named_templates(model_dir: Path, tmp_path: Path) -> None:
     d = tmp_path / "parts"
     shutil.copytree(model_dir, d)
