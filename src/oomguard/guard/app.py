@@ -58,6 +58,7 @@ from oomguard.guard.sse import (
 from oomguard.guard.telemetry import Telemetry
 from oomguard.guard.tokenizer import (
     INLINE_CHARS,
+    LARGE_ENCODES,
     LocalTokenizers,
     count_request,
     request_chars,
@@ -215,6 +216,7 @@ class GuardApp:
         )
         self._tokenize_slots: asyncio.Semaphore | None = None
         self.local_tokenizers = LocalTokenizers()
+        self._large_encodes = asyncio.Semaphore(LARGE_ENCODES)
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self.drain = DrainRateMeter()
         self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
@@ -667,8 +669,7 @@ class GuardApp:
         if request_chars(req) <= INLINE_CHARS:
             counts = count_request(tok, req, mml)
         else:
-            assert self._tokenize_slots is not None
-            async with self._tokenize_slots:
+            async with self._large_encodes:
                 counts = await asyncio.to_thread(count_request, tok, req, mml)
         if counts is None or backend is None or llama_backend.is_llama(backend):
             return counts

@@ -46,8 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("oomguard.guard")
 
 # Texts up to this many characters are encoded on the event loop (tens of microseconds);
-# longer ones in a worker thread.
+# longer ones in a worker thread, at most LARGE_ENCODES at once: with the body limit
+# (max_body_bytes) that bounds the memory the encodings take.
 INLINE_CHARS = 32_768
+LARGE_ENCODES = 2
 _SPECIAL_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )  # fmt: skip

@@ -256,3 +256,36 @@ async def test_a_backend_that_counts_otherwise_keeps_its_tokenize(
         assert await _post(client, url, body) == "exact"
     assert fake.state.tokenize_calls - before == 5
     assert local.status()[str(model_dir)]["differs"] == ["completion"]
+
+
+async def test_a_long_prompt_is_encoded_off_the_event_loop(
+    fake: FakeVllm,
+    make_guard: GuardFactory,
+    client: aiohttp.ClientSession,
+    tok: ModelTokenizer,
+    model_dir: Path,
+) -> None:
+    fake.state.root = str(model_dir)
+    fake.state.max_model_len = 100_000  # the text is encoded, not refused on its length
+    fake.state.tokenize_count = lambda body: count_request(tok, parse_generation(body), None)[0]
+    guard = await make_guard([fake.url])
+    local: LocalTokenizers = guard.state.local_tokenizers
+    url = guard.url + "/v1/completions"
+    short = {"model": "fake-model", "prompt": "kato rimen", "max_tokens": 2}
+    await _post(client, url, short)
+    for _ in range(200):
+        if local.get(str(model_dir)) is not None:
+            break
+        await __import__("asyncio").sleep(0.02)
+    for _ in range(local.verify_samples):
+        await _post(client, url, short)
+    before = fake.state.tokenize_calls
+    long_prompt = "kato rimen sol " * 3000  # 45,000 characters: past INLINE_CHARS
+    body = {"model": "fake-model", "prompt": long_prompt, "max_tokens": 2}
+    async with client.post(url, json=body) as r:
+        answer = await r.json()
+        assert r.status == 400, answer
+    assert answer["error"]["code"] == "context_length_exceeded"
+    tokens = count_request(tok, parse_generation(body), None)[0]
+    assert str(tokens) in answer["error"]["message"].replace(",", "")
+    assert fake.state.tokenize_calls == before
