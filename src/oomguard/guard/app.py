@@ -710,13 +710,16 @@ class GuardApp:
                     "tools",
                     "documents",
                     "mm_processor_kwargs",
+                    "add_special_tokens",
                 ):
                     if key in req.body and req.kind in ("chat", "chat_batch"):
                         payload[key] = req.body[key]
                 payloads.append(payload)
         else:
+            special = req.body.get("add_special_tokens")
+            extra = {} if special is None else {"add_special_tokens": special}
             for p in req.prompts:
-                payloads.append(len(p) if isinstance(p, list) else {"prompt": p})
+                payloads.append(len(p) if isinstance(p, list) else {"prompt": p, **extra})
         if req.model:
             for item in payloads:
                 if isinstance(item, dict):

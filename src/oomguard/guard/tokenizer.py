@@ -530,7 +530,7 @@ def request_kind(req: GenerationRequest) -> str:
     (``completion``), the chat template, or the template's tools."""
     if not req.chat:
         return "completion"
-    return "tools" if req.body.get("tools") and req.kind != "responses" else "chat"
+    return "tools" if req.body.get("tools") and req.kind in ("chat", "chat_batch") else "chat"
 
 
 def request_chars(req: GenerationRequest) -> int:

@@ -289,3 +289,21 @@ async def test_a_long_prompt_is_encoded_off_the_event_loop(
     tokens = count_request(tok, parse_generation(body), None)[0]
     assert str(tokens) in answer["error"]["message"].replace(",", "")
     assert fake.state.tokenize_calls == before
+
+
+async def test_tokenize_is_asked_with_the_requests_add_special_tokens(
+    fake: FakeVllm, make_guard: GuardFactory, client: aiohttp.ClientSession
+) -> None:
+    seen: list[dict[str, Any]] = []
+    fake.state.tokenize_count = lambda body: seen.append(body) or 3
+    guard = await make_guard([fake.url])
+    body = {"model": "fake-model", "prompt": "a b", "max_tokens": 2, "add_special_tokens": False}
+    await _post(client, guard.url + "/v1/completions", body)
+    chat = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "add_special_tokens": True,
+    }
+    await _post(client, guard.url + "/v1/chat/completions", chat)
+    assert [b.get("add_special_tokens") for b in seen] == [False, True]
