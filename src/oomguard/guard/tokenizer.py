@@ -289,7 +289,7 @@ class ModelTokenizer:
         try:
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
             encoder = Tokenizer.from_file(str(path / "tokenizer.json"))
-        except (OSError, ValueError, Exception) as exc:
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
             raise TokenizerUnavailable(f"cannot read the tokenizer in {path}: {exc}") from None
         special = {k: t for k in _SPECIAL_NAMES if (t := _token_text(config.get(k)))}
         if "add_bos_token" in config or "add_eos_token" in config:
@@ -310,6 +310,9 @@ class ModelTokenizer:
         """Tokens of ``text``; a text too long for ``max_model_len`` counts as one more."""
         if max_model_len is not None and len(text) > max_model_len * self.max_chars_per_token:
             return max_model_len + 1
+        fast = getattr(self.encoder, "encode_batch_fast", None)  # tokenizers 0.20+: no offsets
+        if fast is not None:
+            return len(fast([text], add_special_tokens=add_special_tokens)[0])
         return len(self.encoder.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, messages: list[dict[str, Any]], body: dict[str, Any]) -> str | None:
