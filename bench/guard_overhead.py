@@ -400,6 +400,30 @@ def _start_targets(
     return targets, notes, redis_server
 
 
+def count_cost_us(model_dir: Path, body: dict[str, object], rounds: int = 2000) -> dict[str, float]:
+    """CPU microseconds one prompt count takes in this process (best of 5 rounds): the model's
+    tokenizer and chat template, and the estimate. Process time, so other load on the machine
+    changes it less than the wall-clock rows."""
+    from oomguard.guard.openai_body import estimate_prompt_tokens, parse_generation
+    from oomguard.guard.tokenizer import ModelTokenizer, count_request
+
+    tok = ModelTokenizer.load(model_dir)
+    req = parse_generation(dict(body), chat="messages" in body)
+    out = {}
+    for name, fn in (
+        ("in-process", lambda: count_request(tok, req, 8192)),
+        ("estimate", lambda: estimate_prompt_tokens(req, 3.0)),
+    ):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(rounds):
+                fn()
+            best = min(best, (time.process_time() - t0) / rounds * 1e6)
+        out[name] = best
+    return out
+
+
 def _selected(args: argparse.Namespace, label: str) -> bool:
     """Whether ``--only`` (comma-separated parts of target names) keeps this target."""
     if not args.only:
@@ -598,7 +622,6 @@ def main() -> int:
             stop(p)
         if redis_server is not None:
             redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
     print("\nguard overhead benchmark (loopback)")
     print(
@@ -612,6 +635,11 @@ def main() -> int:
         f"throughput: {args.connections} connections, {args.throughput_seconds} s per target"
     )
     print("  each proxy: one worker process; upstream: bench/_upstream.py (canned answers)")
+    cost = count_cost_us(_model_dir(workdir), body)
+    print(
+        f"  one prompt count, CPU in-process: {cost['in-process']:.1f} µs with the model's "
+        f"tokenizer and chat template, {cost['estimate']:.1f} µs estimated"
+    )
     _print_table("non-streamed", non_stream)
     if streamed:
         _print_table("streamed (to the end of the stream)", streamed)
@@ -624,6 +652,7 @@ def main() -> int:
         "  cpu = cores the proxy process used during its best throughput run; cpu ms/req = "
         "its CPU time per request there"
     )
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
