@@ -3,8 +3,10 @@
 HTTP/1.1 with keep-alive on 127.0.0.1. Answers at once (no model): ``POST /v1/completions`` and
 ``/v1/chat/completions`` with a fixed completion (SSE when ``"stream": true``; with
 ``continuous_usage_stats`` each chunk carries the token count so far, as vLLM does),
-``POST /tokenize`` (a whitespace word count, or with ``--tokenizer FILE`` a real count by that
-``tokenizer.json``, as vLLM's own endpoint does), ``GET /v1/models``, ``/health`` and a
+``POST /tokenize`` (a whitespace word count; with ``--tokenizer FILE`` a real count by that
+``tokenizer.json``; with ``--model-dir DIR`` the count vLLM makes, chat template included, and
+``root`` in ``/v1/models`` naming DIR, so the guard finds the tokenizer), ``GET /v1/models``,
+``/health`` and a
 ``/metrics`` page in vLLM's names with a large KV pool, so the gateway never queues. The point
 is that the upstream costs as little as possible, so what the benchmark measures is the proxy.
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 
 MODEL = "bench-model"
 
@@ -108,6 +111,7 @@ def _usage_sse(chat: bool) -> bytes:
 _R_USAGE_STREAM = _response(b"200 OK", _usage_sse(False), b"text/event-stream")
 _R_USAGE_STREAM_CHAT = _response(b"200 OK", _usage_sse(True), b"text/event-stream")
 _TOKENIZER: object | None = None
+_MODEL_TOKENIZER: object | None = None
 
 
 def _count_tokens(body: bytes) -> int:
@@ -115,6 +119,13 @@ def _count_tokens(body: bytes) -> int:
         req = json.loads(body)
     except ValueError:
         return 1
+    if _MODEL_TOKENIZER is not None:
+        from oomguard.guard.openai_body import parse_generation
+        from oomguard.guard.tokenizer import count_request
+
+        parsed = parse_generation(req, chat="messages" in req)
+        counts = count_request(_MODEL_TOKENIZER, parsed, None)  # type: ignore[arg-type]
+        return counts[0] if counts else 1
     if "messages" in req:
         text = " ".join(str(m.get("content", "")) for m in req["messages"] if isinstance(m, dict))
     else:
@@ -190,7 +201,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--tokenizer", help="a tokenizer.json: /tokenize counts with it")
+    ap.add_argument(
+        "--model-dir",
+        help="a model directory: /v1/models names it as root (where vLLM loaded the model "
+        "from) and /tokenize counts as vLLM does, chat template included",
+    )
     args = ap.parse_args()
+    if args.model_dir:
+        from oomguard.guard.tokenizer import ModelTokenizer
+
+        global _MODEL_TOKENIZER, _R_MODELS
+        _MODEL_TOKENIZER = ModelTokenizer.load(Path(args.model_dir))
+        models = json.loads(_MODELS)
+        models["data"][0]["root"] = args.model_dir
+        _R_MODELS = _response(b"200 OK", json.dumps(models).encode())
     if args.tokenizer:
         from tokenizers import Tokenizer
 

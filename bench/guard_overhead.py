@@ -1,11 +1,15 @@
 """Overhead of `oomguard guard` vs LiteLLM's proxy, in front of the same minimal upstream.
 
-Starts ``bench/_upstream.py`` (a fast canned OpenAI-style server whose ``/tokenize`` counts with
-a real tokenizer, the integration tests' generated BPE) on loopback, then one worker process of
-each target in front of it:
+Starts ``bench/_upstream.py`` (a fast canned OpenAI-style server standing in for vLLM: its
+``/v1/models`` names the integration tests' generated model directory as ``root`` and its
+``/tokenize`` counts with that model's tokenizer and chat template) on loopback, then one worker
+process of each target in front of it:
 
-* ``oomguard guard`` with exact prompt counts (a real ``/tokenize`` round trip per request);
-* the same on asyncio's own event loop (``event_loop: asyncio``) instead of uvloop's;
+* ``oomguard guard`` with exact prompt counts in-process (the model's tokenizer and chat
+  template, checked against ``/tokenize`` for the first requests only);
+* ``oomguard guard`` with exact prompt counts by ``/tokenize`` (``local_tokenizer: false``: a
+  round trip per request);
+* the in-process one on asyncio's own event loop (``event_loop: asyncio``) instead of uvloop's;
 * ``oomguard guard`` with estimated prompt counts (no round trip);
 * ``oomguard guard --track-progress always``: the tracked path a request takes under KV
   pressure (streamed upstream with per-chunk usage, progress read, the answer assembled);
@@ -305,7 +309,9 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 
 
 DIRECT = "direct (upstream)"
-GUARD_EXACT = "guard (exact /tokenize)"
+GUARD_EXACT = "guard (exact, in-process)"
+GUARD_REMOTE = "guard (exact, /tokenize)"
+GUARD_ESTIMATE = "guard (estimated prompt)"
 GUARD_REDIS = "guard + Redis"
 GUARD_ASYNCIO = "guard (exact, asyncio loop)"
 LITELLM = "LiteLLM proxy (1 worker)"
@@ -318,12 +324,12 @@ class Target:
     proc: subprocess.Popen[bytes] | None
 
 
-def _real_tokenizer(workdir: Path) -> Path:
-    """The integration tests' generated BPE tokenizer (what vLLM's /tokenize would run)."""
+def _model_dir(workdir: Path) -> Path:
+    """The integration tests' generated model (a BPE tokenizer and a chat template)."""
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
     from tinymodel import create_tiny_model
 
-    return create_tiny_model(workdir / "tiny-llama").path / "tokenizer.json"
+    return create_tiny_model(workdir / "tiny-llama").path
 
 
 def _start_targets(
@@ -338,8 +344,8 @@ def _start_targets(
             str(UPSTREAM),
             "--port",
             str(up_port),
-            "--tokenizer",
-            str(_real_tokenizer(workdir)),
+            "--model-dir",
+            str(_model_dir(workdir)),
         ]
     )
     procs.append(upstream)
@@ -350,10 +356,13 @@ def _start_targets(
     redis_server = None
     asyncio_cfg = workdir / "asyncio-loop.yaml"
     asyncio_cfg.write_text("event_loop: asyncio\n")
+    remote_cfg = workdir / "remote-tokenizer.yaml"
+    remote_cfg.write_text("local_tokenizer: false\n")
     variants: list[tuple[str, list[str]]] = [
         (GUARD_EXACT, ["--tokenizer", "backend"]),
+        (GUARD_REMOTE, ["--tokenizer", "backend", "--config", str(remote_cfg)]),
         (GUARD_ASYNCIO, ["--tokenizer", "backend", "--config", str(asyncio_cfg)]),
-        ("guard (estimated prompt)", ["--tokenizer", "estimate"]),
+        (GUARD_ESTIMATE, ["--tokenizer", "estimate"]),
         ("guard (tracked path)", ["--track-progress", "always"]),
     ]
     if shutil.which("redis-server"):
@@ -364,6 +373,7 @@ def _start_targets(
         variants.append((GUARD_REDIS, ["--redis-url", redis_server.url]))
     else:
         notes.append("redis-server not installed: the Redis row is skipped")
+    variants = [(label, extra) for label, extra in variants if _selected(args, label)]
     for label, extra in variants:
         port = free_port()
         g = start_guard(up_url, port, extra)
@@ -371,20 +381,79 @@ def _start_targets(
         if not wait_http(f"http://127.0.0.1:{port}/ready", 30, g):
             raise RuntimeError(f"{label} did not become ready")
         targets.append(Target(label, f"http://127.0.0.1:{port}", g))
-    if Path(args.litellm).exists():
+    if not _selected(args, LITELLM):
+        pass
+    elif Path(args.litellm).exists():
         port = free_port()
         lp = start_litellm(args.litellm, up_url, port, workdir)
         procs.append(lp)
-        if wait_http(f"http://127.0.0.1:{port}/health/liveliness", 180, lp):
+        wait_s = args.litellm_start_s
+        if wait_http(f"http://127.0.0.1:{port}/health/liveliness", wait_s, lp):
             targets.append(Target(LITELLM, f"http://127.0.0.1:{port}", lp))
         else:
-            notes.append("LiteLLM proxy did not start within 180 s; skipped")
+            notes.append(f"LiteLLM proxy did not start within {wait_s:.0f} s; skipped")
     else:
         notes.append(
             f"LiteLLM not installed at {args.litellm}; skipped (python3 -m venv .venv-litellm "
             "&& .venv-litellm/bin/pip install 'litellm[proxy]')"
         )
     return targets, notes, redis_server
+
+
+def count_cost_us(model_dir: Path, body: dict[str, object], rounds: int = 2000) -> dict[str, float]:
+    """CPU microseconds one prompt count takes in this process (best of 5 rounds): the model's
+    tokenizer and chat template, and the estimate. Process time, so other load on the machine
+    changes it less than the wall-clock rows."""
+    from oomguard.guard.openai_body import estimate_prompt_tokens, parse_generation
+    from oomguard.guard.tokenizer import ModelTokenizer, count_request
+
+    tok = ModelTokenizer.load(model_dir)
+    req = parse_generation(dict(body), chat="messages" in body)
+    out = {}
+    for name, fn in (
+        ("in-process", lambda: count_request(tok, req, 8192)),
+        ("estimate", lambda: estimate_prompt_tokens(req, 3.0)),
+    ):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.process_time()
+            for _ in range(rounds):
+                fn()
+            best = min(best, (time.process_time() - t0) / rounds * 1e6)
+        out[name] = best
+    return out
+
+
+def _selected(args: argparse.Namespace, label: str) -> bool:
+    """Whether ``--only`` (comma-separated parts of target names) keeps this target."""
+    if not args.only:
+        return True
+    return any(part.strip().lower() in label.lower() for part in args.only.split(","))
+
+
+def _wait_in_process_counts(targets: list[Target], path: str, body: dict[str, object]) -> None:
+    """Send the body to every guard until its tokenizer is loaded and checked against the
+    upstream's ``/tokenize`` (the first requests of a kind are counted both ways)."""
+    kind = "chat" if "messages" in body else "completion"
+    for t in targets:
+        if t.proc is None or t.name in (GUARD_REMOTE, GUARD_ESTIMATE, LITELLM):
+            continue
+        deadline = time.monotonic() + 60
+        while True:
+            req = urllib.request.Request(
+                t.url + path,
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            urllib.request.urlopen(req, timeout=30).read()
+            with urllib.request.urlopen(t.url + "/status", timeout=30) as r:
+                local = json.loads(r.read()).get("local_tokenizers", {})
+            if any(kind in m.get("verified", []) for m in local.values()):
+                break
+            differs = [m for m in local.values() if m.get("differs")]
+            if differs or time.monotonic() > deadline:
+                raise RuntimeError(f"{t.name}: prompt counts not in-process: {local}")
+            time.sleep(0.05)
 
 
 def _check_answers(targets: list[Target], path: str, body: dict[str, object]) -> None:
@@ -437,7 +506,7 @@ def _print_table(title: str, results: dict[str, Measured]) -> None:
     print(f"\n  {title}")
     header = (
         f"  {'target':30} {'p50 ms':>8} {'p99 ms':>8} {'p50 +ms':>8} {'p99 +ms':>8} "
-        f"{'req/s':>9} {'failed':>7} {'cpu':>6}"
+        f"{'req/s':>9} {'failed':>7} {'cpu':>6} {'cpu ms/req':>10}"
     )
     print(header)
     print("  " + "-" * (len(header) - 2))
@@ -448,9 +517,10 @@ def _print_table(title: str, results: dict[str, Measured]) -> None:
         added99 = "" if is_direct else f"{la.p99_ms - direct.p99_ms:8.3f}"
         failed = tp.non_2xx + tp.errors + la.non_2xx + la.errors
         cpu = "" if is_direct else f"{m.cpu_cores:5.2f}c"
+        per_req = "" if is_direct or not tp.requests_per_s else f"{_cpu_ms(m):10.3f}"
         print(
             f"  {name:30} {la.p50_ms:8.3f} {la.p99_ms:8.3f} {added50:>8} {added99:>8} "
-            f"{tp.requests_per_s:9.0f} {failed:7d} {cpu:>6}"
+            f"{tp.requests_per_s:9.0f} {failed:7d} {cpu:>6} {per_req:>10}"
         )
     for name, m in results.items():
         cells = ", ".join(
@@ -460,16 +530,35 @@ def _print_table(title: str, results: dict[str, Measured]) -> None:
         print(f"    {name:30} {cells}")
 
 
+def _cpu_ms(m: Measured) -> float:
+    """CPU milliseconds the proxy spent per request in its best throughput run: on a machine
+    shared with other work, 1000 / this is what one worker does on a core of its own."""
+    return m.cpu_cores / m.best.requests_per_s * 1000 if m.best.requests_per_s else float("nan")
+
+
+def _row_verdict(name: str, m: Measured, direct: LoadResult) -> str:
+    return (
+        f"{name}, non-streamed: p50 added {m.latency.p50_ms - direct.p50_ms:.3f} ms, "
+        f"p99 added {m.latency.p99_ms - direct.p99_ms:.3f} ms, "
+        f"{m.best.requests_per_s:.0f} req/s; CPU {_cpu_ms(m):.3f} ms per request = "
+        f"{1000 / _cpu_ms(m):.0f} req/s on a core of its own"
+    )
+
+
 def _verdicts(non_stream: dict[str, Measured]) -> list[str]:
     direct = non_stream[DIRECT].latency
     out = []
-    g = non_stream[GUARD_EXACT]
-    added = g.latency.p50_ms - direct.p50_ms
-    out.append(
-        f"guard, exact tokenization, non-streamed: p50 added {added:.3f} ms (≤ 0.5 ms: "
-        f"{'yes' if added <= 0.5 else 'NO'}), {g.best.requests_per_s:.0f} req/s "
-        f"(≥ 3,000: {'yes' if g.best.requests_per_s >= 3000 else 'NO'})"
-    )
+    g = non_stream.get(GUARD_EXACT)
+    if g is not None:
+        added = g.latency.p50_ms - direct.p50_ms
+        out.append(
+            f"targets for exact counts in-process: p50 added ≤ 0.5 ms: "
+            f"{'yes' if added <= 0.5 else 'NO'}, ≥ 3,000 req/s: "
+            f"{'yes' if g.best.requests_per_s >= 3000 else 'NO'}"
+        )
+    for name in (GUARD_EXACT, GUARD_REMOTE, GUARD_ESTIMATE, LITELLM):
+        if name in non_stream:
+            out.append(_row_verdict(name, non_stream[name], direct))
     if GUARD_REDIS in non_stream:
         r = non_stream[GUARD_REDIS]
         added99 = r.latency.p99_ms - direct.p99_ms
@@ -477,12 +566,6 @@ def _verdicts(non_stream: dict[str, Measured]) -> list[str]:
             f"guard + Redis, non-streamed: p99 added {added99:.3f} ms (≤ 2 ms: "
             f"{'yes' if added99 <= 2.0 else 'NO'}), p50 added "
             f"{r.latency.p50_ms - direct.p50_ms:.3f} ms, {r.best.requests_per_s:.0f} req/s"
-        )
-    if LITELLM in non_stream:
-        ll = non_stream[LITELLM]
-        out.append(
-            f"LiteLLM, non-streamed: p50 added {ll.latency.p50_ms - direct.p50_ms:.3f} ms, "
-            f"{ll.best.requests_per_s:.0f} req/s"
         )
     return out
 
@@ -498,6 +581,14 @@ def main() -> int:
         help="comma-separated connection counts for the throughput runs; the best is reported",
     )
     ap.add_argument("--litellm", default=str(ROOT / ".venv-litellm" / "bin" / "litellm"))
+    ap.add_argument("--litellm-start-s", type=float, default=180.0)
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts of target names to run (e.g. 'in-process,/tokenize,"
+        "estimated,litellm'); the direct row always runs",
+    )
+    ap.add_argument("--no-streamed", action="store_true", help="skip the streamed runs")
     ap.add_argument("--loadgen-kind", choices=["auto", "wrk", "aiohttp"], default="auto")
     ap.add_argument("--loadgen", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -517,18 +608,20 @@ def main() -> int:
     try:
         targets, notes, redis_server = _start_targets(args, workdir, procs)
         _check_answers(targets, path, body)
+        _wait_in_process_counts(targets, path, body)
         non_stream = {
             t.name: _measure(t, load, path, {**body, "stream": False}, args) for t in targets
         }
         streamed = {
-            t.name: _measure(t, load, path, {**body, "stream": True}, args) for t in targets
+            t.name: _measure(t, load, path, {**body, "stream": True}, args)
+            for t in targets
+            if not args.no_streamed
         }
     finally:
         for p in reversed(procs):
             stop(p)
         if redis_server is not None:
             redis_server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
     print("\nguard overhead benchmark (loopback)")
     print(
@@ -542,14 +635,24 @@ def main() -> int:
         f"throughput: {args.connections} connections, {args.throughput_seconds} s per target"
     )
     print("  each proxy: one worker process; upstream: bench/_upstream.py (canned answers)")
+    cost = count_cost_us(_model_dir(workdir), body)
+    print(
+        f"  one prompt count, CPU in-process: {cost['in-process']:.1f} µs with the model's "
+        f"tokenizer and chat template, {cost['estimate']:.1f} µs estimated"
+    )
     _print_table("non-streamed", non_stream)
-    _print_table("streamed (to the end of the stream)", streamed)
+    if streamed:
+        _print_table("streamed (to the end of the stream)", streamed)
     for note in notes:
         print(f"\n  {note}")
     print()
     for line in _verdicts(non_stream):
         print(f"  {line}")
-    print("  cpu = cores the proxy process used during its best throughput run")
+    print(
+        "  cpu = cores the proxy process used during its best throughput run; cpu ms/req = "
+        "its CPU time per request there"
+    )
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 

@@ -90,10 +90,16 @@ BOS = "<|bos|>"
 EOS = "<|eos|>"
 PAD = "<|pad|>"
 
+# Tools and tool calls render only when a request has them: without, the text is unchanged.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>tools: ' + (tools | tojson) + '\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{{ ' call ' + call.function.name + ' ' + (call.function.arguments | tojson) }}"
+    "{% endfor %}"
+    "{{ '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

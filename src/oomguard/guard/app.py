@@ -56,6 +56,14 @@ from oomguard.guard.sse import (
     with_progress_stream,
 )
 from oomguard.guard.telemetry import Telemetry
+from oomguard.guard.tokenizer import (
+    INLINE_CHARS,
+    LARGE_ENCODES,
+    LocalTokenizers,
+    count_request,
+    request_chars,
+    request_kind,
+)
 
 log = logging.getLogger("oomguard.guard")
 
@@ -207,6 +215,8 @@ class GuardApp:
             config.max_tokens_limit, config.max_prompts_per_request, config.max_n
         )
         self._tokenize_slots: asyncio.Semaphore | None = None
+        self.local_tokenizers = LocalTokenizers()
+        self._large_encodes = asyncio.Semaphore(LARGE_ENCODES)
         self.queue = AdmissionQueue(config.max_queue_requests, config.max_queue_tokens)
         self.drain = DrainRateMeter()
         self.pool = BackendPool(config, self.settings, on_change=self._on_pool_change)
@@ -308,6 +318,7 @@ class GuardApp:
                 },
                 "watermarks": {"high": c.high_watermark, "low": c.low_watermark},
                 "tokenizer": c.tokenizer,
+                "local_tokenizers": self.local_tokenizers.status(),
                 "shared_state": None if self.shared is None else self.shared.status(),
                 "estimate_chars_per_token": {
                     "value": round(self.chars_per_token.value, 4),
@@ -634,14 +645,56 @@ class GuardApp:
             return [len(p) for p in req.prompts], True
         if self.config.tokenizer == "backend":
             backend = self._tokenizer_backend(req.model)
-            if backend is not None:
+            counts = await self._local_counts(req, backend)
+            if counts is None and backend is not None:
                 counts = await self._tokenize(backend, req)
-                if counts is not None:
-                    converted = req.kind in ("responses", "messages")
-                    extra = req.non_text_parts * NON_TEXT_PART_TOKENS
-                    return [c + extra for c in counts], not converted
+            if counts is not None:
+                converted = req.kind in ("responses", "messages")
+                extra = req.non_text_parts * NON_TEXT_PART_TOKENS
+                return [c + extra for c in counts], not converted
         self.telemetry.estimated_prompts.inc()
         return estimate_prompt_tokens(req, self.chars_per_token.value), False
+
+    async def _local_counts(
+        self, req: GenerationRequest, backend: Backend | None
+    ) -> list[int] | None:
+        """Counts by the model's own tokenizer in-process (see ``guard/tokenizer.py``); the
+        backend's ``/tokenize`` also counts a kind of request until both agreed."""
+        root = self._model_root(req.model)
+        tok = None if root is None else self.local_tokenizers.get(root)
+        kind = request_kind(req)
+        if root is None or tok is None or not self.local_tokenizers.usable(root, kind):
+            return None
+        mml = self.pool.max_model_len(req.model)
+        if request_chars(req) <= INLINE_CHARS:
+            counts = count_request(tok, req, mml)
+        else:
+            async with self._large_encodes:
+                counts = await asyncio.to_thread(count_request, tok, req, mml)
+        if counts is None or backend is None or llama_backend.is_llama(backend):
+            return counts
+        if self.local_tokenizers.needs_check(root, kind):
+            remote = await self._tokenize(backend, req)
+            if remote is None:
+                return counts
+            self.local_tokenizers.check(root, kind, counts, remote)
+            return remote
+        return counts
+
+    def _model_root(self, model: str | None) -> str | None:
+        """Where the backends load ``model`` from (``root`` in ``/v1/models``)."""
+        if not self.config.local_tokenizer:
+            return None
+        for b in self.pool.candidates(model):
+            if llama_backend.is_llama(b):
+                continue
+            entry = b.models.get(model) if model else None
+            if entry is None and len(b.models) == 1:
+                entry = next(iter(b.models.values()))
+            root = entry.get("root") if entry else None
+            if isinstance(root, str) and root:
+                return root
+        return None
 
     def _tokenize_payloads(self, req: GenerationRequest) -> list[dict[str, Any] | int]:
         """One ``/tokenize`` body per input (token-id prompts are counted in place)."""
@@ -657,13 +710,16 @@ class GuardApp:
                     "tools",
                     "documents",
                     "mm_processor_kwargs",
+                    "add_special_tokens",
                 ):
                     if key in req.body and req.kind in ("chat", "chat_batch"):
                         payload[key] = req.body[key]
                 payloads.append(payload)
         else:
+            special = req.body.get("add_special_tokens")
+            extra = {} if special is None else {"add_special_tokens": special}
             for p in req.prompts:
-                payloads.append(len(p) if isinstance(p, list) else {"prompt": p})
+                payloads.append(len(p) if isinstance(p, list) else {"prompt": p, **extra})
         if req.model:
             for item in payloads:
                 if isinstance(item, dict):

@@ -42,7 +42,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         tokenizer: Annotated[
             str | None,
-            typer.Option(help="'backend' (exact, via /tokenize) or 'estimate' (no round trip)."),
+            typer.Option(
+                help="'backend' (exact: the model's tokenizer in-process where its files are "
+                "here, else the backend's /tokenize) or 'estimate' (no tokenizer)."
+            ),
         ] = None,
         track_progress: Annotated[
             str | None,

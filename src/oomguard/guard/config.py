@@ -115,6 +115,9 @@ class GuardConfig(BaseModel):
     max_n: int = Field(default=128, ge=1, le=4096)
     # cost
     tokenizer: Literal["backend", "estimate"] = "backend"
+    # With "backend": count with the model's own tokenizer in-process where its files are on
+    # this machine (the path or hub id in the backend's /v1/models), else by /tokenize.
+    local_tokenizer: bool = True
     estimate_chars_per_token: float = Field(default=3.0, gt=0.0)
     learn_chars_per_token: bool = True
     tokenize_concurrency: int = Field(default=16, ge=1)

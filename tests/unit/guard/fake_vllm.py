@@ -53,6 +53,10 @@ class FakeState:
     tokenize_peak: int = 0
     # When given, a streamed Responses/Messages answer waits on it after its first delta.
     stream_gate: asyncio.Event | None = None
+    # ``root`` in /v1/models (where vLLM loaded the model from); a counting function for
+    # /tokenize's body instead of the word count.
+    root: str | None = None
+    tokenize_count: Any = None
     active_transports: set[Any] = field(default_factory=set)
 
     @property
@@ -136,6 +140,7 @@ class FakeVllm:
                         "object": "model",
                         "owned_by": "vllm",
                         "max_model_len": s.max_model_len,
+                        **({"root": s.root} if s.root else {}),
                     }
                 ],
             }
@@ -185,7 +190,9 @@ vllm:prompt_tokens_total{{{lab}}} 0.0
         body = await r.json()
         if body.get("model") not in (None, s.model):
             return _error(404, f"The model `{body.get('model')}` does not exist.")
-        if "messages" in body:
+        if s.tokenize_count is not None:
+            count = s.tokenize_count(body)
+        elif "messages" in body:
             count = count_messages(body["messages"])
         else:
             count = count_prompt(body.get("prompt", ""))
