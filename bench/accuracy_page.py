@@ -60,8 +60,13 @@ def conditions() -> str:
 def commit() -> str:
     """The short commit of the tree the script runs from ('unknown' outside git)."""
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10, check=False)  # fmt: skip
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
@@ -82,8 +87,10 @@ def replace_section(text: str, name: str, body: str) -> str:
     begin, end = _markers(name)
     start, stop = text.find(begin), text.find(end)
     if start < 0 or stop < start:
-        raise PageError(f"the page has no '{begin}' … '{end}' pair: "
-                        "add the two markers where the section belongs")  # fmt: skip
+        raise PageError(
+            f"the page has no '{begin}' … '{end}' pair: "
+            "add the two markers where the section belongs"
+        )
     return text[: start + len(begin)] + "\n" + body.strip("\n") + "\n" + text[stop:]
 
 
@@ -150,11 +157,15 @@ def append_row(row: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
     content, so a set is scored at first sight once."""
     for old in read_ledger(path):
         if old["face"] == row["face"] and old["set"] == row["set"]:
-            raise PageError(f"the {row['face']} set '{row['set']}' was scored at first sight on "
-                            f"{old['date']}: its row is kept as it is; give a new set a new name")  # fmt: skip
+            raise PageError(
+                f"the {row['face']} set '{row['set']}' was scored at first sight on "
+                f"{old['date']}: its row is kept as it is; give a new set a new name"
+            )
         if row.get("sha256") and old.get("sha256") == row["sha256"]:
-            raise PageError(f"this content was scored at first sight on {old['date']} as "
-                            f"'{old['set']}': a set is scored once")  # fmt: skip
+            raise PageError(
+                f"this content was scored at first sight on {old['date']} as "
+                f"'{old['set']}': a set is scored once"
+            )
     row = {**row, "digest": ""}
     row["digest"] = digest(row)
     with (path or LEDGER).open("a", encoding="utf-8") as f:
@@ -167,8 +178,13 @@ def planner_summary(cases: Iterable[dict[str, Any]]) -> dict[str, Any]:
     inside it (%) and its median half-width (%), rounded to 0.01."""
     cases = list(cases)
     med, p90 = stats(c["err"] for c in cases)
-    out: dict[str, Any] = {"n": len(cases), "median": round(med, 2), "p90": round(p90, 2),
-                           "in_range": None, "half_width": None}  # fmt: skip
+    out: dict[str, Any] = {
+        "n": len(cases),
+        "median": round(med, 2),
+        "p90": round(p90, 2),
+        "in_range": None,
+        "half_width": None,
+    }
     ranged = [c for c in cases if c.get("low") is not None]
     if ranged and len(ranged) == len(cases):
         inside = sum(c["low"] - 1e-9 <= c["observed"] <= c["high"] + 1e-9 for c in ranged)
@@ -188,8 +204,11 @@ def doctor_summary(cases: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def check_row(row: dict[str, Any]) -> list[str]:
     """What is wrong with a ledger row (empty: well-formed, unchanged, summary = its cases)."""
-    problems = [f"missing {k}" for k in ("face", "set", "date", "commit", "command", "summary",
-                                         "pooled", "digest") if k not in row]  # fmt: skip
+    problems = [
+        f"missing {k}"
+        for k in ("face", "set", "date", "commit", "command", "summary", "pooled", "digest")
+        if k not in row
+    ]
     if problems:
         return problems
     if row["digest"] != digest(row):
@@ -200,8 +219,11 @@ def check_row(row: dict[str, Any]) -> list[str]:
     if row["face"] == "planner" and cases:
         if planner_summary(cases) != summary:
             problems.append(f"summary {summary} != recomputed {planner_summary(cases)}")
-        problems += [f"case {c} has err != |pred - obs| / obs" for c in cases
-                     if abs(abs(c["predicted"] - c["observed"]) / c["observed"] * 100 - c["err"]) > 1e-6]  # fmt: skip
+        problems += [
+            f"case {c} has err != |pred - obs| / obs"
+            for c in cases
+            if abs(abs(c["predicted"] - c["observed"]) / c["observed"] * 100 - c["err"]) > 1e-6
+        ]
     elif row["face"] == "doctor":
         if cases and doctor_summary(cases) != summary:
             problems.append(f"summary {summary} != recomputed {doctor_summary(cases)}")
@@ -262,15 +284,22 @@ def _planner_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     pool = pooled(rows, "planner")
     if pool is None:
         return ["- **planner**: no set scored at first sight yet."]
-    ranged = ("" if pool["in_range"] is None else
-              f"; observed inside the stated range {pool['in_range']:.1f} %, median half-width "
-              f"{pool['half_width']:.2f} %")  # fmt: skip
-    lines = [f"- **planner, KV cache GiB, first sight (the headline)**: median / p90 |relative "
-             f"error| **{_pct(pool['median'])} / {_pct(pool['p90'])}** over {pool['n']} logs "
-             f"from {_sets(pool)}, scored {_span(pool)}{ranged}."]  # fmt: skip
+    ranged = (
+        ""
+        if pool["in_range"] is None
+        else f"; observed inside the stated range {pool['in_range']:.1f} %, median half-width "
+        f"{pool['half_width']:.2f} %"
+    )
+    lines = [
+        f"- **planner, KV cache GiB, first sight (the headline)**: median / p90 |relative "
+        f"error| **{_pct(pool['median'])} / {_pct(pool['p90'])}** over {pool['n']} logs "
+        f"from {_sets(pool)}, scored {_span(pool)}{ranged}."
+    ]
     if pool["in_range"] is None:
-        lines.append("  No set scored at first sight so far was scored with ranges (they came "
-                     "later), so no first-sight range figure exists yet.")  # fmt: skip
+        lines.append(
+            "  No set scored at first sight so far was scored with ranges (they came "
+            "later), so no first-sight range figure exists yet."
+        )
     return lines + _not_pooled(rows, "planner")
 
 
@@ -278,46 +307,67 @@ def _doctor_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     pool = pooled(rows, "doctor")
     if pool is None:
         return ["- **doctor**: no set scored at first sight yet."]
-    lines = [f"- **doctor, top-1 root cause from the log, first sight**: **{pool['top1']:.1f} %** "
-             f"({pool['correct']} of {pool['n']} cases from {_sets(pool)}, scored "
-             f"{_span(pool)}, each by the doctor of its day)."]  # fmt: skip
+    lines = [
+        f"- **doctor, top-1 root cause from the log, first sight**: **{pool['top1']:.1f} %** "
+        f"({pool['correct']} of {pool['n']} cases from {_sets(pool)}, scored "
+        f"{_span(pool)}, each by the doctor of its day)."
+    ]
     return lines + _not_pooled(rows, "doctor")
 
 
 def _secondary_lines(text: str) -> list[str]:
     planner, doctor = section_figures(text, "planner"), section_figures(text, "doctor")
-    lines = ["", "Secondary — out of sample, but after the mechanisms were chosen by looking "
-             "at every source (so in sample for those choices):", ""]  # fmt: skip
+    lines = [
+        "",
+        "Secondary — out of sample, but after the mechanisms were chosen by looking "
+        "at every source (so in sample for those choices):",
+        "",
+    ]
     if planner:
-        lines.append(f"- planner, leave-one-source-out over {planner['loso_n']} logs: "
-                     f"{planner['loso_median']:.2f} % / {planner['loso_p90']:.2f} %, observed "
-                     f"inside the range {planner['loso_in_range']:.1f} % at a median half-width "
-                     f"of {planner['loso_half_width']:.2f} % ([planner](#planner))")  # fmt: skip
+        lines.append(
+            f"- planner, leave-one-source-out over {planner['loso_n']} logs: "
+            f"{planner['loso_median']:.2f} % / {planner['loso_p90']:.2f} %, observed "
+            f"inside the range {planner['loso_in_range']:.1f} % at a median half-width "
+            f"of {planner['loso_half_width']:.2f} % ([planner](#planner))"
+        )
     if doctor:
-        lines.append(f"- doctor, cross-validation grouped by thread: top-1 "
-                     f"{doctor['grouped_top1']:.1f} % of {doctor['n']} cases; by arrival (each "
-                     f"set by a model trained on the sets before it) {doctor['arrival_top1']:.1f} %"
-                     " ([doctor](#doctor))")  # fmt: skip
+        lines.append(
+            f"- doctor, cross-validation grouped by thread: top-1 "
+            f"{doctor['grouped_top1']:.1f} % of {doctor['n']} cases; by arrival (each "
+            f"set by a model trained on the sets before it) {doctor['arrival_top1']:.1f} %"
+            " ([doctor](#doctor))"
+        )
     lines += ["", "In sample (the constants, bands or weights fitted on these cases):", ""]
     if planner:
-        lines.append(f"- planner, development logs: {planner['in_sample_median']:.2f} % / "
-                     f"{planner['in_sample_p90']:.2f} % over {planner['in_sample_n']} logs")  # fmt: skip
+        lines.append(
+            f"- planner, development logs: {planner['in_sample_median']:.2f} % / "
+            f"{planner['in_sample_p90']:.2f} % over {planner['in_sample_n']} logs"
+        )
     if doctor:
-        lines.append(f"- doctor, the shipped model on its training cases: top-1 "
-                     f"{doctor['in_sample_top1']:.1f} %")  # fmt: skip
+        lines.append(
+            f"- doctor, the shipped model on its training cases: top-1 "
+            f"{doctor['in_sample_top1']:.1f} %"
+        )
     return lines
 
 
 def headline_markdown(rows: Sequence[dict[str, Any]], text: str) -> str:
     """The headline section: pooled first-sight figures, then the secondary ones."""
-    lines = [f"*Written from `bench/data/{LEDGER.name}` ({len(rows)} rows) by "
-             "`python bench/accuracy_page.py`, which every bench script below calls.*", "",
-             "First sight — each set scored once, as it arrived, before anything was changed "
-             "for it, with the code of that day:", ""]  # fmt: skip
+    lines = [
+        f"*Written from `bench/data/{LEDGER.name}` ({len(rows)} rows) by "
+        "`python bench/accuracy_page.py`, which every bench script below calls.*",
+        "",
+        "First sight — each set scored once, as it arrived, before anything was changed "
+        "for it, with the code of that day:",
+        "",
+    ]
     lines += _planner_lines(rows) + _doctor_lines(rows)
-    lines += ["", "Each figure is that of the code of its day (the commit in the ledger), and the "
-              "planner and the doctor have changed since; the next new set scored with "
-              "`--first-sight` or `--new` measures the code as shipped."]  # fmt: skip
+    lines += [
+        "",
+        "Each figure is that of the code of its day (the commit in the ledger), and the "
+        "planner and the doctor have changed since; the next new set scored with "
+        "`--first-sight` or `--new` measures the code as shipped.",
+    ]
     return "\n".join(lines + _secondary_lines(text))
 
 

@@ -296,7 +296,8 @@ def _score_new(path: Path, modes: Sequence[str]) -> int:
         "recorded_in": accuracy_page.commit(),
         "command": f"python bench/doctor_eval.py --new {path}",
         "summary": accuracy_page.doctor_summary(cases), "cases": cases, "pooled": modes[0] == "log",
-        "note": f"top-1 from the {modes[0]} by the shipped doctor; scored once as it arrived"})  # fmt: skip
+        "note": f"top-1 from the {modes[0]} by the shipped doctor; scored once as it arrived",
+    })  # fmt: skip
     accuracy_page.write_headline()
     print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
           f"{accuracy_page.PAGE} is refreshed. The set may now be merged: "
@@ -315,7 +316,7 @@ def doctor_markdown(
     """The doctor section of the accuracy page, and the figures the headline reads from it."""
     kinds = {"grouped CV": "out of sample (grouped by thread)",
              "shipped, in sample": "in sample (the shipped model's training cases)",
-             "by arrival": "each set by a model trained on the sets before it (sets 3 on)"}  # fmt: skip
+             "by arrival": "by arrival (a model trained on the sets before)"}  # fmt: skip
     heads = [(h, m) for h in columns for m in modes if h in kinds]
     tables = {(h, m): figures([o for o in columns[h] if o.mode == m]) for h, m in heads}
     label = {"log": "log only", "context": "log + reported model/GPU/settings"}
@@ -387,7 +388,8 @@ def main(argv: list[str]) -> int:
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     if args.write_docs:
         body, numbers = doctor_markdown(columns, modes, len(rows), len({r["thread"] for r in rows}))
-        command = f"python bench/doctor_eval.py --folds {args.folds} --repeats {args.repeats} --write-docs"
+        command = (f"python bench/doctor_eval.py --folds {args.folds} --repeats {args.repeats} "
+                   "--write-docs")  # fmt: skip
         accuracy_page.write_section("doctor", body, command, numbers)
     return 0
 

@@ -84,12 +84,14 @@ def main(argv: list[str] | None = None) -> int:
         print("the machine was loaded (load average above its CPU count): the wall time "
               "includes waiting for a core; measure on a quiet machine for the target")
     if args.write_docs:
-        accuracy_page.write_section("plan-speed", speed_markdown(runs, args.target, load_before[0],
-                                    load_after[0]), "python bench/plan_speed.py --write-docs")  # fmt: skip
+        body = speed_markdown(runs, args.target, load_before[0], load_after[0])
+        accuracy_page.write_section("plan-speed", body, "python bench/plan_speed.py --write-docs")
     return 0 if best < args.target else 1
 
 
-def speed_markdown(runs: list[tuple[float, float]], target: float, before: float, after: float) -> str:
+def speed_markdown(
+    runs: list[tuple[float, float]], target: float, before: float, after: float
+) -> str:
     """The plan-speed section of the accuracy page."""
     best, cpu = min(wall for wall, _ in runs), min(c for _, c in runs)
     loaded = before > (os.cpu_count() or 1)

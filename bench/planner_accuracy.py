@@ -223,9 +223,11 @@ def kv_figures(cases: list[Case]) -> dict[str, float]:
     kv = [c for c in cases if c.metric == "kv_cache_gib"]
     med, p90 = stats(c.rel_err_pct for c in kv)
     n_med, n_p90 = stats(c.naive_err_pct for c in kv if c.naive_err_pct is not None)
+    nan = float("nan")
     return {"n": len(kv), "median": med, "p90": p90, "naive_median": n_med, "naive_p90": n_p90,
-            "in_range": 100 * sum(c.covered for c in kv) / len(kv) if kv else float("nan"),
-            "half_width": statistics.median(c.half_width_pct for c in kv) if kv else float("nan")}  # fmt: skip
+            "in_range": 100 * sum(c.covered for c in kv) / len(kv) if kv else nan,
+            "half_width": statistics.median(c.half_width_pct for c in kv) if kv else nan,
+            }  # fmt: skip
 
 
 def _row(what: str, kind: str, f: dict[str, float], ranges: bool = True) -> str:
@@ -240,7 +242,8 @@ def _term_cells(checks: list[TermCheck]) -> str:
         if mine:
             cells.append(f"{term} {sum(c.covered for c in mine)}/{len(mine)}")
     inside = sum(c.covered for c in checks)
-    return f"{inside} of {len(checks)} ({100 * inside / max(len(checks), 1):.0f} %): " + ", ".join(cells)
+    share = 100 * inside / max(len(checks), 1)
+    return f"{inside} of {len(checks)} ({share:.0f} %): " + ", ".join(cells)
 
 
 def planner_markdown(
@@ -255,7 +258,7 @@ def planner_markdown(
         "|---|---|---|---|---|",
         _row("leave-one-source-out, nested: the development logs and every held-out set, each "
              "source predicted with the constants refitted and the bands derived on the other "
-             "sources", "out of sample, secondary", oos),
+             "sources", "secondary (leave-one-source-out)", oos),
         f"| the naive `util × total − weights − 1 GiB`, same cases | out of sample | {oos['n']} | "
         f"{oos['naive_median']:.2f} % / {oos['naive_p90']:.2f} % (oomguard's median "
         f"{ratio:.2f}× the naive one; target ≤ {TARGET_RATIO}×) | — |",
@@ -275,18 +278,20 @@ def planner_markdown(
     w = [c for c in weights if c.metric == "weights_gib"]
     w_med, w_p90 = stats(c.rel_err_pct for c in w)
     lines += [
-        f"| weights GiB, every set (nothing fitted) | — | {len(w)} | {w_med:.2f} % / {w_p90:.2f} % | — |",
+        f"| weights GiB, every set (nothing fitted) | — | {len(w)} | "
+        f"{w_med:.2f} % / {w_p90:.2f} % | — |",
         "",
-        f"Targets out of sample: median ≤ {TARGET_MEDIAN} %, p90 ≤ {TARGET_P90} %, inside the range "
-        f"≥ {TARGET_COVERAGE:.0f} % at a median half-width ≤ {TARGET_HALF_WIDTH} %. Each estimated "
-        f"term inside its band, the band derived without the log's source: "
+        f"Targets out of sample: median ≤ {TARGET_MEDIAN} %, p90 ≤ {TARGET_P90} %, inside the "
+        f"range ≥ {TARGET_COVERAGE:.0f} % at a median half-width ≤ {TARGET_HALF_WIDTH} %. "
+        f"Each estimated term inside its band, the band derived without the log's source: "
         f"{_term_cells(result.terms)}. The shipped bands are what the procedure gives on every "
         f"log: {'yes' if bands_same else 'NO'}.",
     ]  # fmt: skip
     figures = {"loso_n": oos["n"], "loso_median": round(oos["median"], 2),
                "loso_p90": round(oos["p90"], 2), "loso_in_range": round(oos["in_range"], 1),
                "loso_half_width": round(oos["half_width"], 2), "in_sample_n": ins["n"],
-               "in_sample_median": round(ins["median"], 2), "in_sample_p90": round(ins["p90"], 2)}  # fmt: skip
+               "in_sample_median": round(ins["median"], 2),
+               "in_sample_p90": round(ins["p90"], 2)}  # fmt: skip
     return "\n".join(lines), figures
 
 
@@ -310,8 +315,10 @@ def first_sight(path: Path, verbose: bool) -> int:
     rows = load_rows(path)
     seen = _known_rows(default_dev()) & {json.dumps(r, sort_keys=True) for r in rows}
     if seen:
-        raise accuracy_page.PageError(f"{len(seen)} rows of {path} are already in the development "
-                                      "or held-out data: it is not unseen, so it has no first sight")  # fmt: skip
+        raise accuracy_page.PageError(
+            f"{len(seen)} rows of {path} are already in the development or held-out data: "
+            "it is not unseen, so it has no first sight"
+        )
     cases, status = score_unseen(path, verbose)
     kept = ledger_cases(cases)
     if not kept:
@@ -322,7 +329,8 @@ def first_sight(path: Path, verbose: bool) -> int:
         "sha256": accuracy_page.content_sha256([path]), "date": accuracy_page.today(),
         "commit": accuracy_page.commit(), "recorded_in": accuracy_page.commit(), "command": command,
         "summary": accuracy_page.planner_summary(kept), "cases": kept, "pooled": True,
-        "note": f"{len(rows)} rows, {len(kept)} KV cases answered; scored once as it arrived"})  # fmt: skip
+        "note": f"{len(rows)} rows, {len(kept)} KV cases answered; scored once as it arrived",
+    })  # fmt: skip
     accuracy_page.write_headline()
     print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
           f"{accuracy_page.PAGE} is refreshed. The set may now join the held-out data "
@@ -403,7 +411,9 @@ def score_unseen(path: Path, verbose: bool) -> tuple[list[Case], int]:
     """One file scored as unseen data with the built-in constants and bands: its cases, and 0
     when every target is met."""
     if not path.is_file():
-        raise accuracy_page.PageError(f"{path} is not a file: pass a JSON-lines file of startup logs")
+        raise accuracy_page.PageError(
+            f"{path} is not a file: pass a JSON-lines file of startup logs"
+        )
     rows = load_rows(path)
     prepared, skipped = prepare(rows, path.stem)
     cases, refused = score(prepared)

@@ -100,8 +100,18 @@ def test_the_headline_is_the_ledgers_pooled_figure() -> None:
 
 def test_append_refuses_a_set_already_scored(tmp_path: Path) -> None:
     ledger = tmp_path / "ledger.jsonl"
-    row = {"face": "planner", "set": "new", "files": [], "sha256": "abc", "date": "2026-11-28",
-           "commit": "x", "command": "c", "summary": {"n": 0}, "cases": None, "pooled": False}  # fmt: skip
+    row = {
+        "face": "planner",
+        "set": "new",
+        "files": [],
+        "sha256": "abc",
+        "date": "2026-11-28",
+        "commit": "x",
+        "command": "c",
+        "summary": {"n": 0},
+        "cases": None,
+        "pooled": False,
+    }
     kept = accuracy_page.append_row(row, ledger)
     assert kept["digest"] == accuracy_page.digest(kept)
     with pytest.raises(accuracy_page.PageError, match="scored at first sight"):
@@ -112,7 +122,9 @@ def test_append_refuses_a_set_already_scored(tmp_path: Path) -> None:
 
 
 def test_a_section_is_replaced_alone() -> None:
-    text = "a\n<!-- begin: x -->\nold\n<!-- end: x -->\nb\n<!-- begin: y -->\nkeep\n<!-- end: y -->\n"
+    text = (
+        "a\n<!-- begin: x -->\nold\n<!-- end: x -->\nb\n<!-- begin: y -->\nkeep\n<!-- end: y -->\n"
+    )
     new = accuracy_page.replace_section(text, "x", "new")
     assert new == text.replace("old", "new")
     with pytest.raises(accuracy_page.PageError, match="add the two markers"):
@@ -144,3 +156,29 @@ def test_a_new_planner_set_is_scored_once(tmp_path: Path, monkeypatch: pytest.Mo
     seen.write_text(held[0] + "\n")
     assert planner_accuracy.main(["--first-sight", str(seen)]) == 2
     assert len(accuracy_page.read_ledger(ledger)) == len(ROWS) + 1
+
+
+def test_a_new_doctor_set_is_scored_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--new keeps a dated row with every case's outcome and refuses cases the corpus holds."""
+    import doctor_eval
+
+    ledger, page = tmp_path / "ledger.jsonl", tmp_path / "accuracy.md"
+    ledger.write_text((ROOT / "bench" / "data" / "first-sight.jsonl").read_text())
+    page.write_text(PAGE_TEXT)
+    monkeypatch.setattr(accuracy_page, "LEDGER", ledger)
+    monkeypatch.setattr(accuracy_page, "PAGE", page)
+    corpus = (ROOT / "bench" / "data" / "oom-cases-corpus.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in corpus[:3]]
+    new = tmp_path / "fresh-cases.jsonl"
+    new.write_text("".join(json.dumps({**r, "id": f"new-{i}"}) + "\n" for i, r in enumerate(rows)))
+    assert doctor_eval.main(["--new", str(new), "--modes", "log"]) == 0
+    kept = accuracy_page.read_ledger(ledger)[-1]
+    assert (kept["face"], kept["set"], kept["summary"]["n"]) == ("doctor", "fresh-cases", 3)
+    assert [c["label"] for c in kept["cases"]] == [r["label"] for r in rows]
+    assert accuracy_page.check_row(kept) == []
+    pool = accuracy_page.pooled(accuracy_page.read_ledger(ledger), "doctor")
+    assert pool is not None and f"({pool['correct']} of {pool['n']} cases" in page.read_text()
+    assert doctor_eval.main(["--new", str(new), "--modes", "log"]) == 2
+    seen = tmp_path / "seen.jsonl"
+    seen.write_text(corpus[0] + "\n")
+    assert doctor_eval.main(["--new", str(seen), "--modes", "log"]) == 2
