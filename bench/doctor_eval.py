@@ -48,7 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import accuracy_page  # noqa: E402 - bench helper beside this file
-from doctor_corpus import CORPUS, read_corpus, read_set  # noqa: E402
+from doctor_corpus import CORPUS, case_id, read_corpus, read_set  # noqa: E402
 
 MODES = ("log", "context")
 BINS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -276,7 +276,7 @@ def _score_new(path: Path, modes: Sequence[str]) -> int:
         raise accuracy_page.PageError(f"{path} is not a file: pass the new set's JSON-lines file")
     rows = read_set(path)
     known = {row["id"] for row in read_corpus(CORPUS)}
-    again = [row["id"] for row in rows if row.get("id") in known]
+    again = [case_id(row) for row in rows if case_id(row) in known]
     if again:
         raise accuracy_page.PageError(f"{len(again)} cases of {path} are already in {CORPUS.name} "
                                       f"(first: {again[0]}): they have no first sight")  # fmt: skip
@@ -286,7 +286,7 @@ def _score_new(path: Path, modes: Sequence[str]) -> int:
     for o in outcomes:
         if not o.correct and o.mode == "log":
             print(f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  {rows[o.case]['source']}")
-    cases = [{"id": rows[o.case].get("id", o.case), "label": o.label, "got": o.got,
+    cases = [{"id": case_id(rows[o.case]), "label": o.label, "got": o.got,
               "confidence": round(o.confidence, 3), "correct": o.correct}
              for o in outcomes if o.mode == modes[0]]  # fmt: skip
     sha = accuracy_page.content_sha256([path])
