@@ -368,7 +368,36 @@ def headline_markdown(rows: Sequence[dict[str, Any]], text: str) -> str:
         "planner and the doctor have changed since; the next new set scored with "
         "`--first-sight` or `--new` measures the code as shipped.",
     ]
-    return "\n".join(lines + _secondary_lines(text))
+    return "\n".join(lines + _ledger_table(rows) + _secondary_lines(text))
+
+
+def _figure(row: dict[str, Any]) -> str:
+    s = row["summary"]
+    if "reported" in s:
+        return f"as reported: {s['reported']}"
+    if row["face"] == "doctor":
+        return f"top-1 {s['top1']:.1f} % ({s['correct']} of {s['n']})"
+    ranged = (
+        ""
+        if s["in_range"] is None
+        else f"; in range {s['in_range']:.1f} % at ±{s['half_width']:.2f} %"
+    )
+    return f"{s['median']:.2f} % / {s['p90']:.2f} % over {s['n']} logs{ranged}"
+
+
+def _ledger_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per ledger row: the per-set figures the pooled ones come from."""
+    lines = [
+        "",
+        "| face | set | scored | code | first-sight figure | pooled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['face']} | `{r['set']}` | {r['date']} | {r['commit']} | {_figure(r)} | "
+            f"{'yes' if r['pooled'] else 'no'} |"
+        )
+    return lines
 
 
 def write_headline(page: Path | None = None, ledger: Path | None = None) -> None:
