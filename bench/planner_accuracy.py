@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -301,6 +302,21 @@ def _known_rows(dev_path: Path | None) -> set[str]:
     return {json.dumps(r, sort_keys=True) for p in paths for r in load_rows(p)}
 
 
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The rows of a new set, or a one-line error naming the bad line."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as exc:
+            raise accuracy_page.PageError(
+                f"{path}:{number} is not JSON ({exc.msg}): one JSON object a line"
+            ) from None
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
 def ledger_cases(cases: list[Case]) -> list[dict[str, object]]:
     """The per-case figures a ledger row keeps (the KV cases)."""
     return [{"row": c.row, "model": c.model, "observed": c.observed, "predicted": c.predicted,
@@ -312,7 +328,7 @@ def first_sight(path: Path, verbose: bool) -> int:
     """Score a new set once with the shipped constants and bands, and keep its dated row."""
     if not path.is_file():
         raise accuracy_page.PageError(f"{path} is not a file: pass the new set's JSON-lines file")
-    rows = load_rows(path)
+    rows = _read(path)
     seen = _known_rows(default_dev()) & {json.dumps(r, sort_keys=True) for r in rows}
     if seen:
         raise accuracy_page.PageError(
@@ -414,7 +430,7 @@ def score_unseen(path: Path, verbose: bool) -> tuple[list[Case], int]:
         raise accuracy_page.PageError(
             f"{path} is not a file: pass a JSON-lines file of startup logs"
         )
-    rows = load_rows(path)
+    rows = _read(path)
     prepared, skipped = prepare(rows, path.stem)
     cases, refused = score(prepared)
     skipped += refused
