@@ -297,8 +297,8 @@ def _planner_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     ]
     if pool["in_range"] is None:
         lines.append(
-            "  No set scored at first sight so far was scored with ranges (they came "
-            "later), so no first-sight range figure exists yet."
+            "  The pooled sets were scored before the planner stated ranges, so the pool has "
+            "no range figure; a set kept as reported only is not pooled."
         )
     return lines + _not_pooled(rows, "planner")
 
