@@ -3,6 +3,7 @@
 Usage:
     python bench/doctor_eval.py [--folds 10] [--repeats 3] [--baseline-src DIR] [--by-arrival]
     python bench/doctor_eval.py --new NEW.jsonl      # score a fresh set once, before it is used
+    python bench/doctor_eval.py --by-arrival --write-docs   # and write docs/accuracy.md
 
 The headline: every case of ``bench/data/oom-cases-corpus.jsonl`` is diagnosed by a doctor
 whose cause model was trained (regularisation and temperature chosen by an inner grouped
@@ -20,6 +21,12 @@ proved: coverage, precision); abstentions.
 in the same run (``git archive <commit> src | tar -x -C DIR``): a doctor without a trained
 model has nothing to cross-validate, so it is scored as it is. ``--by-arrival`` adds the
 figure of each set scored by a model trained only on the sets that arrived before it.
+
+``--new`` scores a set at first sight with the shipped doctor and keeps its dated row (every
+case's outcome from the log) in the first-sight ledger (``bench/data/first-sight.jsonl``), which
+refuses a set whose name or content is already there, or whose cases are already in the corpus;
+only then may ``bench/doctor_corpus.py add`` merge it. ``--write-docs`` writes the figures of a
+full run into the doctor section of ``docs/accuracy.md`` and refreshes its headline.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from doctor_corpus import CORPUS, read_corpus, read_set  # noqa: E402
+import accuracy_page  # noqa: E402 - bench helper beside this file
+from doctor_corpus import CORPUS, case_id, read_corpus, read_set  # noqa: E402
 
 MODES = ("log", "context")
 BINS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -263,14 +271,68 @@ def _predict_only(path: Path, corpus: Path, modes: Sequence[str]) -> int:
 
 
 def _score_new(path: Path, modes: Sequence[str]) -> int:
+    """Score a new set once with the shipped doctor and keep its dated row in the ledger."""
+    if not path.is_file():
+        raise accuracy_page.PageError(f"{path} is not a file: pass the new set's JSON-lines file")
     rows = read_set(path)
+    known = {row["id"] for row in read_corpus(CORPUS)}
+    again = [case_id(row) for row in rows if case_id(row) in known]
+    if again:
+        raise accuracy_page.PageError(f"{len(again)} cases of {path} are already in {CORPUS.name} "
+                                      f"(first: {again[0]}): they have no first sight")  # fmt: skip
     outcomes = as_is(rows, modes)
     print(f"first score of {path} ({len(rows)} cases) by the shipped doctor")
     print_columns("new set, scored once before it is used", {"shipped doctor": outcomes}, modes)
     for o in outcomes:
         if not o.correct and o.mode == "log":
             print(f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  {rows[o.case]['source']}")
+    cases = [{"id": case_id(rows[o.case]), "label": o.label, "got": o.got,
+              "confidence": round(o.confidence, 3), "correct": o.correct}
+             for o in outcomes if o.mode == modes[0]]  # fmt: skip
+    sha = accuracy_page.content_sha256([path])
+    row = accuracy_page.append_row({
+        "face": "doctor", "set": path.stem, "files": [str(path)], "sha256": sha,
+        "date": accuracy_page.today(), "commit": accuracy_page.commit(),
+        "recorded_in": accuracy_page.commit(),
+        "command": f"python bench/doctor_eval.py --new {path}",
+        "summary": accuracy_page.doctor_summary(cases), "cases": cases, "pooled": modes[0] == "log",
+        "note": f"top-1 from the {modes[0]} by the shipped doctor; scored once as it arrived",
+    })  # fmt: skip
+    accuracy_page.write_headline()
+    print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
+          f"{accuracy_page.PAGE} is refreshed. The set may now be merged: "
+          f"python bench/doctor_corpus.py add {path}")  # fmt: skip
     return 0
+
+
+def _top1(outcomes: Sequence[Outcome], mode: str) -> float:
+    mine = [o for o in outcomes if o.mode == mode]
+    return round(100 * sum(o.correct for o in mine) / max(len(mine), 1), 1)
+
+
+def doctor_markdown(
+    columns: dict[str, Sequence[Outcome]], modes: Sequence[str], cases: int, threads: int
+) -> tuple[str, dict[str, float]]:
+    """The doctor section of the accuracy page, and the figures the headline reads from it."""
+    kinds = {"grouped CV": "out of sample (grouped by thread)",
+             "shipped, in sample": "in sample (the shipped model's training cases)",
+             "by arrival": "by arrival (a model trained on the sets before)"}  # fmt: skip
+    heads = [(h, m) for h in columns for m in modes if h in kinds]
+    tables = {(h, m): figures([o for o in columns[h] if o.mode == m]) for h, m in heads}
+    label = {"log": "log only", "context": "log + reported model/GPU/settings"}
+    lines = [f"{cases} cases from {threads} threads (`bench/data/oom-cases-corpus.jsonl`).", "",
+             "| figure | " + " | ".join(f"{kinds[h]}, {label.get(m, m)}" for h, m in heads) + " |",
+             "|---|" + "---|" * len(heads)]  # fmt: skip
+    for key in next(iter(tables.values())):
+        cells = [" ".join(tables[hm][key].split()) for hm in heads]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += ["", "Rates pool the repeats; the interval (95 %, Wilson) is that of one repeat."]
+    log = modes[0]
+    figures_out = {"n": cases, "grouped_top1": _top1(columns["grouped CV"], log),
+                   "in_sample_top1": _top1(columns["shipped, in sample"], log)}  # fmt: skip
+    if "by arrival" in columns:
+        figures_out["arrival_top1"] = _top1(columns["by arrival"], log)
+    return "\n".join(lines), figures_out
 
 
 def main(argv: list[str]) -> int:
@@ -283,13 +345,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--baseline-src", type=Path)
     parser.add_argument("--by-arrival", action="store_true")
     parser.add_argument("--new", type=Path)
+    parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--predict-only", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     if args.predict_only:
         return _predict_only(args.predict_only, args.corpus, modes)
     if args.new:
-        return _score_new(args.new, modes)
+        try:
+            return _score_new(args.new, modes)
+        except accuracy_page.PageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     rows = read_corpus(args.corpus)
     started = time.perf_counter()
     print(f"{len(rows)} cases from {len({r['thread'] for r in rows})} threads ({args.corpus}); "
@@ -305,9 +372,10 @@ def main(argv: list[str]) -> int:
     if args.baseline_src:
         columns["baseline (as is)"] = baseline(args.baseline_src, args.corpus, modes)
     print_columns("cross-validation grouped by thread (out of sample)", columns, modes)
+    columns["shipped, in sample"] = as_is(rows, modes)
     print_columns("shipped model on its own training cases (in sample)",
-                  {"shipped, in sample": as_is(rows, modes)}, modes)
-    if args.by_arrival:
+                  {"shipped, in sample": columns["shipped, in sample"]}, modes)
+    if args.by_arrival or args.write_docs:
         sets = by_arrival(rows, modes)
         print("\n== each set scored by a model trained on the sets before it ==")
         for name, outcomes in sets.items():
@@ -315,8 +383,14 @@ def main(argv: list[str]) -> int:
             print(f"  {name:12} {_rate(sum(o.correct for o in logs), len(logs))}")
         pooled = [o for outcomes in sets.values() for o in outcomes]
         print_columns("all sets, each by the model of the sets before it", {"by arrival": pooled}, modes)
+        columns["by arrival"] = pooled
     print(f"\n{time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    if args.write_docs:
+        body, numbers = doctor_markdown(columns, modes, len(rows), len({r["thread"] for r in rows}))
+        command = (f"python bench/doctor_eval.py --folds {args.folds} --repeats {args.repeats} "
+                   "--write-docs")  # fmt: skip
+        accuracy_page.write_section("doctor", body, command, numbers)
     return 0
 
 

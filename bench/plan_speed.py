@@ -7,7 +7,9 @@ imports included, and prints every run, the best, and the conditions: CPU count 
 average before and after. Offline (``HF_HUB_OFFLINE=1``) and with an empty calibration store,
 so nothing but planning is timed.
 
-Usage: python bench/plan_speed.py [--runs 5] [--target 0.4]
+``--write-docs`` writes the result into the plan-speed section of ``docs/accuracy.md``.
+
+Usage: python bench/plan_speed.py [--runs 5] [--target 0.4] [--write-docs]
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import accuracy_page  # noqa: E402 - bench helper beside this file
 
 COMMAND = ["plan", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "RTX 4090",
            "--p99-tokens", "8192", "--concurrency", "16"]  # fmt: skip
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.4, help="seconds")
+    ap.add_argument("--write-docs", action="store_true", help="write the plan-speed section")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMGUARD_HOME": home, "COLUMNS": "100"}
@@ -75,7 +83,30 @@ def main(argv: list[str] | None = None) -> int:
     if load_before[0] > (os.cpu_count() or 1):
         print("the machine was loaded (load average above its CPU count): the wall time "
               "includes waiting for a core; measure on a quiet machine for the target")
+    if args.write_docs:
+        body = speed_markdown(runs, args.target, load_before[0], load_after[0])
+        accuracy_page.write_section("plan-speed", body, "python bench/plan_speed.py --write-docs")
     return 0 if best < args.target else 1
+
+
+def speed_markdown(
+    runs: list[tuple[float, float]], target: float, before: float, after: float
+) -> str:
+    """The plan-speed section of the accuracy page."""
+    best, cpu = min(wall for wall, _ in runs), min(c for _, c in runs)
+    loaded = before > (os.cpu_count() or 1)
+    return "\n".join([
+        f"`oomguard {shlex.join(COMMAND)}` from a cold interpreter (70B does not fit, so the",
+        "search, the alternatives and llama.cpp's split are all computed), offline, with an empty",
+        "calibration store:",
+        "",
+        f"- best of {len(runs)}: **{best:.3f} s wall** (target under {target} s: "
+        f"{'met' if best < target else 'NOT met'}), {cpu:.3f} s of CPU time",
+        f"- every run (wall): {', '.join(f'{w:.3f}' for w, _ in runs)} s",
+        f"- load average {before:.1f} before, {after:.1f} after, on {os.cpu_count()} CPUs"
+        + ("; the machine was loaded, so the wall time includes waiting for a core and the CPU "
+           "time is what a run costs on an idle one" if loaded else ""),
+    ])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,23 +22,31 @@ budget with its range. Printed, in order:
 3. IN SAMPLE (secondary): the development logs with the built-in constants and bands.
 4. Weights GiB (no fitted constant: parameter counts and formats).
 
-``--data FILE`` scores one file as unseen data only (how a new set is scored once, as it
-arrives).
+``--data FILE`` scores one file as unseen data only, printing the figures and keeping nothing.
+``--first-sight FILE`` is how a new set is scored once, as it arrives: the shipped constants and
+bands score it, and its dated row (every case's error and range) is appended to the first-sight
+ledger (``bench/data/first-sight.jsonl``), which refuses a set whose name or content is already
+there, or whose rows are already in the development or held-out data; only then may the set join
+them (``bench/data/startup-logs-NAME.jsonl``). ``--write-docs`` writes the figures of a full run
+into the planner section of ``docs/accuracy.md`` and refreshes its headline.
 
 Usage: python bench/planner_accuracy.py [--dev PATH] [--holdout PATH ...] [--data PATH]
-       [--bands] [--terms] [--verbose]
+       [--first-sight PATH] [--write-docs] [--bands] [--terms] [--verbose]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import accuracy_page  # noqa: E402 - bench helper beside this file
 from oomguard.memory.bands import SHIPPED_BANDS, TERM_COVERAGE  # noqa: E402
 from planner_bands import (  # noqa: E402 - bench helpers beside this file
     FoldBands,
@@ -206,6 +214,146 @@ def print_leaked(result: NestedResult) -> None:
     print(_line("headline + leaked rows", result.clean + result.leaked))
 
 
+# --------------------------------------------------------------------------------------------
+# the accuracy page and the first-sight ledger
+
+
+def kv_figures(cases: list[Case]) -> dict[str, float]:
+    """The KV figures of ``cases``: n, median and p90 error, the naive formula's, the share
+    inside the range and its median half-width (all %)."""
+    kv = [c for c in cases if c.metric == "kv_cache_gib"]
+    med, p90 = stats(c.rel_err_pct for c in kv)
+    n_med, n_p90 = stats(c.naive_err_pct for c in kv if c.naive_err_pct is not None)
+    nan = float("nan")
+    return {"n": len(kv), "median": med, "p90": p90, "naive_median": n_med, "naive_p90": n_p90,
+            "in_range": 100 * sum(c.covered for c in kv) / len(kv) if kv else nan,
+            "half_width": statistics.median(c.half_width_pct for c in kv) if kv else nan,
+            }  # fmt: skip
+
+
+def _row(what: str, kind: str, f: dict[str, float], ranges: bool = True) -> str:
+    ranged = f" | {f['in_range']:.1f} % / {f['half_width']:.2f} %" if ranges else " | —"
+    return f"| {what} | {kind} | {f['n']} | {f['median']:.2f} % / {f['p90']:.2f} %{ranged} |"
+
+
+def _term_cells(checks: list[TermCheck]) -> str:
+    cells = []
+    for term in ("activation", "non_torch", "graph", "weights"):
+        mine = [c for c in checks if c.residual.term == term]
+        if mine:
+            cells.append(f"{term} {sum(c.covered for c in mine)}/{len(mine)}")
+    inside = sum(c.covered for c in checks)
+    share = 100 * inside / max(len(checks), 1)
+    return f"{inside} of {len(checks)} ({share:.0f} %): " + ", ".join(cells)
+
+
+def planner_markdown(
+    result: NestedResult, in_sample: list[Case], weights: list[Case], bands_same: bool
+) -> tuple[str, dict[str, float]]:
+    """The planner section of the accuracy page, and the figures the headline reads from it."""
+    oos, ins = kv_figures(result.clean), kv_figures(in_sample)
+    ratio = oos["median"] / oos["naive_median"] if oos["naive_median"] else float("nan")
+    lines = [
+        "| KV cache GiB | kind | logs | median / p90 \\|relative error\\| | inside the range / "
+        "median half-width |",
+        "|---|---|---|---|---|",
+        _row("leave-one-source-out, nested: the development logs and every held-out set, each "
+             "source predicted with the constants refitted and the bands derived on the other "
+             "sources", "secondary (leave-one-source-out)", oos),
+        f"| the naive `util × total − weights − 1 GiB`, same cases | out of sample | {oos['n']} | "
+        f"{oos['naive_median']:.2f} % / {oos['naive_p90']:.2f} % (oomguard's median "
+        f"{ratio:.2f}× the naive one; target ≤ {TARGET_RATIO}×) | — |",
+    ]  # fmt: skip
+    for name in sorted({c.dataset for c in result.clean}):
+        lines.append(_row(f"of which `{name}`", "out of sample",
+                          kv_figures([c for c in result.clean if c.dataset == name])))  # fmt: skip
+    for era in ERA_ORDER:
+        mine = [c for c in result.clean if c.era == era]
+        if mine:
+            lines.append(_row(f"of which vLLM {era}", "out of sample", kv_figures(mine)))
+    if result.leaked:
+        lines.append(_row("rows whose prediction uses a constant only their own source informs "
+                          "(kept out of the line above)", "not out of sample",
+                          kv_figures(result.leaked)))  # fmt: skip
+    lines.append(_row("development logs, built-in constants and bands", "in sample", ins))
+    w = [c for c in weights if c.metric == "weights_gib"]
+    w_med, w_p90 = stats(c.rel_err_pct for c in w)
+    lines += [
+        f"| weights GiB, every set (nothing fitted) | — | {len(w)} | "
+        f"{w_med:.2f} % / {w_p90:.2f} % | — |",
+        "",
+        f"Targets out of sample: median ≤ {TARGET_MEDIAN} %, p90 ≤ {TARGET_P90} %, inside the "
+        f"range ≥ {TARGET_COVERAGE:.0f} % at a median half-width ≤ {TARGET_HALF_WIDTH} %. "
+        f"Each estimated term inside its band, the band derived without the log's source: "
+        f"{_term_cells(result.terms)}. The shipped bands are what the procedure gives on every "
+        f"log: {'yes' if bands_same else 'NO'}.",
+    ]  # fmt: skip
+    figures = {"loso_n": oos["n"], "loso_median": round(oos["median"], 2),
+               "loso_p90": round(oos["p90"], 2), "loso_in_range": round(oos["in_range"], 1),
+               "loso_half_width": round(oos["half_width"], 2), "in_sample_n": ins["n"],
+               "in_sample_median": round(ins["median"], 2),
+               "in_sample_p90": round(ins["p90"], 2)}  # fmt: skip
+    return "\n".join(lines), figures
+
+
+def _known_rows(dev_path: Path | None) -> set[str]:
+    """Every development and held-out row, as canonical JSON."""
+    paths = [*sorted((HERE / "data").glob(HOLDOUT_GLOB)), *([dev_path] if dev_path else [])]
+    return {json.dumps(r, sort_keys=True) for p in paths for r in load_rows(p)}
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The rows of a new set, or a one-line error naming the bad line."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as exc:
+            raise accuracy_page.PageError(
+                f"{path}:{number} is not JSON ({exc.msg}): one JSON object a line"
+            ) from None
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def ledger_cases(cases: list[Case]) -> list[dict[str, object]]:
+    """The per-case figures a ledger row keeps (the KV cases)."""
+    return [{"row": c.row, "model": c.model, "observed": c.observed, "predicted": c.predicted,
+             "low": c.low, "high": c.high, "err": c.rel_err_pct}
+            for c in cases if c.metric == "kv_cache_gib"]  # fmt: skip
+
+
+def first_sight(path: Path, verbose: bool) -> int:
+    """Score a new set once with the shipped constants and bands, and keep its dated row."""
+    if not path.is_file():
+        raise accuracy_page.PageError(f"{path} is not a file: pass the new set's JSON-lines file")
+    rows = _read(path)
+    seen = _known_rows(default_dev()) & {json.dumps(r, sort_keys=True) for r in rows}
+    if seen:
+        raise accuracy_page.PageError(
+            f"{len(seen)} rows of {path} are already in the development or held-out data: "
+            "it is not unseen, so it has no first sight"
+        )
+    cases, status = score_unseen(path, verbose)
+    kept = ledger_cases(cases)
+    if not kept:
+        raise accuracy_page.PageError(f"no KV case of {path} was answered: nothing to keep")
+    command = f"python bench/planner_accuracy.py --first-sight {path}"
+    row = accuracy_page.append_row({
+        "face": "planner", "set": path.stem, "files": [str(path)],
+        "sha256": accuracy_page.content_sha256([path]), "date": accuracy_page.today(),
+        "commit": accuracy_page.commit(), "recorded_in": accuracy_page.commit(), "command": command,
+        "summary": accuracy_page.planner_summary(kept), "cases": kept, "pooled": True,
+        "note": f"{len(rows)} rows, {len(kept)} KV cases answered; scored once as it arrived",
+    })  # fmt: skip
+    accuracy_page.write_headline()
+    print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
+          f"{accuracy_page.PAGE} is refreshed. The set may now join the held-out data "
+          f"(bench/data/startup-logs-{path.stem}.jsonl).")  # fmt: skip
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     """Score every log (or one file with ``--data``); 0 when every target is met."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -213,12 +361,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--holdout", type=Path, nargs="*", default=None,
                     help=f"held-out sets (default: bench/data/{HOLDOUT_GLOB})")
     ap.add_argument("--data", type=Path, help="score only this file, as unseen data")
+    ap.add_argument("--first-sight", type=Path, help="score a new set once and keep its row")
+    ap.add_argument("--write-docs", action="store_true", help="write the planner section")
     ap.add_argument("--bands", action="store_true", help="print the derived band table as code")
     ap.add_argument("--terms", action="store_true", help="list every term outside its band")
     ap.add_argument("--verbose", action="store_true", help="print every case")
     args = ap.parse_args(argv)  # fmt: skip
-    if args.data is not None:
-        return score_unseen(args.data, args.verbose)
+    try:
+        if args.first_sight is not None:
+            return first_sight(args.first_sight, args.verbose)
+        if args.data is not None:
+            return score_unseen(args.data, args.verbose)[1]
+        return full_run(args)
+    except accuracy_page.PageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def full_run(args: argparse.Namespace) -> int:
+    """Every log out of sample, the shipped bands, in sample, weights; the page with
+    ``--write-docs``."""
     started = time.perf_counter()
     dev_path = args.dev or default_dev()
     holdouts = args.holdout if args.holdout is not None else sorted((HERE / "data").glob(HOLDOUT_GLOB))
@@ -245,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     print_terms(result.terms, args.terms or args.verbose)
     print_leaked(result)
     print_cases(result.clean, args.verbose)
-    if not print_bands(derive_fold_bands(pooled, sens, check_kv=True), args.bands):
+    same = print_bands(derive_fold_bands(pooled, sens, check_kv=True), args.bands)
+    if not same:
         status = 1
     in_sample, _ = score(dev)
     print("\nIN SAMPLE (secondary) — development logs with the built-in constants and bands:")
@@ -253,12 +416,21 @@ def main(argv: list[str] | None = None) -> int:
     unseen, _ = score(held)
     print_weights(in_sample + unseen)
     print(f"\n({time.perf_counter() - started:.0f} s)")
+    if args.write_docs:
+        body, figures = planner_markdown(result, in_sample, in_sample + unseen, same)
+        accuracy_page.write_section("planner", body, "python bench/planner_accuracy.py "
+                                    "--write-docs", figures)  # fmt: skip
     return status
 
 
-def score_unseen(path: Path, verbose: bool) -> int:
-    """One file scored as unseen data with the built-in constants and bands."""
-    rows = load_rows(path)
+def score_unseen(path: Path, verbose: bool) -> tuple[list[Case], int]:
+    """One file scored as unseen data with the built-in constants and bands: its cases, and 0
+    when every target is met."""
+    if not path.is_file():
+        raise accuracy_page.PageError(
+            f"{path} is not a file: pass a JSON-lines file of startup logs"
+        )
+    rows = _read(path)
     prepared, skipped = prepare(rows, path.stem)
     cases, refused = score(prepared)
     skipped += refused
@@ -268,11 +440,13 @@ def score_unseen(path: Path, verbose: bool) -> int:
           "positive KV figure")  # fmt: skip
     _report_skips(skipped, verbose)
     print()
+    if answered == 0:
+        return cases, 1
     status = print_headline(cases)
     print_breakdown(cases)
     print_cases(cases, verbose)
     print_weights(cases)
-    return status
+    return cases, status
 
 
 if __name__ == "__main__":
