@@ -140,6 +140,14 @@ def _p(
     )
 
 
+# An answered generation request, as the engine logs it: uvicorn's access log (vLLM's API server)
+# and llama-server's request log. serve counts them to place a crash before or after the first
+# request the engine answered.
+REQUEST_ANSWERED = re.compile(
+    r'"POST /v1/(?:chat/)?completions HTTP/[\d.]+" 200\b'
+    r"|request: POST /v1/(?:chat/)?completions \S+ 200\b"
+)
+
 PATTERNS: tuple[Pattern, ...] = (
     # --- version and engine -----------------------------------------------------------------
     _p(
@@ -836,17 +844,6 @@ PATTERNS: tuple[Pattern, ...] = (
         # progress lines do not match
         r"\bin ncclCommInit(?:Rank|All)\b|\.ncclCommInit(?:Rank|All)\(",
         signature="nccl_init_frame",
-    ),
-    # --- requests served --------------------------------------------------------------------
-    _p(
-        "request_answered",
-        ("post /v1/",),
-        # an answered generation request: uvicorn's access log (vLLM's API server) and
-        # llama-server's request log; counted, so a crash can be placed before or after the
-        # first request the engine answered
-        r'"POST /v1/(?:chat/)?completions HTTP/[\d.]+" 200\b'
-        r"|request: POST /v1/(?:chat/)?completions \S+ 200\b",
-        signature="request_answered",
     ),
     # --- failures that are not memory (NOT_MEMORY_FAILURES) ----------------------------------
     _p(

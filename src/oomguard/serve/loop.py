@@ -47,6 +47,7 @@ from oomguard.engine import (
 )
 from oomguard.errors import BadInput, OomguardError
 from oomguard.logs import ParsedLog, Phase
+from oomguard.logs.catalogue import REQUEST_ANSWERED
 from oomguard.logs.follow import Failure, LineNews
 from oomguard.serve.events import EventHandler, EventLog
 from oomguard.serve.heal import Workload
@@ -222,6 +223,7 @@ class Launch(Generic[C, P]):
     # each GPU's used memory before the launch (NVML), so the memory's return can be seen
     # where NVML lists no process of ours (containers)
     used_before: dict[int, int] | None = None
+    answered: int = 0  # generation requests the engine's log shows answered
 
     def parsed(self) -> ParsedLog:
         """The launch's log so far (safe while the reader thread feeds it)."""
@@ -416,6 +418,8 @@ class LaunchLoop(Generic[C, P]):
         read_at = time.monotonic()
         with launch.lock:
             news = launch.follower.feed(line)
+            if "POST /v1/" in line and REQUEST_ANSWERED.search(line):
+                launch.answered += 1
         if news.failure is not None and launch.killed_at is None:
             launch.failure_read_at = read_at
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -594,7 +598,7 @@ class LaunchLoop(Generic[C, P]):
         parsed = launch.parsed()
         failure = launch.follower.failure
         fault = None if failure else engine_fault(parsed)
-        answered = parsed.signature_counts.get("request_answered", 0)
+        answered = launch.answered
         point = FIRST_REQUEST if answered == 0 else SERVING
         code = launch.process.returncode
         self.events.emit(

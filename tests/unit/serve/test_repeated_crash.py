@@ -163,3 +163,20 @@ def _stop_when_ready(session: ServeSession, launch: int) -> None:
             break
         time.sleep(0.05)
     session.stop()
+
+
+def test_answered_requests_are_read_from_either_engines_log() -> None:
+    from oomguard.logs.catalogue import REQUEST_ANSWERED
+
+    answered = (
+        'INFO:     127.0.0.1:38176 - "POST /v1/completions HTTP/1.1" 200 OK',
+        '(APIServer pid=9) INFO:     127.0.0.1:5 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+        "srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200",
+    )
+    not_answered = (
+        'INFO:     127.0.0.1:38176 - "POST /v1/completions HTTP/1.1" 500 Internal Server Error',
+        'INFO:     127.0.0.1:38170 - "GET /metrics HTTP/1.1" 200 OK',
+        "(APIServer pid=9) INFO [launcher.py:195] Route: /v1/completions, Methods: POST",
+    )
+    assert all(REQUEST_ANSWERED.search(line) for line in answered)
+    assert not any(REQUEST_ANSWERED.search(line) for line in not_answered)
