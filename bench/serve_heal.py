@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
 import scenarios  # noqa: E402
-from tinymodel import create_tiny_model  # noqa: E402
+from tinymodel import ENGINE_ARGS, create_tiny_model  # noqa: E402
 from vllm_server import free_port, vllm_venv, vllm_venv_problem  # noqa: E402
 
 from oomguard.engine import EngineProcess  # noqa: E402
@@ -95,7 +95,7 @@ SCENARIOS = ("max_model_len_too_large", "no_cache_blocks", "util_below_process_m
 
 def command_for(model_dir: Path, name: str, port: int) -> list[str]:
     return ["vllm", "serve", str(model_dir), "--load-format", "dummy", "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--max-model-len", "1024",
+            "--port", str(port), "--enforce-eager", "--max-model-len", "1024", *ENGINE_ARGS,
             *scenario_flags(name)]  # fmt: skip
 
 

@@ -87,7 +87,24 @@ def vllm_rules() -> list[dict[str, Any]]:
     out.append(_rule(R.SERVER_DOWN, 'up{job=~".*vllm.*"} == 0 or oomguard_watch_up == 0',
                      "{{ $labels.instance }} {{ $labels.server }} does not answer (Prometheus' "
                      "scrape, or oomguard watch's)."))  # fmt: skip
+    out.append(_engine_dying_rule())
     return out
+
+
+def _engine_dying_rule() -> dict[str, Any]:
+    """Deaths of a vLLM server in the window: its scrape went from up to down (the transitions
+    of ``up``: ``changes`` counts both ways, so deaths = (changes + 1 - up now) / 2, rounded
+    down), or its process start time changed between two scrapes that both saw it up."""
+    rule = R.ENGINE_DYING
+    window = _duration(R.DEATH_WINDOW_S)
+    up = 'up{job=~".*vllm.*"}'
+    deaths = f"floor((changes({up}[{window}]) + 1 - {up}) / 2)"
+    restarts = f'changes(process_start_time_seconds{{job=~".*vllm.*"}}[{window}])'
+    threshold = _num(rule.threshold)
+    return _rule(rule, f"{deaths} >= {threshold}\nor\n{restarts} >= {threshold}",
+                 f"{{{{ $labels.instance }}}} died {{{{ $value }}}} times in {window}: a crash that "
+                 "repeats is seldom memory; read its log (oomguard doctor) before restarting it "
+                 "again.")  # fmt: skip
 
 
 def watcher_rules() -> list[dict[str, Any]]:

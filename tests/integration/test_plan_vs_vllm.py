@@ -8,7 +8,7 @@ import pytest
 import scenarios
 from plan_check import assert_prediction_matches, logged_outcome, node_total_bytes, predict_cpu
 from record_logs import config_for
-from tinymodel import TinyModel
+from tinymodel import ENGINE_DTYPE, TinyModel
 from vllm_server import fetch_metrics, running_vllm, start_expecting_failure
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -41,6 +41,7 @@ def test_planner_matches_vllm_kv_line(
         max_model_len=scenario.max_model_len,
         max_num_seqs=scenario.max_num_seqs,
         node_total_bytes=node_total_bytes(log_text),
+        dtype=ENGINE_DTYPE,
     )
     assert_prediction_matches(prediction, outcome, log_text)
     # The block count and size vLLM exports agree with the planner's too.
@@ -67,6 +68,7 @@ def test_planner_predicts_vllm_kv_failure(
         max_model_len=scenario.max_model_len,
         max_num_seqs=scenario.max_num_seqs,
         node_total_bytes=node_total_bytes(failed.log_text),
+        dtype=ENGINE_DTYPE,
     )
     assert_prediction_matches(prediction, outcome, failed.log_text)
     if scenario is scenarios.KV_TOO_SMALL:

@@ -53,6 +53,7 @@ def test_planner_reproduces_recorded_log(name: str, data_dir: Path, tiny_model: 
         max_num_seqs=args.get("max_num_seqs"),  # type: ignore[arg-type]
         node_total_bytes=node_total_bytes(log_text),
         enforce_eager=bool(args.get("enforce_eager", False)),
+        dtype=str(args.get("dtype", "auto")),
     )
     assert_prediction_matches(prediction, logged_outcome(log_text), log_text)
 

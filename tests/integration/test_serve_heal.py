@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import scenarios
 from serve_run import ServeRun
-from tinymodel import TinyModel
+from tinymodel import ENGINE_ARGS, TinyModel
 from vllm_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -35,7 +35,7 @@ STARTUP_TIMEOUT_S = 900  # three launches on a loaded 2-core machine
 
 def _base(model: TinyModel, port: int) -> list[str]:
     return ["vllm", "serve", str(model.path), "--load-format", "dummy", "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--max-model-len", "1024"]  # fmt: skip
+            "--port", str(port), "--enforce-eager", "--max-model-len", "1024", *ENGINE_ARGS]  # fmt: skip
 
 
 def _util_below_rss() -> str:

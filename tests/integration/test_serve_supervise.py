@@ -17,7 +17,7 @@ import psutil
 import pytest
 import scenarios
 from serve_run import ServeRun
-from tinymodel import TinyModel
+from tinymodel import ENGINE_ARGS, TinyModel
 from vllm_server import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -52,7 +52,7 @@ def test_serve_restarts_a_killed_engine_and_stops_cleanly(
     guard_port = free_port()
     command = ["vllm", "serve", str(tiny_model.path), "--load-format", "dummy",
                "--host", "127.0.0.1", "--port", str(free_port()), "--enforce-eager",
-               "--max-model-len", "1024",
+               "--max-model-len", "1024", *ENGINE_ARGS,
                "--kv-cache-memory-bytes", str(scenarios.GUARD_KV_BYTES)]  # fmt: skip
     args = ["--guard-port", str(guard_port), "--p99-tokens", "512", "--concurrency", "2",
             "--", *command]  # fmt: skip
@@ -144,7 +144,7 @@ def test_serve_plans_first_for_a_model(
                OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"))  # fmt: skip
     proc = _run_cli(oomguard_exe, [str(tiny_model.path), "--p99-tokens", "512", "--concurrency",
                                    "4", "--kv-cache-memory-bytes", "64M", "--dry-run", "--",
-                                   "--load-format", "dummy"], env)  # fmt: skip
+                                   "--load-format", "dummy", *ENGINE_ARGS], env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     planned = next(e for e in events if e["event"] == "plan")

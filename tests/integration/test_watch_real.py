@@ -25,7 +25,7 @@ import pytest
 import scenarios
 from burst import GuardProcess, make_prompts, run_burst
 from conftest import wait_vllm_idle
-from tinymodel import TinyModel
+from tinymodel import ENGINE_ARGS, TinyModel
 from vllm_server import VllmServer, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -42,7 +42,7 @@ def plan_file(tiny_model: TinyModel, oomguard_exe: list[str], tmp_path_factory: 
     run = subprocess.run(
         [*oomguard_exe, "plan", str(tiny_model.path), "--gpu-memory-gib", "4", "--vllm-version", "0.32.0",
          "--kv-cache-memory-bytes", str(SHARED_POOL_BLOCKS * scenarios.BLOCK_BYTES),
-         "--max-model-len", str(SHARED_MAX_MODEL_LEN), "--enforce-eager", "--json"],
+         "--max-model-len", str(SHARED_MAX_MODEL_LEN), "--enforce-eager", *ENGINE_ARGS, "--json"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode in (0, 1), run.stderr

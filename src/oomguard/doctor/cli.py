@@ -1,7 +1,8 @@
 """``oomguard doctor`` and ``oomguard calibrate``: thin shells over the library.
 
 Exit codes (doctor LOG): 0 a cause was found, 2 bad input, 3 the log shows no out-of-memory
-failure, 4 an out-of-memory failure whose cause the log does not settle (the doctor abstained
+failure (a failure that is not memory, such as an illegal instruction, is named with what to
+do), 4 an out-of-memory failure whose cause the log does not settle (the doctor abstained
 and says which lines or facts would). Linting (--command): 0 nothing to fix, 1 problems found,
 2 bad input (an unreadable command, a flag vLLM does not have).
 """
@@ -56,7 +57,7 @@ def doctor_command(
 ) -> None:
     """Diagnose a vLLM out-of-memory failure from its log, or lint a command before launch.
 
-    Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log, 4 the log does not settle the cause (the doctor says what would), 2 bad input.
+    Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log (a failure that is not memory is named, with what to do), 4 the log does not settle the cause (the doctor says what would), 2 bad input.
 
     Linting (--command): 0 no problems, 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
     """

@@ -18,6 +18,7 @@ from oomguard.doctor.fixes import fixes_for
 from oomguard.doctor.mechanisms import Verdict, run_mechanisms
 from oomguard.doctor.model import CauseModel, load_model
 from oomguard.doctor.needs import what_would_settle
+from oomguard.doctor.not_memory import engine_fault
 from oomguard.doctor.outcome import predicted_outcome, unaccounted_memory_note
 from oomguard.doctor.situation import Context, Situation, build_situation
 from oomguard.logs import Evidence, ParsedLog, parse_file
@@ -36,16 +37,27 @@ def diagnose(
 
     ``context`` carries what the log may lack (model, GPU, the original command line);
     ``model`` replaces the shipped cause model (evaluation trains its own). When the log shows
-    no memory failure the diagnosis has ``oom_found=False`` and no findings.
+    no memory failure the diagnosis has ``oom_found=False`` and no findings; when it shows a
+    failure that is not memory instead (a SIGILL, a missing kernel image, a driver older than
+    the CUDA build, NCCL failing to initialise), ``not_memory`` names it with what to do.
     """
     context = context or Context()
     s = build_situation(parsed, context)
+    # a stated failure that is not memory outweighs a traceback cut short in some phase
+    fault = None if parsed.shows_failure else engine_fault(parsed)
     failed = parsed.shows_failure or (
-        parsed.has("truncated_traceback")
+        fault is None
+        and parsed.has("truncated_traceback")
         and (parsed.failure_phase is not None or parsed.has("failing_in_mm_encoder"))
     )
     if not failed:
-        return Diagnosis(findings=[], parsed=parsed, derived=_derived(s), oom_found=False)
+        return Diagnosis(
+            findings=[],
+            parsed=parsed,
+            derived=_derived(s),
+            oom_found=False,
+            not_memory=fault,
+        )
     model = model or load_model()
     verdicts = run_mechanisms(s)
     probabilities = model.probabilities(extract(s, verdicts))

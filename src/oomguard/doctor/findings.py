@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomguard.doctor.not_memory import EngineFault
 from oomguard.logs.parsed import Evidence, ParsedLog
 
 CAUSES = (
@@ -154,7 +155,9 @@ class Diagnosis:
 
     ``abstained`` is True when an out-of-memory failure was found but no cause reached the
     confidence the doctor answers at: ``findings`` then hold the candidates it cannot tell
-    apart (best first) and ``needs`` what would settle it.
+    apart (best first) and ``needs`` what would settle it. ``not_memory`` names a failure the
+    log shows that is not memory (an illegal instruction, a missing kernel image …), set when
+    the log shows no memory failure.
     """
 
     findings: list[Finding]
@@ -165,6 +168,7 @@ class Diagnosis:
     abstained: bool = False
     needs: list[Need] = field(default_factory=list)
     probabilities: dict[str, float] = field(default_factory=dict)
+    not_memory: EngineFault | None = None
 
     @property
     def top(self) -> Finding | None:
@@ -178,6 +182,7 @@ class Diagnosis:
     def to_dict(self) -> dict[str, Any]:
         return {
             "oom_found": self.oom_found,
+            "not_memory": self.not_memory.to_dict() if self.not_memory else None,
             "abstained": self.abstained,
             "sure": self.sure,
             "findings": [f.to_dict() for f in self.findings],

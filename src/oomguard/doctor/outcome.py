@@ -27,6 +27,7 @@ FLAG_SETTINGS: dict[str, tuple[str, type]] = {
     "--kv-cache-memory-bytes": ("kv_cache_memory_bytes", int),
 }
 _SETTING_NAMES = (
+    "dtype",  # the model's dtype sets the weights' and (KV dtype auto) the KV cache's bytes
     "tensor_parallel_size",
     "gpu_memory_utilization",
     "max_model_len",

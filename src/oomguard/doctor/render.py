@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from oomguard.doctor.findings import LABELS, Diagnosis, Finding
+from oomguard.doctor.not_memory import EngineFault
 
 
 def _head(rank: int, finding: Finding) -> Text:
@@ -55,6 +56,9 @@ def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
     """The doctor's report: the answer (or the candidates it cannot tell apart), the facts
     that would settle it, what the log states, and the predicted restart."""
     parsed = diagnosis.parsed
+    if not diagnosis.oom_found and diagnosis.not_memory is not None:
+        render_not_memory(console, diagnosis.not_memory, parsed.lines)
+        return
     if not diagnosis.oom_found:
         console.print(f"No out-of-memory failure found in {parsed.lines:,} lines.")
         if parsed.errors:
@@ -85,6 +89,19 @@ def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
             f"{plan.get('max_concurrency'):.2f}x — {verdict}.",
             soft_wrap=True,
         )
+
+
+def render_not_memory(console: Console, fault: EngineFault, lines: int) -> None:
+    """A failure that is not memory: what it is, why no memory setting fixes it, what to do."""
+    info = fault.info
+    console.print(Text(f"Not a memory failure ({lines:,} lines read): {info.label}", style="bold"))
+    console.print(f"   {info.summary}", soft_wrap=True, highlight=False)
+    console.print(Text(f"   {info.why}", style="italic"), soft_wrap=True)
+    ev = fault.evidence
+    console.print(Text(f"   line {ev.line}: ", style="dim") + Text(ev.text[:200]), soft_wrap=True)
+    console.print(Text("   what to do, in this order:", style="green"))
+    for action in info.actions:
+        console.print(Text("     → ", style="green") + Text(action), soft_wrap=True)
 
 
 def _render_stated(console: Console, diagnosis: Diagnosis) -> None:

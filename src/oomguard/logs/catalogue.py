@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomguard.logs import prose
-from oomguard.logs.parsed import Phase
+from oomguard.logs.parsed import Evidence, Phase
 
 NUM = r"-?\d[\d,]*(?:\.\d+)?"
 UNIT = r"(?:[KMGT]i?B|B|bytes)"
@@ -139,6 +139,14 @@ def _p(
         **kwargs,
     )
 
+
+# An answered generation request, as the engine logs it: uvicorn's access log (vLLM's API server)
+# and llama-server's request log. serve counts them to place a crash before or after the first
+# request the engine answered.
+REQUEST_ANSWERED = re.compile(
+    r'"POST /v1/(?:chat/)?completions HTTP/[\d.]+" 200\b'
+    r"|request: POST /v1/(?:chat/)?completions \S+ 200\b"
+)
 
 PATTERNS: tuple[Pattern, ...] = (
     # --- version and engine -----------------------------------------------------------------
@@ -828,6 +836,39 @@ PATTERNS: tuple[Pattern, ...] = (
         r"NCCL (?:error|WARN|failure)|nccl(?:Unhandled\w*|System|Internal|Invalid\w*)Error|ProcessGroupNCCL.{0,80}(?:[Ee]rror|[Tt]imeout)|Watchdog caught collective",
         signature="nccl_error",
     ),
+    _p(
+        "nccl_init_frame",
+        ("ncclcomminit",),
+        # the traceback frame of NCCL's communicator set-up (pynccl's wrapper, vllm
+        # distributed/device_communicators); NCCL_DEBUG=INFO's "ncclCommInitRank comm 0x…"
+        # progress lines do not match
+        r"\bin ncclCommInit(?:Rank|All)\b|\.ncclCommInit(?:Rank|All)\(",
+        signature="nccl_init_frame",
+    ),
+    # --- failures that are not memory (NOT_MEMORY_FAILURES) ----------------------------------
+    _p(
+        "illegal_instruction",
+        ("illegal instruction", "sigill", "invalid opcode", "-4", "132"),
+        # the shell's "Illegal instruction (core dumped)", faulthandler's "Fatal Python error:
+        # Illegal instruction", the kernel's trap line, an exit status of SIGILL (-4, 128+4);
+        # CUDA's "an illegal instruction was encountered" (lower case) is a GPU kernel fault
+        r"(?<![\w-])Illegal instruction\b|\bSIGILL\b|trap invalid opcode"
+        r"|(?:exit ?code|exit status|returncode)[=: ]+(?:-4|132)\b|died\s*\(-4\)",
+        signature="illegal_instruction",
+    ),
+    _p(
+        "no_kernel_image",
+        ("no kernel image", "nokernelimage"),
+        r"no kernel image is available for execution on the device|cudaErrorNoKernelImageForDevice",
+        signature="no_kernel_image",
+    ),
+    _p(
+        "cuda_driver_too_old",
+        ("driver version is insufficient", "insufficientdriver", "driver on your system is too old"),
+        r"CUDA driver version is insufficient for CUDA runtime version|cudaErrorInsufficientDriver"
+        r"|The NVIDIA driver on your system is too old",
+        signature="cuda_driver_too_old",
+    ),
     # --- allocator configuration ----------------------------------------------------------------
     _p(
         "expandable_hint",
@@ -1491,6 +1532,27 @@ PATTERNS: tuple[Pattern, ...] = (
         handler="growth",
     ),
 )
+
+# Failures that are not memory: the engine dies the same way whatever memory it is given, so no
+# memory setting is a fix (the doctor says what is; serve does not heal them). The NCCL one
+# counts when its error comes from the communicator's set-up (see ``not_memory_failures``).
+NOT_MEMORY_FAILURES: tuple[str, ...] = (
+    "illegal_instruction",
+    "no_kernel_image",
+    "cuda_driver_too_old",
+    "nccl_init_failed",
+)
+
+
+def not_memory_failures(signatures: dict[str, Evidence]) -> dict[str, Evidence]:
+    """The failures that are not memory among a log's ``signatures``, name → the line that
+    shows it (names from :data:`NOT_MEMORY_FAILURES`, in that order). An NCCL error is one only
+    inside NCCL's communicator set-up (``nccl_init_frame``): a later one can be a collective's."""
+    found = {name: signatures[name] for name in NOT_MEMORY_FAILURES if name in signatures}
+    if "nccl_error" in signatures and "nccl_init_frame" in signatures:
+        found["nccl_init_failed"] = signatures["nccl_error"]
+    return found
+
 
 # A `ps aux` row (USER PID %CPU %MEM VSZ RSS TTY STAT START TIME COMMAND): a listed process's
 # command line is not the command the log's engine ran.

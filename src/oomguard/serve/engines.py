@@ -21,7 +21,9 @@ from oomguard.serve.heal import HealContext, HealDecision, decide
 
 # environment every engine gets on top of the user's: output line by line as it is written
 # (a failure must be read when it happens, not when a buffer fills)
-_UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
+# unbuffered output; and a process killed by a signal (SIGILL, SIGSEGV) writes "Fatal Python
+# error: Illegal instruction" and its stack to the log, so the death is named there
+_UNBUFFERED = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 PHASE_LABELS: dict[Phase, str] = {
     Phase.STARTUP: "starting",
@@ -95,7 +97,8 @@ class VllmEngine:
         return self.install.server_argv(command.model, command.args)
 
     def environment(self, command: EngineCommand) -> dict[str, str]:
-        """This process's environment, the command's own assignments, unbuffered output."""
+        """This process's environment, the command's own assignments, unbuffered output and
+        Python's fault handler."""
         env = dict(os.environ)
         env.update(command.env)
         for name, value in _UNBUFFERED.items():

@@ -11,8 +11,9 @@ feeds its log to the engine's reader as it is written, and reports everything as
    configuration; relaunch, at most ``max_attempts`` launches, never one twice;
 3. when the health URL answers: store what was measured, probe, start the guard;
 4. supervise: a crash is restarted with backoff (a bounded number in a window), healed first
-   when its log shows a memory failure; a stop request stops everything and checks that
-   nothing of the engine is left.
+   when its log shows a memory failure; a crash that is not memory and repeats at the same
+   point (the first request) stops serve with its diagnosis instead of a restart into it; a
+   stop request stops everything and checks that nothing of the engine is left.
 
 What differs between engines — the command, the prediction, how numbers are compared, the heal,
 probes and what is recorded — are the hooks a subclass implements: vLLM's is
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
+from oomguard.doctor.not_memory import EngineFault, engine_fault
 from oomguard.engine import (
     EngineLeftBehind,
     EngineProcess,
@@ -45,6 +47,7 @@ from oomguard.engine import (
 )
 from oomguard.errors import BadInput, OomguardError
 from oomguard.logs import ParsedLog, Phase
+from oomguard.logs.catalogue import REQUEST_ANSWERED
 from oomguard.logs.follow import Failure, LineNews
 from oomguard.serve.events import EventHandler, EventLog
 from oomguard.serve.heal import HealWorkload
@@ -52,6 +55,8 @@ from oomguard.serve.heal import HealWorkload
 GIB = 2**30
 EXIT_STOPPED = 0
 EXIT_NOT_STARTED = 1
+# where an engine died: before it was healthy, before it answered any request, later on
+START_UP, FIRST_REQUEST, SERVING = "start-up", "first request", "serving"
 LineSink = Any  # Callable[[str], None]
 
 
@@ -197,6 +202,8 @@ class LaunchResult:
     parsed: ParsedLog
     failure: Failure | None = None
     returncode: int | None = None
+    point: str | None = None  # START_UP, FIRST_REQUEST or SERVING (a launch that ended badly)
+    fault: EngineFault | None = None  # a failure the log shows that is not memory
 
 
 @dataclass
@@ -216,6 +223,7 @@ class Launch(Generic[C, P]):
     # each GPU's used memory before the launch (NVML), so the memory's return can be seen
     # where NVML lists no process of ours (containers)
     used_before: dict[int, int] | None = None
+    answered: int = 0  # generation requests the engine's log shows answered
 
     def parsed(self) -> ParsedLog:
         """The launch's log so far (safe while the reader thread feeds it)."""
@@ -325,6 +333,7 @@ class LaunchLoop(Generic[C, P]):
         restarts: deque[float] = deque()
         assert self.command is not None
         command = self.command
+        previous: LaunchResult | None = None
         while True:
             started = self._start(command)
             if started is None:
@@ -337,6 +346,10 @@ class LaunchLoop(Generic[C, P]):
             crashed = self._supervise()
             if crashed is None:
                 return EXIT_STOPPED, "stopped"
+            repeated = _repeated_crash(previous, crashed)
+            if repeated is not None:
+                return EXIT_NOT_STARTED, repeated
+            previous = crashed
             now = time.monotonic()
             while restarts and now - restarts[0] > self.options.restart_window_s:
                 restarts.popleft()
@@ -405,6 +418,8 @@ class LaunchLoop(Generic[C, P]):
         read_at = time.monotonic()
         with launch.lock:
             news = launch.follower.feed(line)
+            if "POST /v1/" in line and REQUEST_ANSWERED.search(line):
+                launch.answered += 1
         if news.failure is not None and launch.killed_at is None:
             launch.failure_read_at = read_at
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -506,15 +521,18 @@ class LaunchLoop(Generic[C, P]):
         code = launch.process.returncode
         failure = launch.follower.failure
         memory = failure is not None or parsed.shows_failure
+        fault = None if memory else engine_fault(parsed)
         errors = [e.text for e in parsed.errors[:3]] or launch.process.tail(5)
         self.events.emit(
             "failure", kind="memory" if memory else "exited", launch=launch.number,
             returncode=code, signature=failure.signature if failure else None,
             line=failure.evidence.line if failure else None,
             text=failure.evidence.text if failure else " | ".join(errors)[:800],
-            log=str(launch.log_path),
+            log=str(launch.log_path), point=START_UP,
+            not_memory=fault.to_dict() if fault else None,
         )  # fmt: skip
-        return LaunchResult("memory_failure" if memory else "exited", parsed, failure, code)
+        status = "memory_failure" if memory else "exited"
+        return LaunchResult(status, parsed, failure, code, START_UP, fault)
 
     def _ready(self, launch: Launch[C, P], state: PhaseState) -> None:
         parsed = launch.parsed()
@@ -572,18 +590,27 @@ class LaunchLoop(Generic[C, P]):
             except EngineLeftBehind as exc:
                 self.events.emit("note", text=str(exc))
             launch.wait_released(pids + [launch.process.pid])
-            parsed = launch.parsed()
-            failure = launch.follower.failure
-            self.events.emit(
-                "failure", kind="memory" if failure else "crash", launch=launch.number,
-                returncode=launch.process.returncode,
-                signature=failure.signature if failure else None,
-                line=failure.evidence.line if failure else None,
-                text=failure.evidence.text if failure else " | ".join(launch.process.tail(3))[:800],
-                log=str(launch.log_path),
-            )  # fmt: skip
-            return LaunchResult("memory_failure" if failure else "exited", parsed, failure)
+            return self._crashed(launch)
         return None
+
+    def _crashed(self, launch: Launch[C, P]) -> LaunchResult:
+        """Report the crash of a launch that was serving: memory or not, and where."""
+        parsed = launch.parsed()
+        failure = launch.follower.failure
+        fault = None if failure else engine_fault(parsed)
+        answered = launch.answered
+        point = FIRST_REQUEST if answered == 0 else SERVING
+        code = launch.process.returncode
+        self.events.emit(
+            "failure", kind="memory" if failure else "crash", launch=launch.number,
+            returncode=code, signature=failure.signature if failure else None,
+            line=failure.evidence.line if failure else None,
+            text=failure.evidence.text if failure else " | ".join(launch.process.tail(3))[:800],
+            log=str(launch.log_path), point=point, requests_answered=answered,
+            not_memory=fault.to_dict() if fault else None,
+        )  # fmt: skip
+        status = "memory_failure" if failure else "exited"
+        return LaunchResult(status, parsed, failure, code, point, fault)
 
     def _after_crash(self, command: C, crashed: LaunchResult, backoff_s: float) -> C:
         """Wait the backoff; heal first when the crash was a memory failure."""
@@ -635,9 +662,28 @@ class PhaseState:
         return True
 
 
+def _repeated_crash(before: LaunchResult | None, now: LaunchResult) -> str | None:
+    """Why serve stops instead of restarting: the engine died twice in a row before its first
+    answer, with no memory failure either time (a restart would die the same way); or None."""
+    if before is None or "memory_failure" in (before.status, now.status):
+        return None
+    if now.point != FIRST_REQUEST or before.point != now.point:
+        return None
+    what = now.fault.one_line() if now.fault else "its log shows no memory failure"
+    return (
+        f"the engine died at its {now.point} twice in a row: {what} "
+        "(not restarted again; see the failure events and the logs)"
+    )
+
+
 def _not_memory_reason(result: LaunchResult) -> str:
     if result.status == "timeout":
         return "the engine did not become healthy in time (not a memory failure: not retried)"
+    if result.fault is not None:
+        return (
+            f"the engine failed during start-up: {result.fault.one_line()} (not retried; see "
+            "the failure event and the log)"
+        )
     return (
         f"the engine exited with code {result.returncode} before it was healthy, without a memory "
         "failure in its log (not retried; see the failure event and the log)"

@@ -48,6 +48,9 @@ class TargetState:
     preemption_history: deque[tuple[float, float]] = field(default_factory=deque)
     detectors: dict[str, LeakDetector] = field(default_factory=dict)
     pids: tuple[int, ...] = ()
+    was_up: bool = False
+    started_at_s: float | None = None  # the server process's start time (its /metrics)
+    deaths: deque[float] = field(default_factory=deque)  # when each death was seen
 
 
 def _fmt_gib(value_bytes: float) -> str:
@@ -96,15 +99,34 @@ class Evaluator:
     def _target(self, s: TargetSample, state: TargetState) -> list[Observation]:
         down = observe(R.SERVER_DOWN, s.name, 0.0 if s.up else 1.0,
                        f"{s.name} does not answer: {s.error}" if not s.up else f"{s.name} answers")  # fmt: skip
-        out = [down]
+        restarted = s.up and s.pids != state.pids and bool(state.pids) and bool(s.pids)
+        dying = self._deaths(s, state, restarted)
+        # while it does not answer only a breach is news (its other alerts keep their state)
+        out = [down, dying] if s.up or dying.breached else [down]
         if not s.up:
             return out
-        restarted = s.pids != state.pids and bool(state.pids) and bool(s.pids)
         state.pids = s.pids
         if s.snapshot is not None:
             out.extend(self._vllm(s, state))
         out.extend(self._memory(s, state, restarted))
         return out
+
+    def _deaths(self, s: TargetSample, state: TargetState, new_pids: bool) -> Observation:
+        """Deaths in the window: the server stopped answering after it answered, or answers
+        as a new process (other PIDs, a later start time) although every sample saw it up."""
+        started = s.snapshot.process_start_time_s if s.snapshot is not None else None
+        new_start = started is not None and state.started_at_s not in (None, started)
+        if state.was_up and (not s.up or new_pids or new_start):
+            state.deaths.append(s.at_s)
+        state.was_up = s.up
+        if started is not None:
+            state.started_at_s = started
+        while state.deaths and state.deaths[0] <= s.at_s - R.DEATH_WINDOW_S:
+            state.deaths.popleft()
+        count = float(len(state.deaths))
+        return observe(R.ENGINE_DYING, s.name, count,
+                       f"{s.name} died {count:g} time(s) in the last {_duration(R.DEATH_WINDOW_S)} "
+                       "(a crash that repeats is seldom memory: see its log, or oomguard doctor)")  # fmt: skip
 
     def _vllm(self, s: TargetSample, state: TargetState) -> list[Observation]:
         snap = s.snapshot

@@ -22,6 +22,11 @@ Why these defaults:
 - A leak: used memory that keeps growing after the pool is allocated (robust Theil-Sen slope
   of at least 10 MiB/min over 5 minutes, rising in every minute of it), with the time left.
 - A server that stops answering its ``/metrics`` for 15 s.
+- An engine that keeps dying: two deaths within 15 minutes (it stopped answering, or came back
+  as a new process between two samples). A crash that repeats is seldom memory (an illegal
+  instruction, a missing kernel image, a driver or NCCL failure): restarting does not fix it,
+  and each restart reloads the model. ``oomguard serve`` stops one that dies twice at its
+  first request; an orchestrator that restarts it again and again is what this catches.
 """
 
 from __future__ import annotations
@@ -87,6 +92,10 @@ SERVER_DOWN = AlertRule(
     "OomguardServerDown", "critical", 1.0, 1.0, 15.0,
     "the server does not answer", "count",
 )  # fmt: skip
+ENGINE_DYING = AlertRule(
+    "OomguardEngineKeepsDying", "critical", 2.0, 2.0, 0.0,
+    "the engine keeps dying", "count",
+)  # fmt: skip
 KV_POOL_BELOW_PLAN = AlertRule(
     "OomguardKvPoolBelowPlan", "warning", 0.95, 0.97, 0.0,
     "the KV pool is smaller than the plan", "ratio", above=False,
@@ -94,11 +103,12 @@ KV_POOL_BELOW_PLAN = AlertRule(
 
 RULES: tuple[AlertRule, ...] = (
     KV_HIGH, KV_CRITICAL, PREEMPTIONS, WAITING_FOR_CAPACITY, GPU_FREE_LOW, MEMORY_ABOVE_PLAN,
-    MEMORY_LEAK, SERVER_DOWN, KV_POOL_BELOW_PLAN,
+    MEMORY_LEAK, SERVER_DOWN, ENGINE_DYING, KV_POOL_BELOW_PLAN,
 )  # fmt: skip
 RULES_BY_NAME = {r.name: r for r in RULES}
 
 PREEMPTION_WINDOW_S = 60.0  # "preemptions in the last minute"
+DEATH_WINDOW_S = 900.0  # "deaths in the last 15 minutes"
 LEAK_WINDOW_S = 300.0  # the span the slope is measured over
 LEAK_SEGMENTS = 5  # the window's parts; used memory must rise (or hold) from each to the next
 LEAK_SETTLE_S = 60.0  # after the pool is allocated (or watching starts), before measuring

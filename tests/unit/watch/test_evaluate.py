@@ -135,3 +135,41 @@ def test_leaks_are_measured_only_once_the_pool_exists() -> None:
 def test_gpu_share_type() -> None:
     assert GpuShare(0, 1, 2, 1).free_bytes == 1
     assert R.RULES_BY_NAME["OomguardMemoryLeak"] is R.MEMORY_LEAK
+
+
+def test_an_engine_that_keeps_dying() -> None:
+    """Two deaths in 15 minutes fire: it stopped answering, then came back as a new process
+    (a later start time) between two samples; the alert resolves once they leave the window."""
+    ev = Evaluator({URL: None})
+    tracker = AlertTracker(min_duration_s=0)
+    restarted = page().replace("process_start_time_seconds 1.79562942229e+09",
+                               "process_start_time_seconds 1.79562992229e+09")  # fmt: skip
+    rounds = [
+        (0.0, sample(0.0)),
+        (10.0, TargetSample(name=URL, at_s=10.0, up=False, error="cannot connect")),
+        (20.0, sample(20.0)),  # back: the death was counted when it went down
+        (30.0, sample(30.0, restarted)),  # a new process although both samples saw it up
+    ]
+    counts, events = [], []
+    for at, s in rounds:
+        obs = [o for o in ev.round([s], None) if o.rule is R.ENGINE_DYING]
+        counts.append([o.value for o in obs])
+        events += tracker.update(at, obs, {URL} if s.up else set())
+    assert counts == [[0.0], [], [1.0], [2.0]]
+    assert [(e.alert, e.state, e.value) for e in events] == [("OomguardEngineKeepsDying", "firing", 2.0)]
+    assert "died 2 time(s) in the last 15 min" in events[0].message
+    later = ev.round([sample(30.0 + R.DEATH_WINDOW_S, restarted)], None)
+    dying = [o for o in later if o.rule is R.ENGINE_DYING]
+    assert dying[0].value == 0.0
+    resolved = tracker.update(30.0 + R.DEATH_WINDOW_S, dying, {URL})
+    assert [(e.alert, e.state) for e in resolved] == [("OomguardEngineKeepsDying", "resolved")]
+
+
+def test_an_engine_dying_while_down_fires_without_waiting_for_it_to_answer() -> None:
+    ev = Evaluator({URL: None})
+    down = [TargetSample(name=URL, at_s=t, up=False, error="refused") for t in (10.0, 30.0)]
+    ev.round([sample(0.0)], None)
+    assert [o.rule.name for o in ev.round([down[0]], None)] == ["OomguardServerDown"]
+    ev.round([sample(20.0)], None)
+    obs = by_name(ev.round([down[1]], None))
+    assert obs["OomguardEngineKeepsDying"][0].breached and obs["OomguardServerDown"][0].breached
