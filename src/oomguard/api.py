@@ -24,9 +24,9 @@ from oomguard.plan.recommend import (
     weights_options,
 )
 from oomguard.plan.result import Calibration, Candidate, PlanResult, Workload
+from oomguard.units import GIB
 from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
 
-GIB = 2**30
 DEFAULT_MARGIN = 0.10
 # the format words oomguard.calibration.model_family keeps in a family name
 _CHECKPOINT_FORMATS = ("awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb-4bit", "gguf",

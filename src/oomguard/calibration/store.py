@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from oomguard.errors import BadInput, MalformedConfig, OomguardError
 from oomguard.memory.engine import MeasuredTerms
+from oomguard.units import GIB
 
 if TYPE_CHECKING:  # the log parser is loaded only to record logs: planning reads JSON only
     from oomguard.logs import ParsedLog
 
-GIB = 2**30
 STORE_VERSION = 1
 KEEP_PER_KEY = 8
 

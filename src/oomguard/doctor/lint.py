@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomguard.doctor.findings import Finding, Fix
-from oomguard.doctor.situation import GIB, floor2
+from oomguard.doctor.situation import floor2
 from oomguard.errors import BadInput
 from oomguard.logs.parsed import Evidence
+from oomguard.units import GIB
 
 NO_HEADROOM_UTIL = 0.98
 # without a P99, sequences are priced at a typical chat request (prompt + output tokens)

