@@ -845,7 +845,6 @@ def command_args(text: str) -> dict[str, Any]:
     text = text.strip()
     if text.startswith("-m "):
         text = "python " + text
-    text = re.sub(r"^(python\S*)\s+(?:-u\s+)+", r"\1 ", text)
     try:
         from oomguard.vllm_args import parse_command
 
@@ -874,15 +873,7 @@ def _literal(text: str) -> Any:
 
 def _arg_value(field: str, value: Any) -> Any:
     try:
-        if field in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "data_parallel_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-        ):
+        if field in cat.INT_SETTINGS:
             number = int(float(str(value).replace(",", "")))
             return number if number > 0 else None
         if field in ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib"):
