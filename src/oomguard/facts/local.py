@@ -16,8 +16,9 @@ from typing import Any
 from oomguard.errors import MalformedConfig, UnknownModel
 from oomguard.facts.config_reader import spec_from_config
 from oomguard.memory.spec import ModelSpec
+from oomguard.units import MIB
 
-_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format caps headers at 100 MB
+_MAX_HEADER_BYTES = 100 * MIB  # the safetensors format caps headers at 100 MB
 INDEX_TOTAL_KEY = "ALL"
 
 

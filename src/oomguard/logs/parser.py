@@ -25,7 +25,7 @@ from oomguard.logs.parsed import (
     ParsedLog,
     Phase,
 )
-from oomguard.units import parse_int, parse_number, to_gib
+from oomguard.units import GIB, KIB, MIB, TIB, parse_int, parse_number, to_gib
 
 _SCAN = cat.TRIGGER_SCAN.findall
 _CLOSURE = cat.TRIGGER_CLOSURE
@@ -833,8 +833,8 @@ def _free_amount_gib(token: str) -> float | None:
     if m is None:
         return None
     number = float(m.group(1).replace(",", "."))
-    scale = {"": 2**10, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}[m.group(2)]
-    return number * scale / 2**30
+    scale = {"": KIB, "K": KIB, "M": MIB, "G": GIB, "T": TIB, "P": 1024 * TIB}[m.group(2)]
+    return number * scale / GIB
 
 
 def command_args(text: str) -> dict[str, Any]:
