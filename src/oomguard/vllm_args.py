@@ -243,7 +243,7 @@ def _utilization(text: str, flag: str) -> float:
     value = _parse_float(text, flag)
     if not 0.0 < value <= 1.0:
         raise BadInput(
-            f"{flag} {text!r} is outside (0, 1]",
+            f"{flag} {value} is outside (0, 1]",
             "it is the fraction of the GPU's total memory vLLM may use, e.g. 0.85",
         )
     return value
@@ -284,6 +284,26 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
 }
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
+
+def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """EngineSettings fields from command-line values (``None``: not given), each parsed and
+    checked by the same rule as the flag in a pasted ``vllm serve`` command (``8k``, ``auto``,
+    the value vLLM accepts). Fields that are not vLLM flags (``vllm_version``) pass through."""
+    out: dict[str, Any] = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        flag = FIELD_TO_FLAG.get(name)
+        parse = _SETTING_FLAGS[flag][1] if flag is not None else None
+        if parse is None or isinstance(value, bool):
+            out[name] = value
+            continue
+        parsed = parse(str(value), f"--{flag}")
+        if parsed is not None:
+            out[name] = parsed
+    return out
+
+
 _RENDER_ORDER = (
     "tensor_parallel_size",
     "pipeline_parallel_size",

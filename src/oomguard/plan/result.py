@@ -14,39 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.units import gib_rounded
 from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_yaml
+from oomguard.workload import Workload
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import EngineSettings, MemoryPrediction
     from oomguard.memory.spec import GPUSpec, ModelSpec
 
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the deployment must serve.
-
-    ``p99_tokens`` is the 99th-percentile prompt+output length, ``concurrency`` the peak number
-    of sequences in flight, ``shared_prefix_tokens`` the prefix all requests share (stored once
-    with prefix caching), ``margin`` the spare KV capacity demanded (0.1 = 10 %), and
-    ``headroom_bytes`` GPU memory kept free for co-tenants.
-    """
-
-    p99_tokens: int
-    concurrency: int
-    shared_prefix_tokens: int = 0
-    margin: float = 0.10
-    headroom_bytes: int = 0
-    stated: bool = True  # False when oomguard assumed it (one request at full context)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "p99_tokens": self.p99_tokens,
-            "concurrency": self.concurrency,
-            "shared_prefix_tokens": self.shared_prefix_tokens,
-            "margin": self.margin,
-            "headroom_gib": gib_rounded(self.headroom_bytes),
-            "stated": self.stated,
-        }
 
 
 @dataclass(frozen=True)
