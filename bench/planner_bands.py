@@ -39,8 +39,8 @@ from oomguard.memory.bands import (
     non_torch_group,
     weights_group,
 )
+from oomguard.memory.dtypes import dtype_bytes
 from oomguard.memory.engine import MemoryPrediction, predict
-from oomguard.memory.kv import dtype_bytes
 from oomguard.memory.versions import resolve_era
 from oomguard.memory.weights import resolve_model_dtype
 from planner_data import GIB, Case, Prepared, score

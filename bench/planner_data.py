@@ -17,8 +17,8 @@ from oomguard.memory.activation import DEFAULT_COEFFICIENTS, Coefficients
 from oomguard.memory.engine import EngineSettings, MemoryPrediction, predict
 from oomguard.memory.spec import GPUSpec, ModelSpec
 from oomguard.memory.versions import parse_version
+from oomguard.units import GIB
 
-GIB = 2**30
 HERE = Path(__file__).resolve().parent
 _DEV_CANDIDATES = (
     HERE.parent.parent / "shared" / "data" / "vllm-startup-logs.jsonl",

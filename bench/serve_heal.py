@@ -56,8 +56,7 @@ from oomguard.logs.follow import LogFollower  # noqa: E402
 from oomguard.serve import serve  # noqa: E402
 from oomguard.serve.command import EngineCommand  # noqa: E402
 from oomguard.serve.device import cpu_node_device  # noqa: E402
-
-GIB = 2**30
+from oomguard.units import GIB  # noqa: E402
 
 
 @dataclass

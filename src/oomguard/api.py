@@ -14,7 +14,6 @@ from typing import Any
 
 from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
-from oomguard.memory.kv import KV_MARGIN
 from oomguard.memory.spec import GPUSpec, ModelSpec
 from oomguard.plan.recommend import (
     SearchSpace,
@@ -24,44 +23,17 @@ from oomguard.plan.recommend import (
     valid_tp_sizes,
     weights_options,
 )
-from oomguard.plan.result import Calibration, Candidate, PlanResult, Workload
+from oomguard.plan.result import Calibration, Candidate, PlanResult
+from oomguard.units import GIB
 from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
+from oomguard.workload import DEFAULT_MARGIN, Workload, shared_prefix_tokens
 
-GIB = 2**30
-DEFAULT_MARGIN = KV_MARGIN
 # the format words oomguard.calibration.model_family keeps in a family name
 _CHECKPOINT_FORMATS = ("awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb-4bit", "gguf",
                        "nvfp4", "mxfp4")  # fmt: skip
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineSettings))
 
 __all__ = ["plan", "PlanResult", "Workload"]
-
-
-def _shared_prefix_tokens(value: float | int | str | None, p99_tokens: int) -> int:
-    """A shared prefix as tokens: a fraction (0 < x < 1) of the P99, or a token count."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            number = float(text)
-        except ValueError:
-            return _shared_prefix_tokens(parse_human_int(text, flag="--shared-prefix"), p99_tokens)
-        value = int(number) if number >= 1 and number == int(number) else number
-    if isinstance(value, float) and 0 <= value < 1:
-        return int(value * p99_tokens)
-    if value < 0 or (isinstance(value, float) and value != int(value)):
-        raise BadInput(
-            f"--shared-prefix {value} is neither a fraction below 1 nor a token count",
-            "pass e.g. 0.3 (30 % of the P99) or 2048 (tokens)",
-        )
-    tokens = int(value)
-    if tokens > p99_tokens:
-        raise BadInput(
-            f"--shared-prefix {tokens} tokens is longer than --p99-tokens {p99_tokens}",
-            "the shared prefix is part of every request; pass at most the P99",
-        )
-    return tokens
 
 
 def _resolve_gpu(
@@ -251,7 +223,7 @@ def plan(
     workload = Workload(
         p99_tokens=int(p99),
         concurrency=int(concurrency),
-        shared_prefix_tokens=_shared_prefix_tokens(shared_prefix, int(p99)),
+        shared_prefix_tokens=shared_prefix_tokens(shared_prefix, int(p99)),
         margin=float(margin) if stated else 0.0,
         headroom_bytes=int(headroom_gib * GIB),
         stated=stated,

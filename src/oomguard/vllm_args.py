@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard._vllm_flags import ALIASES, BOOL_FLAGS, LIST_FLAGS, VALUE_FLAGS
 from oomguard.errors import BadInput, MalformedConfig
+from oomguard.units import GIB, KIB, MIB, TIB
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import EngineSettings
@@ -139,7 +140,7 @@ UNMODELLED_MEMORY_FLAGS = frozenset(
 
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_BINARY = {"K": KIB, "M": MIB, "G": GIB, "T": TIB}
 
 
 def parse_human_int(text: str, *, flag: str = "value", allow_auto: bool = False) -> int:
@@ -242,7 +243,7 @@ def _utilization(text: str, flag: str) -> float:
     value = _parse_float(text, flag)
     if not 0.0 < value <= 1.0:
         raise BadInput(
-            f"{flag} {text!r} is outside (0, 1]",
+            f"{flag} {value} is outside (0, 1]",
             "it is the fraction of the GPU's total memory vLLM may use, e.g. 0.85",
         )
     return value
@@ -283,6 +284,26 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
 }
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
+
+def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
+    """EngineSettings fields from command-line values (``None``: not given), each parsed and
+    checked by the same rule as the flag in a pasted ``vllm serve`` command (``8k``, ``auto``,
+    the value vLLM accepts). Fields that are not vLLM flags (``vllm_version``) pass through."""
+    out: dict[str, Any] = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        flag = FIELD_TO_FLAG.get(name)
+        parse = _SETTING_FLAGS[flag][1] if flag is not None else None
+        if parse is None or isinstance(value, bool):
+            out[name] = value
+            continue
+        parsed = parse(str(value), f"--{flag}")
+        if parsed is not None:
+            out[name] = parsed
+    return out
+
+
 _RENDER_ORDER = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
@@ -387,67 +408,80 @@ def _tokens_of(command: str | Sequence[str]) -> list[str]:
 
 
 _ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
-_API_SERVER_MODULES = (
-    "vllm.entrypoints.openai.api_server",
-    "vllm.entrypoints.api_server",
-    "vllm.entrypoints.cli.main",
-)
-
-
-_CONTAINER_TOOLS = ("docker", "podman", "nerdctl")
+_PYTHON = re.compile(r"python(\d(\.\d+)?)?")
+_PYTHON_OPTIONS = ("-u", "-O", "-B")  # interpreter switches that change nothing for vLLM
+# modules whose arguments take the model from --model only
+_API_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
+_CLI_MODULE = "vllm.entrypoints.cli.main"  # python -m vllm.entrypoints.cli.main serve MODEL
+CONTAINER_TOOLS = ("docker", "podman", "nerdctl")
 # vLLM's images: vllm/vllm-openai[:tag], a registry in front, and the ROCm/CPU variants
 _VLLM_IMAGE = re.compile(r"(?:[\w.:-]+/)*vllm[\w-]*/vllm[\w.-]*(?::[\w.-]+)?(?:@sha256:\w+)?")
 
 
-def _strip_launcher(tokens: list[str]) -> tuple[list[str], bool]:
-    """Drop env assignments and the launcher; return the arguments and whether a positional
-    model is allowed (``vllm serve``) or the model comes only from ``--model``."""
-    i = 0
-    while (
-        i < len(tokens) and _ENV_ASSIGNMENT.fullmatch(tokens[i]) and not tokens[i].startswith("-")
-    ):
-        i += 1
-    rest = tokens[i:]
-    if rest and rest[0] in ("env",):
-        rest = rest[1:]
-        while rest and _ENV_ASSIGNMENT.fullmatch(rest[0]):
+@dataclass(frozen=True)
+class Launcher:
+    """How a pasted vLLM server command starts the server, and the server's own arguments.
+
+    ``form`` is "vllm" (``vllm serve``), "python" (``python -m …``), "serve" (a bare
+    ``serve MODEL …``), "container" (``docker run … vllm/vllm-openai …``) or "args" (the
+    arguments alone). ``positional_model`` is False where the model comes only from
+    ``--model`` (the api_server modules).
+    """
+
+    args: list[str]
+    form: str
+    positional_model: bool = True
+    env: dict[str, str] = field(default_factory=dict)  # leading VAR=value assignments
+    python: str | None = None  # the interpreter a ``python -m`` line names
+    tool: str | None = None  # the container tool
+
+
+def split_launcher(tokens: Sequence[str]) -> Launcher:
+    """Split leading environment assignments (``env`` included) and the launcher off a
+    command. Raises :class:`BadInput` for a command that does not start vLLM's server."""
+    words = list(tokens)
+    env: dict[str, str] = {}
+    while words and (words[0] == "env" or _ENV_ASSIGNMENT.fullmatch(words[0])):
+        if words[0] != "env":
+            name, _, value = words[0].partition("=")
+            env[name] = value
+        words = words[1:]
+    head = Path(words[0]).name if words else ""
+    if head == "vllm":
+        if len(words) < 2 or words[1] != "serve":
+            sub = words[1] if len(words) > 1 else "(nothing)"
+            raise BadInput(f"only 'vllm serve' commands can be run or planned, got 'vllm {sub}'",
+                           "paste the 'vllm serve MODEL --flags…' line")  # fmt: skip
+        return Launcher(words[2:], "vllm", env=env)
+    if _PYTHON.fullmatch(head):
+        rest = words[1:]
+        while rest and rest[0] in _PYTHON_OPTIONS:
             rest = rest[1:]
-    if rest and Path(rest[0]).name == "vllm":
-        if len(rest) < 2 or rest[1] != "serve":
-            sub = rest[1] if len(rest) > 1 else "(nothing)"
-            raise BadInput(
-                f"only 'vllm serve' commands can be planned, got 'vllm {sub}'",
-                "paste the 'vllm serve MODEL --flags…' line",
-            )
-        return rest[2:], True
-    if rest and re.fullmatch(r"python(\d(\.\d+)?)?", Path(rest[0]).name):
-        if len(rest) >= 3 and rest[1] == "-m":
-            module = rest[2]
-            if module == "vllm.entrypoints.cli.main":
-                if len(rest) > 3 and rest[3] == "serve":
-                    return rest[4:], True
-            elif module in _API_SERVER_MODULES:
-                return rest[3:], False
-        raise BadInput(
-            "the command does not start vLLM's server",
-            "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'",
-        )
-    if rest and rest[0] == "serve":
-        return rest[1:], True
-    if rest and Path(rest[0]).name in _CONTAINER_TOOLS:
-        # "docker run … vllm/vllm-openai:TAG --model M …": the image's entrypoint is vLLM's
-        # server; what follows the image are its arguments
-        for i, token in enumerate(rest):
-            if _VLLM_IMAGE.fullmatch(token):
-                after = rest[i + 1 :]
-                if after and after[0] == "serve":
-                    after = after[1:]
-                return after, True
-        raise BadInput(
-            "the container command does not run a vLLM image",
-            "paste the 'docker run … vllm/vllm-openai:TAG --model MODEL …' line, or 'vllm serve …'",
-        )
-    return rest, True
+        if len(rest) >= 2 and rest[0] == "-m":
+            if rest[1] in _API_SERVER_MODULES:
+                return Launcher(rest[2:], "python", False, env, python=words[0])
+            if rest[1] == _CLI_MODULE and len(rest) > 2 and rest[2] == "serve":
+                return Launcher(rest[3:], "python", env=env, python=words[0])
+        raise BadInput("the command does not start vLLM's server",
+                       "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'")  # fmt: skip
+    if head == "serve":
+        return Launcher(words[1:], "serve", env=env)
+    if head in CONTAINER_TOOLS:
+        return Launcher(_container_args(words), "container", env=env, tool=head)
+    return Launcher(words, "args", env=env)
+
+
+def _container_args(words: list[str]) -> list[str]:
+    """``docker run … vllm/vllm-openai:TAG --model M …``: the image's entrypoint is vLLM's
+    server; what follows the image are its arguments."""
+    for i, token in enumerate(words):
+        if _VLLM_IMAGE.fullmatch(token):
+            after = words[i + 1 :]
+            return after[1:] if after and after[0] == "serve" else after
+    raise BadInput(
+        "the container command does not run a vLLM image",
+        "paste the 'docker run … vllm/vllm-openai:TAG --model MODEL …' line, or 'vllm serve …'",
+    )
 
 
 def _canonical(name: str) -> str:
@@ -568,7 +602,8 @@ def parse_command(
     tokens = _tokens_of(command)
     if not tokens:
         raise BadInput("the pasted command is empty", "paste 'vllm serve MODEL --flags…'")
-    args, positional_model = _strip_launcher(tokens)
+    launcher = split_launcher(tokens)
+    args, positional_model = launcher.args, launcher.positional_model
     positionals, pairs = _split_flags(args)
 
     config_file: str | None = None

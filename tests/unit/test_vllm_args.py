@@ -202,3 +202,37 @@ def test_docker_run_of_another_image_is_refused_with_the_fix() -> None:
     with pytest.raises(BadInput) as err:
         parse_command("docker run -d nginx:latest")
     assert "vLLM image" in err.value.message and "vllm/vllm-openai" in err.value.hint
+
+
+def test_one_launcher_parser_for_plan_serve_and_the_log() -> None:
+    from oomguard.serve.command import EngineCommand
+    from oomguard.vllm_args import split_launcher
+
+    line = ["CUDA_VISIBLE_DEVICES=0", "env", "HF_HOME=/x", "python3", "-u", "-m",
+            "vllm.entrypoints.openai.api_server", "--model", "org/m", "--max-model-len", "8k"]  # fmt: skip
+    launcher = split_launcher(line)
+    assert launcher.form == "python" and not launcher.positional_model
+    assert launcher.env == {"CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/x"}
+    assert launcher.python == "python3" and launcher.args[:2] == ["--model", "org/m"]
+    # plan and serve read the same line the same way
+    assert parse_command(line).model == "org/m"
+    served = EngineCommand.from_tokens(line)
+    assert served.model == "org/m" and served.python == "python3" and served.env["HF_HOME"] == "/x"
+    docker = split_launcher(["docker", "run", "vllm/vllm-openai:latest", "serve", "org/m"])
+    assert docker.form == "container" and docker.tool == "docker" and docker.args == ["org/m"]
+
+
+def test_settings_from_flags_parses_like_a_pasted_command() -> None:
+    from oomguard.vllm_args import settings_from_flags
+
+    got = settings_from_flags({"max_model_len": "16k", "max_num_batched_tokens": "8K",
+                               "kv_cache_memory_bytes": "20G", "enforce_eager": True,
+                               "gpu_memory_utilization": 0.85, "max_num_seqs": None,
+                               "vllm_version": "0.19"})  # fmt: skip
+    assert got == {"max_model_len": 16000, "max_num_batched_tokens": 8192,
+                   "kv_cache_memory_bytes": 20 * 2**30, "enforce_eager": True,
+                   "gpu_memory_utilization": 0.85, "vllm_version": "0.19"}  # fmt: skip
+    assert settings_from_flags({"max_model_len": "auto"}) == {"max_model_len": -1}
+    for bad in ({"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0}, {"kv_cache_dtype": "fp7"}):
+        with pytest.raises(BadInput):
+            settings_from_flags(bad)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from oomguard.bench.runner import BenchResult
+from oomguard.units import GIB
 
 
 def record_capacity(
@@ -18,7 +19,7 @@ def record_capacity(
     machine; the version from the server's ``/version``. Nothing is stored without a safe
     point, a stated pool, a GPU name or a version.
     """
-    from oomguard.calibration import Observation, Store, catalogue_gpu_name, model_family
+    from oomguard.calibration import StartupMeasurement, Store, catalogue_gpu_name, model_family
 
     info = result.server
     cap = info.capacity
@@ -35,11 +36,11 @@ def record_capacity(
     if missing:
         return {"stored": False, "why": "; ".join(missing)}
     assert cap is not None and gpu_name is not None and info.vllm_version is not None
-    obs = Observation(
+    obs = StartupMeasurement(
         gpu=catalogue_gpu_name(gpu_name), vllm_version=info.vllm_version, model=info.model,
         family=model_family(info.model), tp=tp, pp=pp, gpu_raw=gpu_name,
         kv_tokens=cap.kv_cache_tokens or cap.usable_tokens,
-        available_kv_gib=(cap.kv_cache_memory_bytes / 2**30) if cap.kv_cache_memory_bytes else None,
+        available_kv_gib=(cap.kv_cache_memory_bytes / GIB) if cap.kv_cache_memory_bytes else None,
         source=f"bench {info.url} ({result.conditions.get('workload', '')})",
         max_safe_concurrency=result.max_safe_concurrency,
         bench_sequence_tokens=result.settings.workload.longest_sequence_tokens(),

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from oomguard import cli_options as opt
 from oomguard.errors import BadInput
 
 if TYPE_CHECKING:
-    from oomguard.bench.workload import Workload
+    from oomguard.bench.workload import LoadProfile
 
 _HELP = """Find how many concurrent requests of your peak shape a running vLLM server holds with
 zero preemptions, and what --max-num-seqs and the guard's watermarks should be.
@@ -40,7 +41,7 @@ def bench_command(
     budget_s: Annotated[float, typer.Option("--budget-s", help="Wall-clock budget for the whole run.")] = 600.0,
     report: Annotated[Path | None, typer.Option("--report", help="Write bench.json, report.html and PNG plots here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
-    shared_prefix: Annotated[int, typer.Option("--shared-prefix", help="Tokens every prompt shares at its start (default: none).")] = 0,
+    shared_prefix: opt.SharedPrefix = None,
     high_watermark: Annotated[float, typer.Option("--high-watermark", help="A safe stage keeps KV usage at or below this fraction.")] = 0.95,
     concurrency: Annotated[int | None, typer.Option("--concurrency", help="Prove this one concurrency instead of searching.")] = None,
     requests: Annotated[int | None, typer.Option("--requests", help="With --concurrency: requests in the stage.")] = None,
@@ -100,13 +101,18 @@ def bench_command(
 
 
 def _workload(prompt_tokens: int | None, max_tokens: int | None, path: Path | None,
-              shared_prefix: int) -> Workload:  # fmt: skip
+              prefix_text: str | None) -> LoadProfile:  # fmt: skip
     from oomguard.bench.workload import (
         DistributionWorkload,
         FixedWorkload,
         ReplayWorkload,
         load_workload,
     )
+    from oomguard.workload import shared_prefix_tokens
+
+    # a fraction is of the request's length (prompt + output), as in plan
+    length = prompt_tokens + max_tokens if prompt_tokens and max_tokens else None
+    shared_prefix = shared_prefix_tokens(prefix_text, length)
 
     if path is not None:
         if prompt_tokens is not None:

@@ -24,7 +24,7 @@ from oomguard.bench.server import Capacity
 
 
 @dataclass(frozen=True)
-class Recommendation:
+class BenchRecommendation:
     """The settings bench recommends, and what they rest on."""
 
     max_num_seqs: int | None
@@ -109,7 +109,7 @@ def recommend(
     max_model_len: int | None,
     backend_url: str,
     gateway: bool = False,
-) -> Recommendation:
+) -> BenchRecommendation:
     """The settings for a safe concurrency ``max_safe`` (None: nothing was safe).
 
     ``proven_running``: the most requests the server ran at once in a safe stage (None when
@@ -121,7 +121,7 @@ def recommend(
               else "not stated: the server was not started with --kv-cache-memory-bytes; "
                    "`oomguard plan MODEL` computes it from the model's config")  # fmt: skip
     if max_safe is None:
-        return Recommendation(None, None, None, kv_per_token, source, None, None, None, None,
+        return BenchRecommendation(None, None, None, kv_per_token, source, None, None, None, None,
                               ["no concurrency was proven safe: nothing to recommend"])  # fmt: skip
     seqs = max_safe
     pool_holds = (
@@ -160,5 +160,5 @@ def recommend(
         if max_model_len:
             backend["max_model_len"] = max_model_len
         guard = {"backends": [backend], "high_watermark": high, "low_watermark": low}
-    return Recommendation(seqs, high, low, kv_per_token, source, blocks, measured_tokens,
+    return BenchRecommendation(seqs, high, low, kv_per_token, source, blocks, measured_tokens,
                           command, guard, notes)  # fmt: skip

@@ -30,11 +30,11 @@ from oomguard.bench.prompts import (
     Tokenizer,
     TokenizerUnavailable,
 )
-from oomguard.bench.recommend import Recommendation, recommend
+from oomguard.bench.recommend import BenchRecommendation, recommend
 from oomguard.bench.search import ConcurrencySearch, first_guess
 from oomguard.bench.server import ServerClient, ServerInfo, preflight
 from oomguard.bench.stage import Sample, StageListener, StageResult, StageRunner, StageSpec
-from oomguard.bench.workload import ReplayWorkload, Workload
+from oomguard.bench.workload import LoadProfile, ReplayWorkload
 from oomguard.errors import BadInput
 
 DEFAULT_BUDGET_S = 600.0
@@ -49,7 +49,7 @@ class BenchSettings:
     """Everything a run needs (see ``oomguard bench --help`` for the meaning of each)."""
 
     url: str
-    workload: Workload
+    workload: LoadProfile
     model: str | None = None
     budget_s: float = DEFAULT_BUDGET_S
     high_watermark: float = 0.95  # a safe stage keeps KV usage at or below this
@@ -95,7 +95,7 @@ class BenchResult:
     max_safe_concurrency: int | None = None
     exact: bool | None = False  # max_safe + 1 was tested and found unsafe (None: fixed mode)
     first_guess: int | None = None
-    recommendation: Recommendation | None = None
+    recommendation: BenchRecommendation | None = None
     conditions: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     stopped_by: str | None = None

@@ -45,7 +45,7 @@ class RequestShape:
         return self.prompt_tokens + self.max_tokens
 
 
-class Workload(Protocol):
+class LoadProfile(Protocol):
     """Request shapes by index, and the figures the search plans with."""
 
     @property
@@ -278,7 +278,7 @@ class ReplayWorkload:
         return sum(r.sequence_tokens for r in self.requests) / len(self.requests)
 
 
-def load_workload(path: Path, *, default_max_tokens: int | None, seed: int = 0) -> Workload:
+def load_workload(path: Path, *, default_max_tokens: int | None, seed: int = 0) -> LoadProfile:
     """Read a workload file: ``.jsonl`` replays real requests, YAML/JSON states distributions.
 
     Raises :class:`MalformedConfig` naming the line or field that is wrong.

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from oomguard.errors import BadInput, MalformedConfig, OomguardError
 from oomguard.memory.engine import MeasuredTerms
+from oomguard.units import GIB
 
 if TYPE_CHECKING:  # the log parser is loaded only to record logs: planning reads JSON only
     from oomguard.logs import ParsedLog
 
-GIB = 2**30
 STORE_VERSION = 1
 KEEP_PER_KEY = 8
 
@@ -70,7 +70,7 @@ UNSET: Final = _Unset.UNSET
 
 
 @dataclass(frozen=True)
-class Observation:
+class StartupMeasurement:
     """The measured terms of one vLLM start-up, with its key and where it came from."""
 
     gpu: str
@@ -334,13 +334,13 @@ class Store:
         entries = data.get("entries", {}) if isinstance(data, dict) else {}
         return entries if isinstance(entries, dict) else {}
 
-    def add(self, observations: Iterable[Observation]) -> list[Observation]:
+    def add(self, observations: Iterable[StartupMeasurement]) -> list[StartupMeasurement]:
         """Store observations (newest first per key); returns those stored.
 
         Recording the same log again replaces its earlier row instead of adding a copy.
         """
         entries = self.load()
-        stored: list[Observation] = []
+        stored: list[StartupMeasurement] = []
         for obs in observations:
             rows = entries.setdefault(obs.key, [])
             row = asdict(obs)
@@ -352,7 +352,7 @@ class Store:
             self._write(entries)
         return stored
 
-    def rows(self, key: str) -> list[Observation]:
+    def rows(self, key: str) -> list[StartupMeasurement]:
         """The observations stored under ``key``, newest first (unreadable rows skipped)."""
         out = []
         for row in self.load().get(key) or []:
@@ -361,7 +361,7 @@ class Store:
                 out.append(obs)
         return out
 
-    def get(self, key: str) -> Observation | None:
+    def get(self, key: str) -> StartupMeasurement | None:
         """The newest observation stored under ``key``, or None."""
         rows = self.rows(key)
         return rows[0] if rows else None
@@ -383,17 +383,17 @@ class Store:
             raise
 
 
-def observation_from_row(row: Any) -> Observation | None:
-    """An :class:`Observation` from one stored row (older stores lack the newer fields), or
+def observation_from_row(row: Any) -> StartupMeasurement | None:
+    """An :class:`StartupMeasurement` from one stored row (older stores lack the newer fields), or
     None when the row is not one."""
     if not isinstance(row, dict):
         return None
-    known = set(Observation.__dataclass_fields__)
+    known = set(StartupMeasurement.__dataclass_fields__)
     values = {k: v for k, v in row.items() if k in known}
     if isinstance(values.get("user_set"), list):
         values["user_set"] = tuple(values["user_set"])
     try:
-        return Observation(**values)
+        return StartupMeasurement(**values)
     except TypeError:  # a required field is missing
         return None
 
@@ -415,7 +415,7 @@ def observation_from_log(
     model: str | None = None,
     tp: int | None = None,
     pp: int | None = None,
-) -> Observation | None:
+) -> StartupMeasurement | None:
     """The calibration terms a parsed start-up log states, or None when it states none.
 
     GPU, version, model, TP and PP come from the log, else from the arguments; the GPU is
@@ -459,7 +459,7 @@ def observation_from_log(
     if settings["enforce_eager"] is None and graphs:
         settings["enforce_eager"] = False  # graphs were captured: the run was not eager
     family = model_family(str(model))
-    return Observation(
+    return StartupMeasurement(
         gpu=catalogue_gpu_name(str(raw_gpu), total_gib),
         vllm_version=str(version),
         model=str(model),
@@ -490,12 +490,12 @@ def record_logs(
     model: str | None = None,
     tp: int | None = None,
     pp: int | None = None,
-) -> tuple[list[Observation], list[str]]:
+) -> tuple[list[StartupMeasurement], list[str]]:
     """Parse each log and store what it measured; returns (stored, skipped-with-reason)."""
     from oomguard.logs import parse_file
 
     store = store or Store()
-    observations: list[Observation] = []
+    observations: list[StartupMeasurement] = []
     skipped: list[str] = []
     for path in paths:
         parsed = parse_file(path)
@@ -562,7 +562,7 @@ def lookup(
 
 
 def terms_from(
-    observations: Iterable[Observation],
+    observations: Iterable[StartupMeasurement],
     *,
     max_num_batched_tokens: int | None | _Unset = UNSET,
     max_num_seqs: int | None | _Unset = UNSET,
@@ -571,7 +571,7 @@ def terms_from(
     dtype: str | None | _Unset = UNSET,
 ) -> MeasuredTerms | None:
     """Each term from the first of ``observations`` (newest first) that measured it under
-    settings matching the filters (see :meth:`Observation.applicable_terms`); the source names
+    settings matching the filters (see :meth:`StartupMeasurement.applicable_terms`); the source names
     the observations used. None when no term applies."""
     filters: dict[str, Any] = {
         "max_num_batched_tokens": max_num_batched_tokens,
@@ -603,7 +603,7 @@ def terms_from(
 
 def _rows_for(
     store: Store, gpu_name: str, vllm_version: str, family: str, tp: int, pp: int
-) -> list[Observation]:
+) -> list[StartupMeasurement]:
     """Observations for the key, newest first: under the catalogue GPU name, the name as
     given, and any other spelling that resolves to the same catalogue GPU."""
     catalogue_name = catalogue_gpu_name(gpu_name)
@@ -618,7 +618,7 @@ def _rows_for(
         first = observation_from_row(stored[0]) if stored else None
         if first is not None and catalogue_gpu_name(first.gpu) == catalogue_name:
             keys.append(key)
-    rows: list[Observation] = []
+    rows: list[StartupMeasurement] = []
     for key in dict.fromkeys(keys):
         rows.extend(r for r in map(observation_from_row, entries.get(key) or []) if r is not None)
     rows.sort(key=lambda o: o.recorded_at, reverse=True)

@@ -16,6 +16,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from oomguard import cli_options as opt
 from oomguard.errors import BadInput
 
 _CONTEXT = {
@@ -40,16 +41,10 @@ def doctor_command(
     command: str = typer.Option(
         None, "--command", help="The original 'vllm serve …' command line."
     ),
-    p99_tokens: int = typer.Option(
-        None, "--p99-tokens", help="P99 prompt+output tokens of the workload (lint)."
-    ),
-    concurrency: int = typer.Option(None, "--concurrency", help="Peak concurrent requests (lint)."),
-    shared_prefix: bool = typer.Option(
-        None, "--shared-prefix/--no-shared-prefix", help="Prompts share prefixes (lint)."
-    ),
-    cotenant_gib: float = typer.Option(
-        0.0, "--cotenant-gib", help="GiB another workload on the GPU needs (lint)."
-    ),
+    p99_tokens: opt.P99Tokens = None,
+    concurrency: opt.Concurrency = None,
+    shared_prefix: opt.SharedPrefix = None,
+    headroom_gib: opt.HeadroomGib = 0.0,
     expect_cotenant: bool = typer.Option(
         False, "--expect-cotenant", help="Another process is meant to share the GPU."
     ),
@@ -62,9 +57,10 @@ def doctor_command(
     Linting (--command): 0 no problems, 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
     """
     from oomguard.doctor.diagnose import diagnose_file
-    from oomguard.doctor.lint import Workload, lint_command
+    from oomguard.doctor.lint import lint_command
     from oomguard.doctor.render import render_diagnosis, render_findings
     from oomguard.doctor.situation import Context
+    from oomguard.workload import stated_workload
 
     tokens = list(items or []) + list(ctx.args)
     logfile: str | None = None
@@ -83,12 +79,7 @@ def doctor_command(
                 "nothing to examine",
                 "pass a log file (or - for stdin), or --command 'vllm serve …'",
             )
-        workload = Workload(
-            p99_tokens=p99_tokens,
-            concurrency=concurrency,
-            shared_prefix=shared_prefix,
-            cotenant_gib=cotenant_gib,
-        )
+        workload = stated_workload(p99_tokens, concurrency, shared_prefix, headroom_gib)
         report = lint_command(command, gpu=gpu, workload=workload)
         if as_json:
             typer.echo(json.dumps({**report.to_dict(), "command": command}, indent=1))

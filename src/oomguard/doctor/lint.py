@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomguard.doctor.findings import Finding, Fix
-from oomguard.doctor.situation import GIB, floor2
+from oomguard.doctor.situation import floor2
 from oomguard.errors import BadInput
 from oomguard.logs.parsed import Evidence
+from oomguard.units import GIB
+from oomguard.workload import Workload
 
 NO_HEADROOM_UTIL = 0.98
 # without a P99, sequences are priced at a typical chat request (prompt + output tokens)
@@ -31,16 +33,6 @@ POOL_KEEP = 0.9
 # a max_model_len this many times the P99 is worth capping (a tip)
 LENGTH_OVER_P99 = 2.0
 COTENANT_MARGIN_GIB = 1.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the deployment will see: P99 prompt+output tokens, peak concurrency, prefixes."""
-
-    p99_tokens: int | None = None
-    concurrency: int | None = None
-    shared_prefix: bool | None = None
-    cotenant_gib: float = 0.0  # memory another workload on the same GPU needs
 
 
 @dataclass
@@ -131,7 +123,7 @@ def _check_headroom(c: _Command) -> LintFinding | None:
 
 
 def _check_cotenant(c: _Command) -> LintFinding | None:
-    need = c.workload.cotenant_gib
+    need = c.workload.headroom_bytes / GIB  # memory another workload on the GPU needs
     total = c.gpu_total_gib
     if need <= 0 or total is None:
         return None
@@ -181,7 +173,7 @@ def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
         return None
     p99 = c.workload.p99_tokens
     stated_seqs = c.args.get("max_num_seqs")
-    if p99 is None and stated_seqs is None:
+    if not p99 and stated_seqs is None:
         return None  # vLLM's default and no workload: nothing to compare with
     length = p99 or min(TYPICAL_REQUEST_TOKENS, p.settings.max_model_len or TYPICAL_REQUEST_TOKENS)
     served = max(int(p.kv_cache_tokens * POOL_KEEP // length), 1)
@@ -189,7 +181,7 @@ def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
     wanted = c.workload.concurrency
     if wanted and wanted > served:
         return _pool_too_small(c, length, served, wanted)
-    if seqs <= served or (p99 is None and seqs <= 4 * served):
+    if seqs <= served or (not p99 and seqs <= 4 * served):
         return None
     target = min(served, wanted) if wanted else served
     basis = f"the P99 of {p99:,}" if p99 else f"a typical {length:,}-token request"
@@ -238,7 +230,7 @@ def _check_length_against_p99(c: _Command) -> LintFinding | None:
 
 
 def _check_prefix_caching(c: _Command) -> LintFinding | None:
-    if not c.args.get("enable_prefix_caching") or c.workload.shared_prefix is True:
+    if not c.args.get("enable_prefix_caching") or c.workload.shared_prefix_tokens > 0:
         return None
     return _finding(
         c, "prefix_caching_unused", "prefix caching is on but the prompts are not known to "

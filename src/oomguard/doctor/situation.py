@@ -10,8 +10,7 @@ from typing import Any
 
 from oomguard.logs.parsed import Evidence, ParsedLog
 from oomguard.logs.parser import ARG_FIELDS
-
-GIB = 2**30
+from oomguard.units import GIB
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from oomguard.facts.nvml import NvmlDevice, NvmlUnavailable, read_devices
+
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -50,43 +52,23 @@ def process_tree(pid: int) -> list[int]:
 def gpu_memory() -> list[DeviceMemory] | None:
     """Every GPU's memory and per-process use via NVML; None where NVML is unavailable."""
     try:
-        import pynvml
-    except ImportError:
+        devices = read_devices()
+    except NvmlUnavailable:
         return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver, no library: a machine without NVIDIA GPUs
-        return None
-    try:
-        return [_device_memory(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # noqa: BLE001 - a device that stops answering is reported as unknown
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001, S110 - nothing to do about a failed shutdown
-            pass
+    return [_device_memory(d) for d in devices]
 
 
-def _device_memory(nv: object, index: int) -> DeviceMemory:
-    handle = nv.nvmlDeviceGetHandleByIndex(index)  # type: ignore[attr-defined]
-    name = nv.nvmlDeviceGetName(handle)  # type: ignore[attr-defined]
-    mem = nv.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
+def _device_memory(device: NvmlDevice) -> DeviceMemory:
     per_process: dict[int, int] = {}
-    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        try:
-            for p in getattr(nv, getter)(handle):
-                used = getattr(p, "usedGpuMemory", None)
-                if used is not None:
-                    per_process[int(p.pid)] = per_process.get(int(p.pid), 0) + int(used)
-        except Exception:  # noqa: BLE001, S112 - not supported on this device or driver
-            continue
+    for p in device.processes:
+        if p.used_bytes is not None:
+            per_process[p.pid] = per_process.get(p.pid, 0) + p.used_bytes
     return DeviceMemory(
-        index=index,
-        name=name.decode() if isinstance(name, bytes) else str(name),
-        total_bytes=int(mem.total),
-        used_bytes=int(mem.used),
-        free_bytes=int(mem.free),
+        index=device.index,
+        name=device.name,
+        total_bytes=device.total_bytes,
+        used_bytes=device.used_bytes + device.reserved_bytes,
+        free_bytes=device.free_bytes,
         process_bytes=per_process,
     )
 

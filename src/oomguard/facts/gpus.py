@@ -16,9 +16,10 @@ import re
 from dataclasses import dataclass
 
 from oomguard.errors import BadInput, UnknownGPU
+from oomguard.facts.nvml import NvmlDevice, NvmlUnavailable, read_devices
 from oomguard.memory.spec import GPUSpec
+from oomguard.units import GIB
 
-GIB = 2**30
 _LOGS = "../shared/data/vllm-startup-logs.jsonl"
 _OOMS = "../shared/data/oom-cases.jsonl"
 # nvidia-smi totals per model: modal-labs/modal-client PR #2797 (H100 81559 MiB, A100-80 81920,
@@ -302,59 +303,34 @@ def detect_gpus() -> list[DetectedGPU]:
     reports no devices.
     """
     try:
-        import pynvml
-    except ImportError:
-        raise NoGPUDetected("--gpu auto needs nvidia-ml-py, which is not installed",
-                            "pip install nvidia-ml-py, or name the GPU with --gpu NAME") from None  # fmt: skip
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        raise NoGPUDetected(f"--gpu auto found no NVIDIA driver ({exc})",
-                            "name the GPU with --gpu NAME (e.g. --gpu 'H100 SXM') or --gpu-memory-gib N") from None  # fmt: skip
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            raise NoGPUDetected("--gpu auto: NVML reports no GPUs", "name the GPU with --gpu NAME")
-        return [_detect_one(pynvml, i) for i in range(count)]
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001, S110 - shutdown failure changes nothing for the caller
-            pass
+        devices = read_devices()
+    except NvmlUnavailable as exc:
+        if exc.reason == "not_installed":
+            raise NoGPUDetected("--gpu auto needs nvidia-ml-py, which is not installed",
+                                "pip install nvidia-ml-py, or name the GPU with --gpu NAME") from None  # fmt: skip
+        if exc.reason == "no_driver":
+            raise NoGPUDetected(f"--gpu auto found no NVIDIA driver ({exc.detail})",
+                                "name the GPU with --gpu NAME (e.g. --gpu 'H100 SXM') or --gpu-memory-gib N") from None  # fmt: skip
+        raise
+    if not devices:
+        raise NoGPUDetected("--gpu auto: NVML reports no GPUs", "name the GPU with --gpu NAME")
+    return [_detected(d) for d in devices]
 
 
-def _detect_one(pynvml: object, index: int) -> DetectedGPU:
-    nv = pynvml
-    handle = nv.nvmlDeviceGetHandleByIndex(index)  # type: ignore[attr-defined]
-    name = nv.nvmlDeviceGetName(handle)  # type: ignore[attr-defined]
-    name = name.decode() if isinstance(name, bytes) else str(name)
-    reserved = 0
-    try:
-        mem = nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2)  # type: ignore[attr-defined]
-        reserved = int(getattr(mem, "reserved", 0) or 0)
-    except Exception:  # noqa: BLE001 - older drivers: v1 only
-        mem = nv.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
+def _detected(device: NvmlDevice) -> DetectedGPU:
     procs: list[GPUProcess] = []
-    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        try:
-            for p in getattr(nv, getter)(handle):
-                used = getattr(p, "usedGpuMemory", None)
-                if all(q.pid != p.pid for q in procs):
-                    procs.append(
-                        GPUProcess(
-                            pid=int(p.pid), used_bytes=int(used) if used is not None else None
-                        )
-                    )
-        except Exception:  # noqa: BLE001, S112 - not supported on this device/driver
-            continue
+    for p in device.processes:
+        if all(q.pid != p.pid for q in procs):
+            procs.append(GPUProcess(pid=p.pid, used_bytes=p.used_bytes))
     try:
-        spec = find_gpu(name)
+        spec = find_gpu(device.name)
     except UnknownGPU:
-        cuda_total = int(mem.total) - reserved
-        spec = GPUSpec(name=name, total_bytes=cuda_total, marketing_gb=round(int(mem.total) / 1e9),
-                       device_name=name, source="NVML total minus driver reserve (not in catalogue)")  # fmt: skip
-    return DetectedGPU(index=index, name=name, total_bytes=int(mem.total), free_bytes=int(mem.free),
-                       used_bytes=int(mem.used), reserved_bytes=reserved, processes=tuple(procs), spec=spec)  # fmt: skip
+        spec = GPUSpec(name=device.name, total_bytes=device.total_bytes - device.reserved_bytes,
+                       marketing_gb=round(device.total_bytes / 1e9), device_name=device.name,
+                       source="NVML total minus driver reserve (not in catalogue)")  # fmt: skip
+    return DetectedGPU(index=device.index, name=device.name, total_bytes=device.total_bytes,
+                       free_bytes=device.free_bytes, used_bytes=device.used_bytes,
+                       reserved_bytes=device.reserved_bytes, processes=tuple(procs), spec=spec)  # fmt: skip
 
 
 # The name the planner, doctor and benchmarks use for the lookup.

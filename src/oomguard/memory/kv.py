@@ -14,19 +14,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
+from oomguard.memory.dtypes import DTYPE_BYTES, dtype_bytes
 from oomguard.memory.spec import AttentionKind, LayerSpec, MambaStateSpec, MambaVariant, ModelSpec
 from oomguard.memory.versions import VllmEra
-
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-}
 
 # spare KV capacity a sized configuration keeps: plan's default margin over the workload, the
 # share of the pool's capacity a shortened --max-model-len leaves unused
@@ -51,16 +41,6 @@ KV_CACHE_DTYPES = (
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative integers."""
     return -(-a // b)
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of a floating-point model dtype name."""
-    try:
-        return DTYPE_BYTES[dtype.lower()]
-    except KeyError:
-        raise BadInput(
-            f"dtype {dtype!r} is unknown", "use auto, bfloat16, float16 or float32"
-        ) from None
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, era: VllmEra) -> None:
@@ -549,7 +529,7 @@ def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout
             u = replace(s, page_size_padded=max_page)
         elif max_page % p == 0:
             u = replace(s, block_size=s.block_size * (max_page // p))
-        elif isinstance(s, FullAttention) and era.at_least(30):
+        elif isinstance(s, FullAttention) and era.full_attention_page_padding:
             u = replace(s, page_size_padded=max_page)
         else:
             raise UnsupportedArchitecture(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from oomguard.units import GIB
+
 
 class AttentionKind(str, Enum):
     """How one decoder layer keeps per-token state (mirrors vLLM's KV-cache spec classes)."""
@@ -218,4 +220,4 @@ class GPUSpec:
 
     @property
     def total_gib(self) -> float:
-        return self.total_bytes / 2**30
+        return self.total_bytes / GIB

@@ -13,8 +13,7 @@ import re
 from dataclasses import dataclass, replace
 
 from oomguard.errors import BadInput
-
-GIB = 2**30
+from oomguard.units import GIB
 
 OLDEST_MINOR = 10
 NEWEST_MINOR = 33
@@ -81,15 +80,21 @@ class VllmEra:
     # SchedulerConfig used 512 up to 0.6.4.post1 and 2048 from 0.6.5 (vllm PR #10544, merged
     # 2024-11-21: "Update default max_num_batch_tokens for chunked prefill to 2048").
     v0_chunked_prefill_tokens: int = 2048
+    cpu_mla_block_16: bool = False  # §3.3: MLA models take 16-token blocks on CPU from 0.28
+    hopper_mla_block: int = 16  # §3.3: FlashMLA (64) up to 0.17, FlashAttention-MLA (16) after
+    # §3.4: Mamba prefix caching when enabled explicitly: "all" (per block) 0.12–0.14, "align"
+    mamba_prefix_mode: str = "align"
+    refuses_removed_architectures: bool = True  # V1 refuses V0-only architectures after 0.10
+    cpu_hybrid_kv_manager: bool = True  # §5.1: 0.10's CPU backend disables the hybrid manager
+    non_torch_form: str = "late"  # §2.4: "v1" snapshot growth 0.11–0.17, "late" 0.18+
+    rocm_cudagraph_profiled: bool = True  # §2.6: ROCm graph memory subtracted from 0.26
+    mxfp4_pad_intermediate: bool = True  # §8: mxfp4 MoE intermediate rounded to 128 from 0.13
+    full_attention_page_padding: bool = False  # §5.1: attention pages padded to Mamba's, 0.30+
 
     @property
     def version(self) -> str:
         """The version as ``0.N`` (minor granularity: patch releases share their minor's row)."""
         return self.label
-
-    def at_least(self, minor: int) -> bool:
-        """True when this release is 0.<minor> or newer."""
-        return self.minor >= minor
 
 
 def _era_for_minor(minor: int) -> VllmEra:
@@ -138,6 +143,15 @@ def _era_for_minor(minor: int) -> VllmEra:
         mla_block_blackwell=128 if m <= 14 else 64,
         ds_mla_fp8_default=m <= 13,
         model_loading_form="v10" if m <= 11 else ("v12" if m <= 13 else "v14"),
+        cpu_mla_block_16=m >= 28,
+        hopper_mla_block=64 if m <= 17 else 16,
+        mamba_prefix_mode="all" if m < 15 else "align",
+        refuses_removed_architectures=m > 10,
+        cpu_hybrid_kv_manager=m != 10,
+        non_torch_form="v1" if m <= 17 else "late",
+        rocm_cudagraph_profiled=m >= 26,
+        mxfp4_pad_intermediate=m >= 13,
+        full_attention_page_padding=m >= 30,
     )
 
 

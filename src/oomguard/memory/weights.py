@@ -10,16 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oomguard.errors import BadInput
-from oomguard.memory.kv import dtype_bytes
+from oomguard.memory.dtypes import SAFETENSORS_DTYPE_BYTES, dtype_bytes
 from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
-
-_CKPT_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-    "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E8M0": 1, "F4": 0.5,
-}  # fmt: skip
-
 
 def resolve_model_dtype(model: ModelSpec, dtype: str, compute_capability: str = "") -> str:
     """The dtype vLLM loads the model in: ``auto`` keeps bf16/fp16, turns fp32 into bf16.
@@ -66,7 +60,7 @@ def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
     return ranges
 
 
-def quantized_bytes_per_element(quant: QuantSpec, hidden_size: int, era_minor: int = 33) -> float:
+def quantized_bytes_per_element(quant: QuantSpec, hidden_size: int) -> float:
     """Bytes per weight element of a linear layer in this format, scales and zeros included (§8)."""
     method = (quant.method or "").lower().replace("-", "_")
     g = quant.group_size or 128
@@ -115,7 +109,7 @@ def mxfp4_expert_padding(
     intermediate_size: int,
     *,
     shards: int = 1,
-    era_minor: int = 33,
+    pad_intermediate: bool = True,
     expert_parallel: bool = False,
 ) -> float:
     """Factor by which the mxfp4 MoE kernels' padding grows one rank's expert bytes (§8).
@@ -132,7 +126,7 @@ def mxfp4_expert_padding(
     h2 = -(-hidden_size // 256) * 256
     per_rank = intermediate_size if expert_parallel else intermediate_size / shards
     i_rank = int(per_rank)
-    i2 = -(-i_rank // 128) * 128 if era_minor >= 13 else i_rank
+    i2 = -(-i_rank // 128) * 128 if pad_intermediate else i_rank
     return (h2 / hidden_size) * (i2 / per_rank) if per_rank else 1.0
 
 
@@ -211,7 +205,7 @@ def weight_bytes_per_stage(
     ep: int = 1,
     quantization: str | None = None,
     cpu_offload_bytes: int = 0,
-    era_minor: int = 33,
+    pad_intermediate: bool = True,
     load_mtp: bool = False,
 ) -> WeightBreakdown:
     """Bytes of parameters and buffers one rank of each pipeline stage holds after loading.
@@ -228,7 +222,7 @@ def weight_bytes_per_stage(
     if quant.method is None and online in ("fp8", "ptpc_fp8", "fbgemm_fp8"):
         quant = QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor")
     q_bytes = (
-        quantized_bytes_per_element(quant, model.hidden_size, era_minor)
+        quantized_bytes_per_element(quant, model.hidden_size)
         if quant.method
         else float(mbytes)
     )
@@ -243,7 +237,7 @@ def weight_bytes_per_stage(
             model.hidden_size,
             model.moe.expert_intermediate_size,
             shards=ep if ep > 1 else tp,
-            era_minor=era_minor,
+            pad_intermediate=pad_intermediate,
             expert_parallel=ep > 1,
         )
     has_lm_head = any(g.name == "lm_head" for g in model.params)
@@ -291,11 +285,11 @@ def weight_bytes_per_stage(
     if ckpt and quant.method is None and model.total_params:
         # "ALL": total bytes without a dtype split (safetensors index); price it at the
         # checkpoint's own dtype (config torch_dtype, float32 when absent)
-        ckpt_dtype_bytes = _CKPT_DTYPE_BYTES.get(
+        ckpt_dtype_bytes = SAFETENSORS_DTYPE_BYTES.get(
             {"float32": "F32", "float16": "F16"}.get(model.dtype, "BF16"), 2
         )
         ckpt_elems = sum(
-            v / _CKPT_DTYPE_BYTES.get(k.upper(), ckpt_dtype_bytes) for k, v in ckpt.items()
+            v / SAFETENSORS_DTYPE_BYTES.get(k.upper(), ckpt_dtype_bytes) for k, v in ckpt.items()
         )
         ratio = ckpt_elems / model.total_params
         if 0.97 <= ratio <= 1.03:

@@ -6,26 +6,13 @@ command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no trac
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
 
+from oomguard import cli_options as opt
 from oomguard.errors import BadInput
+from oomguard.workload import DEFAULT_MARGIN
 
 _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
-
-
-def _human(value: str | None, flag: str, *, allow_auto: bool = False) -> int | None:
-    from oomguard.vllm_args import parse_human_int
-
-    if value is None:
-        return None
-    number = parse_human_int(value, flag=flag, allow_auto=allow_auto)
-    if allow_auto and number == -1:
-        return -1
-    if number <= 0:
-        raise BadInput(f"{flag} {value}: must be positive", f"pass a positive number to {flag}")
-    return number
 
 
 def plan_command(
@@ -45,51 +32,28 @@ def plan_command(
     gpu_memory_gib: float = typer.Option(
         None, "--gpu-memory-gib", help="GPU memory as CUDA reports it (custom GPU)."
     ),
-    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
-    pipeline_parallel_size: int = typer.Option(None, "--pipeline-parallel-size", "-pp"),
-    data_parallel_size: int = typer.Option(
-        None, "--data-parallel-size", "-dp", help="Independent engines, each with its own KV pool."
-    ),
-    enable_expert_parallel: bool = typer.Option(
-        None, "--enable-expert-parallel/--no-enable-expert-parallel", "-ep",
-        help="Split MoE experts over TP × DP ranks.",
-    ),  # fmt: skip
-    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization"),
-    max_model_len: str = typer.Option(
-        None, "--max-model-len", help="Tokens (8192, 8k, 32K) or 'auto'."
-    ),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs"),
-    max_num_batched_tokens: str = typer.Option(None, "--max-num-batched-tokens"),
-    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype"),
-    quantization: str = typer.Option(None, "--quantization", "-q"),
-    dtype: str = typer.Option(None, "--dtype"),
-    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager"),
-    enable_prefix_caching: bool = typer.Option(
-        None, "--enable-prefix-caching/--no-enable-prefix-caching"
-    ),
-    kv_cache_memory_bytes: str = typer.Option(
-        None, "--kv-cache-memory-bytes", help="Bytes (e.g. 20G)."
-    ),
-    cpu_offload_gb: float = typer.Option(None, "--cpu-offload-gb"),
-    block_size: int = typer.Option(None, "--block-size"),
-    vllm_version: str = typer.Option(
-        None, "--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest)."
-    ),
-    p99_tokens: str = typer.Option(
-        None, "--p99-tokens", help="P99 prompt+output length in tokens."
-    ),
-    concurrency: int = typer.Option(None, "--concurrency", help="Peak concurrent sequences."),
-    shared_prefix: str = typer.Option(
-        None,
-        "--shared-prefix",
-        help="Prefix all requests share: fraction of the P99 (0.3) or tokens (2048).",
-    ),
-    headroom_gib: float = typer.Option(
-        0.0, "--headroom-gib", help="GPU memory to leave free for other processes."
-    ),
-    margin: float = typer.Option(
-        0.10, "--margin", help="Spare KV capacity to demand (0.1 = 10 %)."
-    ),
+    tensor_parallel_size: opt.TensorParallelSize = None,
+    pipeline_parallel_size: opt.PipelineParallelSize = None,
+    data_parallel_size: opt.DataParallelSize = None,
+    enable_expert_parallel: opt.EnableExpertParallel = None,
+    gpu_memory_utilization: opt.GpuMemoryUtilization = None,
+    max_model_len: opt.MaxModelLen = None,
+    max_num_seqs: opt.MaxNumSeqs = None,
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = None,
+    kv_cache_dtype: opt.KvCacheDtype = None,
+    quantization: opt.Quantization = None,
+    dtype: opt.Dtype = None,
+    enforce_eager: opt.EnforceEager = None,
+    enable_prefix_caching: opt.EnablePrefixCaching = None,
+    kv_cache_memory_bytes: opt.KvCacheMemoryBytes = None,
+    cpu_offload_gb: opt.CpuOffloadGb = None,
+    block_size: opt.BlockSize = None,
+    vllm_version: opt.VllmVersion = None,
+    p99_tokens: opt.P99Tokens = None,
+    concurrency: opt.Concurrency = None,
+    shared_prefix: opt.SharedPrefix = None,
+    headroom_gib: opt.HeadroomGib = 0.0,
+    margin: opt.Margin = DEFAULT_MARGIN,
     host_memory_gib: float = typer.Option(
         None, "--host-memory-gib", help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
     ),
@@ -104,7 +68,7 @@ def plan_command(
 
     from oomguard.api import plan
     from oomguard.plan.render import render
-    from oomguard.vllm_args import _max_model_len, _parse_float
+    from oomguard.vllm_args import settings_from_flags
 
     command: list[str] | None = None
     if ctx.args:
@@ -114,58 +78,13 @@ def plan_command(
         raise BadInput(
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
-    if gpu_memory_utilization is not None:
-        _parse_float(str(gpu_memory_utilization), "--gpu-memory-utilization")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise BadInput(
-                f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
-                "it is the fraction of the GPU's total memory vLLM may use, e.g. 0.85",
-            )
-    settings: dict[str, Any] = {
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "data_parallel_size": data_parallel_size,
-        "enable_expert_parallel": enable_expert_parallel,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "max_model_len": None
-        if max_model_len is None
-        else _max_model_len(max_model_len, "--max-model-len"),
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": _human(max_num_batched_tokens, "--max-num-batched-tokens"),
-        "kv_cache_dtype": kv_cache_dtype,
-        "quantization": quantization,
-        "dtype": dtype,
-        "enforce_eager": enforce_eager,
-        "enable_prefix_caching": enable_prefix_caching,
-        "kv_cache_memory_bytes": _human(kv_cache_memory_bytes, "--kv-cache-memory-bytes"),
-        "cpu_offload_gb": cpu_offload_gb,
-        "block_size": block_size,
-        "vllm_version": vllm_version,
-    }
-    _check_choices(settings)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                 "max_num_seqs", "block_size"):  # fmt: skip
-        value = settings[name]
-        if value is not None and value < 1:
-            raise BadInput(
-                f"--{name.replace('_', '-')} {value} must be at least 1", "pass a positive integer"
-            )
+    flags = {name: value for name, value in locals().items() if name in _ENGINE_FLAGS}
     result = plan(
-        model,
-        gpu,
-        gpu_count=gpu_count,
-        gpu_memory_gib=gpu_memory_gib,
-        p99_tokens=p99_tokens,
-        concurrency=concurrency,
-        shared_prefix=shared_prefix,
-        headroom_gib=headroom_gib,
-        margin=margin,
-        host_memory_gib=host_memory_gib,
-        command=command,
-        allow_hub=not offline,
-        use_calibration=not no_calibration,
-        **{k: v for k, v in settings.items() if v is not None},
-    )
+        model, gpu, gpu_count=gpu_count, gpu_memory_gib=gpu_memory_gib, p99_tokens=p99_tokens,
+        concurrency=concurrency, shared_prefix=shared_prefix, headroom_gib=headroom_gib,
+        margin=margin, host_memory_gib=host_memory_gib, command=command,
+        allow_hub=not offline, use_calibration=not no_calibration, **settings_from_flags(flags),
+    )  # fmt: skip
     if json_output:
         typer.echo(result.to_json())
     else:
@@ -174,21 +93,14 @@ def plan_command(
     raise SystemExit(result.exit_code)
 
 
-def _check_choices(settings: dict[str, Any]) -> None:
-    from oomguard.vllm_args import (
-        DTYPE_CHOICES,
-        KV_CACHE_DTYPE_CHOICES,
-        QUANTIZATION_CHOICES,
-        _choice,
-    )
-
-    for name, choices in (
-        ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES),
-        ("dtype", DTYPE_CHOICES),
-        ("quantization", QUANTIZATION_CHOICES),
-    ):
-        if settings[name] is not None:
-            _choice(choices)(settings[name], "--" + name.replace("_", "-"))
+# the parameters of plan_command that are EngineSettings fields
+_ENGINE_FLAGS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+    "enable_expert_parallel", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "kv_cache_dtype", "quantization", "dtype", "enforce_eager",
+    "enable_prefix_caching", "kv_cache_memory_bytes", "cpu_offload_gb", "block_size",
+    "vllm_version",
+})  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:

@@ -37,13 +37,13 @@ from oomguard.plan.result import (
     SizingRow,
     Workload,
 )
+from oomguard.units import GIB, MIB, gib_label
 from oomguard.vllm_args import render_serve
 
-GIB = 2**30
 # vLLM's own CUDA context (and NCCL communicators with TP > 1) are created before the free-memory
 # check, so they come out of what is free, not out of the requested budget. Estimate.
-CONTEXT_RESERVE_BYTES = 512 * 2**20
-NCCL_RESERVE_BYTES = 256 * 2**20
+CONTEXT_RESERVE_BYTES = 512 * MIB
+NCCL_RESERVE_BYTES = 256 * MIB
 # Lower max_num_batched_tokens only down to this; below it long prompts prefill very slowly.
 _BATCHED_TOKEN_STEPS = (4096, 2048, 1024, 512)
 _COUNTS = (1, 2, 4, 8)
@@ -531,10 +531,6 @@ def apply_prefix_caching(
     return chosen, None
 
 
-def _gib(b: float) -> str:
-    return f"{b / GIB:.2f} GiB"
-
-
 def explain(
     space: SearchSpace,
     chosen: Candidate,
@@ -551,7 +547,7 @@ def explain(
     if chosen.model_ref != space.model_ref:
         reasons.append(FlagReason("model", chosen.model_ref,
                                   f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
-                                  f"{_gib(p.weights.value_bytes)} per GPU instead of {_gib(given.weights.value_bytes)}; "
+                                  f"{gib_label(p.weights.value_bytes)} per GPU instead of {gib_label(given.weights.value_bytes)}; "
                                   "small accuracy cost"))  # fmt: skip
     if (
         s.quantization
@@ -561,26 +557,26 @@ def explain(
         twin = fp8_checkpoint(space.model_ref)
         also = f" ({twin} is the same, pre-quantized)" if twin else ""
         reasons.append(FlagReason("quantization", s.quantization,
-                                  f"online fp8 weights: {_gib(p.weights.value_bytes)} per GPU instead of "
-                                  f"{_gib(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost"))  # fmt: skip
+                                  f"online fp8 weights: {gib_label(p.weights.value_bytes)} per GPU instead of "
+                                  f"{gib_label(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost"))  # fmt: skip
     if s.tensor_parallel_size != 1 and "tensor_parallel_size" not in space.fixed:
         reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
                                   f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
-                                  f"split over {s.tensor_parallel_size} GPUs: {_gib(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
+                                  f"split over {s.tensor_parallel_size} GPUs: {gib_label(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
     if "gpu_memory_utilization" in steps:
         util = s.gpu_memory_utilization
         if util is None:
-            free_now = "" if space.free_bytes is None else f" ({_gib(space.free_bytes)} free now)"
+            free_now = "" if space.free_bytes is None else f" ({gib_label(space.free_bytes)} free now)"
             reasons.append(FlagReason("gpu-memory-utilization", f"default ({default_util})",
-                                      f"vLLM's default leaves {_gib(p.total_bytes - p.requested_bytes)} for the CUDA "
+                                      f"vLLM's default leaves {gib_label(p.total_bytes - p.requested_bytes)} for the CUDA "
                                       f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
                                       "processes share it"))  # fmt: skip
         else:
             why = []
             if space.workload.headroom_bytes:
-                why.append(f"{_gib(space.workload.headroom_bytes)} kept free for co-tenants")
+                why.append(f"{gib_label(space.workload.headroom_bytes)} kept free for co-tenants")
             if space.free_bytes is not None:
-                why.append(f"only {_gib(space.free_bytes)} free now (NVML)")
+                why.append(f"only {gib_label(space.free_bytes)} free now (NVML)")
             reasons.append(FlagReason("gpu-memory-utilization", util,
                                       f"vLLM refuses to start when free memory < util × total; capped below the default "
                                       f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context"))  # fmt: skip
@@ -601,7 +597,7 @@ def explain(
         before = given.activation.value_bytes
         reasons.append(FlagReason("max-num-batched-tokens", s.max_num_batched_tokens,
                                   f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation peak drops "
-                                  f"from ~{_gib(before)} to ~{_gib(p.activation.value_bytes)}, which goes to the KV cache; "
+                                  f"from ~{gib_label(before)} to ~{gib_label(p.activation.value_bytes)}, which goes to the KV cache; "
                                   "long prompts prefill in more steps"))  # fmt: skip
     if s.kv_cache_dtype != "auto" and "kv_cache_dtype" not in space.fixed:
         reasons.append(FlagReason("kv-cache-dtype", s.kv_cache_dtype,

@@ -15,13 +15,10 @@ from rich.text import Text
 
 from oomguard.memory.activation import Estimate
 from oomguard.memory.engine import MemoryPrediction, Problem
-from oomguard.plan.result import GIB, Candidate, PlanResult, SizingRow, weights_known
+from oomguard.plan.result import Candidate, PlanResult, SizingRow, weights_known
+from oomguard.units import GIB, MIB, gib_text
 
 COMMAND_WIDTH = 76
-
-
-def _gib(value_bytes: float) -> str:
-    return f"{value_bytes / GIB:.2f}"
 
 
 def _estimate_cell(est: Estimate) -> str:
@@ -138,39 +135,39 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
     table.add_column("term", no_wrap=True)
     table.add_column("GiB", justify="right", no_wrap=True)
     table.add_column("how known", style="dim")
-    table.add_row("total (CUDA)", _gib(p.total_bytes), _gpu_source(c))
+    table.add_row("total (CUDA)", gib_text(p.total_bytes), _gpu_source(c))
     if s.kv_cache_memory_bytes:
         table.add_row(
-            "requested", _gib(p.requested_bytes), "--kv-cache-memory-bytes fixes the KV size"
+            "requested", gib_text(p.requested_bytes), "--kv-cache-memory-bytes fixes the KV size"
         )
     else:
-        table.add_row("requested", _gib(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
+        table.add_row("requested", gib_text(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
     estimated, how = weights_known(c)
     weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}" if estimated else how
-    table.add_row("  weights", _gib(p.weights.value_bytes), weights_cell)
-    table.add_row("  activation peak", _gib(p.activation.value_bytes), _estimate_cell(p.activation))
-    table.add_row("  non-torch", _gib(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
+    table.add_row("  weights", gib_text(p.weights.value_bytes), weights_cell)
+    table.add_row("  activation peak", gib_text(p.activation.value_bytes), _estimate_cell(p.activation))
+    table.add_row("  non-torch", gib_text(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
     if s.enforce_eager:
         graph_note = "--enforce-eager: none"
     elif p.cudagraph.value_bytes == 0 and not p.cudagraph.estimated:
         graph_note = "not taken from the KV budget in this version"
     else:
         graph_note = _estimate_cell(p.cudagraph)
-    table.add_row("  CUDA graphs", _gib(p.cudagraph.value_bytes), graph_note)
+    table.add_row("  CUDA graphs", gib_text(p.cudagraph.value_bytes), graph_note)
     if any(x.code == "weights_exceed_gpu" for x in p.problems):
         table.add_row("[bold]KV cache[/]", "[bold]—[/]", "never reached: loading the weights fails")
         return table
     if p.kv_cache_bytes <= 0:
         table.add_row(
-            "[bold]KV cache[/]", f"[bold red]{_gib(p.kv_cache_bytes)}[/]", "nothing left for it"
+            "[bold]KV cache[/]", f"[bold red]{gib_text(p.kv_cache_bytes)}[/]", "nothing left for it"
         )
         return table
     low, high = p.kv_cache_bytes_range
-    spread = f"; range {_gib(low)}–{_gib(high)}" if high > low else ""
+    spread = f"; range {gib_text(low)}–{gib_text(high)}" if high > low else ""
     table.add_row(
         "[bold]KV cache[/]",
-        f"[bold]{_gib(p.kv_cache_bytes)}[/]",
-        f"{p.num_blocks:,} blocks × {p.bytes_per_block / 2**20:g} MiB{spread}",
+        f"[bold]{gib_text(p.kv_cache_bytes)}[/]",
+        f"{p.num_blocks:,} blocks × {p.bytes_per_block / MIB:g} MiB{spread}",
     )
     table.add_section()
     t_low, t_high = p.kv_cache_tokens_range

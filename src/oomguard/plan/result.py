@@ -12,45 +12,14 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oomguard.units import gib_rounded
 from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_yaml
+from oomguard.workload import Workload
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import EngineSettings, MemoryPrediction
     from oomguard.memory.spec import GPUSpec, ModelSpec
 
-GIB = 2**30
-
-
-def _gib(value_bytes: float | int | None) -> float | None:
-    return None if value_bytes is None else round(value_bytes / GIB, 2)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What the deployment must serve.
-
-    ``p99_tokens`` is the 99th-percentile prompt+output length, ``concurrency`` the peak number
-    of sequences in flight, ``shared_prefix_tokens`` the prefix all requests share (stored once
-    with prefix caching), ``margin`` the spare KV capacity demanded (0.1 = 10 %), and
-    ``headroom_bytes`` GPU memory kept free for co-tenants.
-    """
-
-    p99_tokens: int
-    concurrency: int
-    shared_prefix_tokens: int = 0
-    margin: float = 0.10
-    headroom_bytes: int = 0
-    stated: bool = True  # False when oomguard assumed it (one request at full context)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "p99_tokens": self.p99_tokens,
-            "concurrency": self.concurrency,
-            "shared_prefix_tokens": self.shared_prefix_tokens,
-            "margin": self.margin,
-            "headroom_gib": _gib(self.headroom_bytes),
-            "stated": self.stated,
-        }
 
 
 @dataclass(frozen=True)
@@ -150,8 +119,8 @@ class Candidate:
             "weights": self.weights_label,
             "settings": {name: value for name, value in explicit_flags(self.settings)},
             "fits": self.fits,
-            "weights_gib": _gib(p.weights.value_bytes),
-            "kv_cache_gib": _gib(p.kv_cache_bytes),
+            "weights_gib": gib_rounded(p.weights.value_bytes),
+            "kv_cache_gib": gib_rounded(p.kv_cache_bytes),
             "kv_cache_tokens": p.kv_cache_tokens,
             "max_concurrency": round(float(p.max_concurrency), 2),
             "serve": self.serve.to_dict() if self.serve else None,
@@ -384,9 +353,9 @@ class PlanResult:
                 basis = f"{how} ({est.basis})" if estimated else est.basis
             estimates[term] = {
                 "estimated": estimated,
-                "value_gib": _gib(est.value_bytes),
-                "low_gib": _gib(est.low_bytes if estimated else est.value_bytes),
-                "high_gib": _gib(est.high_bytes if estimated else est.value_bytes),
+                "value_gib": gib_rounded(est.value_bytes),
+                "low_gib": gib_rounded(est.low_bytes if estimated else est.value_bytes),
+                "high_gib": gib_rounded(est.high_bytes if estimated else est.value_bytes),
                 "basis": basis,
             }
         out: dict[str, Any] = {
@@ -400,20 +369,20 @@ class PlanResult:
                 "total_gib": round(self.plan.gpu.total_gib, 2),
                 "count": self.plan.gpus_used,
                 "available": self.plan.gpu_count,
-                "free_gib": _gib(p.free_bytes) if self.gpu_source == "nvml" else None,
+                "free_gib": gib_rounded(p.free_bytes) if self.gpu_source == "nvml" else None,
                 "source": self.gpu_source,
             },
             "settings": settings,
             "memory": {
-                "total_gib": _gib(p.total_bytes),
-                "requested_gib": _gib(p.requested_bytes),
-                "weights_gib": _gib(p.weights.value_bytes),
-                "activation_gib": _gib(p.activation.value_bytes),
-                "non_torch_gib": _gib(p.non_torch.value_bytes),
-                "cudagraph_gib": _gib(p.cudagraph.value_bytes),
-                "kv_cache_gib": _gib(p.kv_cache_bytes),
+                "total_gib": gib_rounded(p.total_bytes),
+                "requested_gib": gib_rounded(p.requested_bytes),
+                "weights_gib": gib_rounded(p.weights.value_bytes),
+                "activation_gib": gib_rounded(p.activation.value_bytes),
+                "non_torch_gib": gib_rounded(p.non_torch.value_bytes),
+                "cudagraph_gib": gib_rounded(p.cudagraph.value_bytes),
+                "kv_cache_gib": gib_rounded(p.kv_cache_bytes),
                 # what the estimated terms' ranges allow (equal ends when all are measured)
-                "kv_cache_gib_range": [_gib(b) for b in p.kv_cache_bytes_range],
+                "kv_cache_gib_range": [gib_rounded(b) for b in p.kv_cache_bytes_range],
             },
             "kv_cache_tokens": p.kv_cache_tokens,
             "kv_cache_tokens_range": list(p.kv_cache_tokens_range),
@@ -447,7 +416,7 @@ class PlanResult:
             else {
                 "fits": self.given.fits,
                 "serve": self.given.serve.to_dict() if self.given.serve else None,
-                "kv_cache_gib": _gib(self.given.prediction.kv_cache_bytes),
+                "kv_cache_gib": gib_rounded(self.given.prediction.kv_cache_bytes),
                 "kv_cache_tokens": self.given.prediction.kv_cache_tokens,
                 "max_concurrency": round(float(self.given.prediction.max_concurrency), 2),
                 "problems": [

@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING
 
-from oomguard.calibration import Observation, Store, observation_from_log
+from oomguard.calibration import StartupMeasurement, Store, observation_from_log
 from oomguard.errors import OomguardError
 from oomguard.logs import Observed, ParsedLog
 from oomguard.serve.device import Device
+from oomguard.units import GIB
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import MemoryPrediction
@@ -44,7 +45,7 @@ def observation_of(
     *,
     source: str,
     prediction: MemoryPrediction | None = None,
-) -> Observation | None:
+) -> StartupMeasurement | None:
     """The terms ``parsed`` measured, keyed for ``device``; None when it measured none.
 
     On the CPU backend ``prediction`` (this launch's) supplies the weights and activation
@@ -57,7 +58,7 @@ def observation_of(
             return None
         runtime = (
             non_kv.value
-            - (prediction.weights.value_bytes + prediction.activation.value_bytes) / 2**30
+            - (prediction.weights.value_bytes + prediction.activation.value_bytes) / GIB
         )
         if runtime <= 0:
             return None
@@ -72,7 +73,7 @@ def observation_of(
         return None
 
 
-def store_observation(observation: Observation, store: Store | None = None) -> str:
+def store_observation(observation: StartupMeasurement, store: Store | None = None) -> str:
     """Store ``observation``; returns its key. Raises :class:`OomguardError` when the store
     cannot be written."""
     (store or Store()).add([observation])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from oomguard.errors import OomguardError
+from oomguard.units import GIB
 
 LLAMA_TIERS = ("llama_cpp", "cpu_only")
 # tiers this machine can run as it is: not more or larger GPUs, not another checkpoint
@@ -63,4 +64,4 @@ def _runs_here(alternative: Any, device: Any) -> bool:
     if alternative.kind == "cpu_offload" and (device is None or device.platform == "cpu"):
         return False
     host_gib = alternative.numbers.get("host_gib")
-    return not (isinstance(host_gib, (int, float)) and host_gib * 2**30 > psutil.virtual_memory().total)
+    return not (isinstance(host_gib, (int, float)) and host_gib * GIB > psutil.virtual_memory().total)

@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 
+from oomguard import cli_options as opt
 from oomguard.errors import BadInput
 
 _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
@@ -34,18 +35,18 @@ def serve_command(
     model: str = typer.Argument(
         None, help="Model to plan for and serve (or, after --, a pasted vllm serve command)."
     ),
-    p99_tokens: str = typer.Option(None, "--p99-tokens", help="P99 prompt+output tokens."),
-    concurrency: int = typer.Option(None, "--concurrency", help="Peak concurrent sequences."),
-    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization"),
-    max_model_len: str = typer.Option(None, "--max-model-len"),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs"),
-    max_num_batched_tokens: str = typer.Option(None, "--max-num-batched-tokens"),
-    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype"),
-    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes"),
-    quantization: str = typer.Option(None, "--quantization", "-q"),
-    dtype: str = typer.Option(None, "--dtype"),
-    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp"),
-    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager"),
+    p99_tokens: opt.P99Tokens = None,
+    concurrency: opt.Concurrency = None,
+    gpu_memory_utilization: opt.GpuMemoryUtilization = None,
+    max_model_len: opt.MaxModelLen = None,
+    max_num_seqs: opt.MaxNumSeqs = None,
+    max_num_batched_tokens: opt.MaxNumBatchedTokens = None,
+    kv_cache_dtype: opt.KvCacheDtype = None,
+    kv_cache_memory_bytes: opt.KvCacheMemoryBytes = None,
+    quantization: opt.Quantization = None,
+    dtype: opt.Dtype = None,
+    tensor_parallel_size: opt.TensorParallelSize = None,
+    enforce_eager: opt.EnforceEager = None,
     host: str = typer.Option(None, "--host", help="Address the engine binds (MODEL form)."),
     port: int = typer.Option(None, "--port", help="Port of the engine (MODEL form; default 8000)."),
     max_attempts: int = typer.Option(3, "--max-attempts", help="Most launches to start it."),
@@ -123,14 +124,10 @@ def serve_command(
 
 def _workload(p99_tokens: str | None, concurrency: int | None) -> Any:
     from oomguard.serve.heal import HealWorkload
-    from oomguard.vllm_args import parse_human_int
+    from oomguard.workload import stated_workload
 
-    p99 = None if p99_tokens is None else parse_human_int(p99_tokens, flag="--p99-tokens")
-    if p99 is not None and p99 <= 0:
-        raise BadInput(f"--p99-tokens {p99_tokens} must be positive", "pass a token count")
-    if concurrency is not None and concurrency < 1:
-        raise BadInput(f"--concurrency {concurrency} must be at least 1", "pass a count")
-    return HealWorkload(p99_tokens=p99, concurrency=concurrency)
+    stated = stated_workload(p99_tokens, concurrency)
+    return HealWorkload(p99_tokens=stated.p99_tokens or None, concurrency=stated.concurrency or None)
 
 
 def _read_form(
@@ -143,6 +140,7 @@ def _read_form(
 ) -> None:
     """Fill ``options`` for the MODEL form or the pasted-command form."""
     from oomguard.serve.command import EngineCommand
+    from oomguard.vllm_args import settings_from_flags
 
     pasted = model is None or bool(_COMMAND_START.fullmatch(model))
     given = {k: v for k, v in plan_flags.items() if v is not None}
@@ -179,7 +177,7 @@ def _read_form(
     options.model = model
     options.engine_args = tuple(rest)
     options.host, options.port = host, port
-    options.plan_settings = _plan_settings(given)
+    options.plan_settings = settings_from_flags(given)
 
 
 def _names_llama_server(words: list[str]) -> bool:
@@ -188,23 +186,6 @@ def _names_llama_server(words: list[str]) -> bool:
 
     first = next((w for w in words if not re.fullmatch(r"\w+=.*", w) and w != "env"), "")
     return is_llama_server(first)
-
-
-def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
-    """The MODEL form's flags as EngineSettings fields (values read like vLLM reads them)."""
-    from oomguard.vllm_args import _max_model_len, parse_human_int
-
-    settings = dict(given)
-    if "max_model_len" in settings:
-        settings["max_model_len"] = _max_model_len(
-            str(settings["max_model_len"]), "--max-model-len"
-        )
-    for name in ("max_num_batched_tokens", "kv_cache_memory_bytes"):
-        if name in settings:
-            settings[name] = parse_human_int(
-                str(settings[name]), flag="--" + name.replace("_", "-")
-            )
-    return settings
 
 
 def _run(options: Any, *, json_output: bool, log_file: Path | None) -> int:

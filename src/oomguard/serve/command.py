@@ -10,7 +10,6 @@ file, so an appended flag wins over the file). What vLLM would run is read back 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -19,16 +18,18 @@ from typing import Any
 
 from oomguard._vllm_flags import BOOL_FLAGS, LIST_FLAGS
 from oomguard.errors import BadInput
-from oomguard.vllm_args import ParsedCommand, _canonical, parse_command
+from oomguard.vllm_args import (
+    Launcher,
+    ParsedCommand,
+    _canonical,
+    parse_command,
+    split_launcher,
+)
 
 DEFAULT_PORT = 8000
 # flags that say where the server listens or how it logs, not what it serves: two commands
 # that differ only in these are the same configuration
 _NOT_CONFIGURATION = frozenset({"host", "port", "uvicorn-log-level", "disable-log-stats"})
-_ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
-_PYTHON = re.compile(r"python(\d(\.\d+)?)?")
-_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server")
-_CONTAINER_TOOLS = ("docker", "podman", "nerdctl")
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,8 @@ class EngineCommand:
         words = [t for t in tokens if t not in ("\\", "\\\n")]
         if len(words) == 1 and " " in words[0]:
             words = shlex.split(words[0].replace("\\\n", " "))
-        env: dict[str, str] = {}
-        while words and (words[0] == "env" or _ENV_ASSIGNMENT.fullmatch(words[0])):
-            if words[0] != "env":
-                name, _, value = words[0].partition("=")
-                env[name] = value
-            words = words[1:]
-        python, rest = _strip_launcher(words)
+        launcher = _server_launcher(words)
+        env, python, rest = launcher.env, launcher.python, launcher.args
         command = cls(model="", args=tuple(rest), python=python, env=env, base_dir=base_dir)
         parsed = command._parse_with_model_in_args()
         command = replace(command, model=parsed.model, args=_without_model(rest, parsed.model))
@@ -180,31 +176,16 @@ class EngineCommand:
         return {"command": self.display(), "model": self.model, "args": list(self.args)}
 
 
-def _strip_launcher(words: list[str]) -> tuple[str | None, list[str]]:
-    """(the interpreter a ``python -m`` line names, the server's arguments)."""
+def _server_launcher(words: list[str]) -> Launcher:
+    """The launcher of a command serve can start itself: ``vllm serve`` or ``python -m``."""
     if not words:
         raise BadInput("no command after --", "write: oomguard serve -- vllm serve MODEL --flags…")
-    head = Path(words[0]).name
-    if head == "vllm":
-        if len(words) < 2 or words[1] != "serve":
-            sub = words[1] if len(words) > 1 else "(nothing)"
-            raise BadInput(f"only 'vllm serve' can be launched, got 'vllm {sub}'",
-                           "write: oomguard serve -- vllm serve MODEL --flags…")  # fmt: skip
-        return None, words[2:]
-    if _PYTHON.fullmatch(head):
-        rest = words[1:]
-        while rest and rest[0] in ("-u", "-O", "-B"):
-            rest = rest[1:]
-        if len(rest) >= 2 and rest[0] == "-m":
-            if rest[1] in _SERVER_MODULES:
-                return words[0], rest[2:]
-            if rest[1] == "vllm.entrypoints.cli.main" and len(rest) > 2 and rest[2] == "serve":
-                return words[0], rest[3:]
-        raise BadInput("the command does not start vLLM's server",
-                       "paste 'python -m vllm.entrypoints.openai.api_server --model MODEL …'")  # fmt: skip
-    if head in _CONTAINER_TOOLS:
+    launcher = split_launcher(words)
+    if launcher.form in ("vllm", "python"):
+        return launcher
+    if launcher.form == "container":
         raise BadInput(
-            f"serve launches vLLM itself and cannot supervise a {head} container",
+            f"serve launches vLLM itself and cannot supervise a {launcher.tool} container",
             "paste the 'vllm serve …' command the container runs (or run oomguard serve inside it)",
         )
     raise BadInput(f"{words[0]!r} is not a vLLM server command",

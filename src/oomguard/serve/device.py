@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.memory.spec import GPUSpec
-
-GIB = 2**30
+from oomguard.units import GIB
 
 
 @dataclass(frozen=True)

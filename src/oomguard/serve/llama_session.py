@@ -62,9 +62,8 @@ from oomguard.tiering.server import (
     llama_server_version,
 )
 from oomguard.tiering.split import SplitPlan, after_allocation_failure, best_split, price_split
+from oomguard.units import GIB, MIB
 
-GIB = 2**30
-MIB = 2**20
 LLAMA_PHASE_LABELS: dict[Phase, str] = {
     Phase.STARTUP: "starting",
     Phase.WEIGHT_LOADING: "loading weights",

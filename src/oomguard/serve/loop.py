@@ -52,7 +52,6 @@ from oomguard.logs.follow import Failure, LineNews
 from oomguard.serve.events import EventHandler, EventLog
 from oomguard.serve.heal import HealWorkload
 
-GIB = 2**30
 EXIT_STOPPED = 0
 EXIT_NOT_STARTED = 1
 # where an engine died: before it was healthy, before it answered any request, later on

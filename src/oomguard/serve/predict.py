@@ -20,7 +20,6 @@ from oomguard.serve.command import EngineCommand
 from oomguard.serve.device import Device
 from oomguard.serve.verify import Predicted, predicted_terms
 
-GIB = 2**30
 _TERM_FIELDS = ("weights_bytes", "activation_bytes", "non_torch_bytes", "cudagraph_bytes")
 
 

@@ -37,10 +37,10 @@ from oomguard.serve.loop import (
 )
 from oomguard.serve.predict import Prediction, predict_command, resolve_spec
 from oomguard.serve.verify import TERM_BY_FIELD, Comparison, compare
+from oomguard.units import GIB
 
 __all__ = ["EXIT_NOT_STARTED", "EXIT_STOPPED", "LaunchResult", "ServeOptions", "ServeSession"]
 
-GIB = 2**30
 # numbers the log states that are shown as observed without a prediction of their own
 _CONTEXT_FIELDS = ("gpu_total_gib", "startup_free_gib", "requested_gib", "gpu_blocks",
                    "estimated_max_model_len")  # fmt: skip

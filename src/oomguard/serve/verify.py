@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomguard.logs import ParsedLog
+from oomguard.units import GIB
 
 if TYPE_CHECKING:
     from oomguard.memory.engine import MemoryPrediction
-
-GIB = 2**30
 
 
 @dataclass(frozen=True)

@@ -23,22 +23,18 @@ from oomguard.tiering.command import render_llama_server
 from oomguard.tiering.model import GGUFModel
 from oomguard.tiering.settings import LlamaCppSettings
 from oomguard.tiering.split import SplitPlan, best_split, price_split
+from oomguard.units import GIB, gib_rounded
 
 if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
     from oomguard.plan.recommend import SearchSpace
     from oomguard.plan.result import Alternative, Candidate
 
-GIB = 2**30
 STEP_OF_KIND = {"as_planned": 1, "shorter_context": 2, "more_gpus": 3, "larger_gpu": 3, "quantization": 4,
                 "quantize_yourself": 4, "cpu_offload": 5, "llama_cpp": 6, "cpu_only": 7}  # fmt: skip
 STEP_NAMES = {1: "vLLM as planned", 2: "fp8 KV or a shorter context", 3: "tensor parallelism / more GPU memory",
               4: "a quantized checkpoint", 5: "vLLM --cpu-offload-gb", 6: "llama.cpp, split GPU/host",
               7: "CPU only"}  # fmt: skip
-
-
-def _gib(value: float | None) -> float | None:
-    return None if value is None else round(value / GIB, 2)
 
 
 def _step(alt: Alternative) -> int:
@@ -83,9 +79,9 @@ def _vllm_price(alt: Alternative, ref_s: float | None) -> dict[str, Any]:
     tokens = 1 / seconds if seconds and (gbps or not on_gpu) else None
     return {
         "engine": "vllm",
-        "gpu_gib_per_device": _gib(pred.requested_bytes),
+        "gpu_gib_per_device": gib_rounded(pred.requested_bytes),
         "gpu_count": c.gpu_count,
-        "host_gib": _gib(offload * c.settings.tensor_parallel_size) or 0.0,
+        "host_gib": gib_rounded(offload * c.settings.tensor_parallel_size) or 0.0,
         "decode_tokens_per_s_bound": None if tokens is None else round(tokens, 1),
         "slowdown": None if tokens is None or not ref_s else round((1 / tokens) / ref_s, 2),
     }
@@ -103,10 +99,10 @@ def _llama_cpp_tier(space: SearchSpace, plan: SplitPlan, ref_s: float | None, ki
         "engine": "llama.cpp", "gguf": model.file_type, "gguf_gib": round(model.weight_bytes / GIB, 2),
         "layers": model.n_layer, "n_gpu_layers": s.n_gpu_layers, "n_cpu_moe": s.n_cpu_moe, "cpu_moe": s.cpu_moe,
         "ctx_size": plan.memory.context.n_ctx, "ctx_per_slot": plan.memory.context.n_ctx_seq, "parallel": s.parallel,
-        "gpu_gib_per_device": _gib(plan.gpu_need_bytes) if s.gpu_count else 0.0,
-        "gpu_budget_gib": _gib(plan.gpu_budget_bytes) if s.gpu_count else None,
-        "gpu_count": s.gpu_count, "host_gib": _gib(plan.host_need_bytes),
-        "host_budget_gib": _gib(plan.host_budget_bytes),
+        "gpu_gib_per_device": gib_rounded(plan.gpu_need_bytes) if s.gpu_count else 0.0,
+        "gpu_budget_gib": gib_rounded(plan.gpu_budget_bytes) if s.gpu_count else None,
+        "gpu_count": s.gpu_count, "host_gib": gib_rounded(plan.host_need_bytes),
+        "host_budget_gib": gib_rounded(plan.host_budget_bytes),
         "decode_tokens_per_s_bound": None if tokens is None else round(tokens, 2),
         "slowdown": None if tokens is None or not ref_s else round((1 / tokens) / ref_s, 1),
         "buffers": [{"kind": b.kind, "device": b.device, "name": b.name or b.device, "gib": round(b.size_bytes / GIB, 3),

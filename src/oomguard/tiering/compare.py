@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from oomguard.tiering.loadlog import PRINT_RESOLUTION_BYTES, LoadLog
 from oomguard.tiering.memory import LlamaCppMemory
-
-MIB = 2**20
+from oomguard.units import MIB
 
 
 @dataclass(frozen=True)

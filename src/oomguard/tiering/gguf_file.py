@@ -1,4 +1,4 @@
-"""Read a GGUF file's header into a :class:`GGUFModel` (the ``gguf`` package; no tensor data read).
+"""A GGUF file's header (:func:`oomguard.facts.gguf.read_header`) as a :class:`GGUFModel`.
 
 Hyperparameters are the ``{arch}.*`` keys llama.cpp reads (``llama-model.cpp``
 ``load_hparams``): block_count, embedding_length, attention.head_count(_kv) (a number or a
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.errors import MalformedConfig, UnsupportedArchitecture
+from oomguard.facts.gguf import GGUFHeader, read_header
 from oomguard.tiering.model import GGUFModel, GGUFTensor
 
 # Architectures whose KV cache is plain per-layer K and V (llama_kv_cache / _iswa): the ones
@@ -31,16 +32,6 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
                16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 32: "BF16", 38: "MXFP4_MOE"}  # fmt: skip
 
 
-def _contents(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - an undecodable field means a damaged file
-        raise MalformedConfig(f"GGUF field {key!r} cannot be decoded", "download the file again") from None
-
-
 def _per_layer(value: Any, n_layer: int, default: int) -> tuple[int, ...]:
     if value is None:
         return (default,) * n_layer
@@ -52,10 +43,11 @@ def _per_layer(value: Any, n_layer: int, default: int) -> tuple[int, ...]:
     return (int(value),) * n_layer
 
 
-def _swa_layers(reader: Any, arch: str, n_layer: int, window: int) -> tuple[bool, ...]:
+def _swa_layers(header: GGUFHeader, n_layer: int, window: int) -> tuple[bool, ...]:
     if not window:
         return ()
-    pattern = _contents(reader, f"{arch}.attention.sliding_window_pattern")
+    arch = header.architecture
+    pattern = header.key("attention.sliding_window_pattern")
     if isinstance(pattern, list):
         return tuple(bool(v) for v in pattern[:n_layer])
     n = int(pattern) if pattern is not None else _SWA_PATTERN.get(arch, 0)
@@ -69,17 +61,8 @@ def read_gguf(path: str | Path) -> GGUFModel:
     Raises :class:`MalformedConfig` for an unreadable file and
     :class:`UnsupportedArchitecture` for an architecture whose KV cache is not plain K/V.
     """
-    from gguf import GGUFReader
-
-    p = Path(path).expanduser()
-    try:
-        reader = GGUFReader(str(p))
-    except Exception as exc:  # noqa: BLE001 - the gguf package raises plain ValueError/struct errors
-        raise MalformedConfig(f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc})",
-                              "check the file; it may be truncated") from None  # fmt: skip
-    arch = _contents(reader, "general.architecture")
-    if not isinstance(arch, str):
-        raise MalformedConfig(f"{p} has no general.architecture", "check the file")
+    header = read_header(path)
+    p, arch = header.path, header.architecture
     if arch not in KV_ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"llama.cpp's memory for GGUF architecture {arch!r} is not modelled (its KV cache is "
@@ -87,9 +70,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
             f"supported: {', '.join(sorted(KV_ARCHITECTURES))}",
         )
 
-    def key(name: str) -> Any:
-        return _contents(reader, f"{arch}.{name}")
-
+    key = header.key
     n_layer = int(key("block_count") or 0)
     n_embd = int(key("embedding_length") or 0)
     heads = key("attention.head_count")
@@ -102,18 +83,16 @@ def read_gguf(path: str | Path) -> GGUFModel:
     head_k = int(key("attention.key_length") or n_embd // n_head)
     head_v = int(key("attention.value_length") or n_embd // n_head)
     tensors = tuple(
-        GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset))
-        for t in reader.tensors
+        GGUFTensor(t.name, t.type_name, t.shape, t.data_offset) for t in header.tensors
     )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
-    n_vocab = int(key("vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    n_vocab = int(key("vocab_size") or (header.token_count() or 0)
                   or (embd.shape[1] if embd is not None else 0))  # fmt: skip
     window = int(key("attention.sliding_window") or 0)
-    file_type = _contents(reader, "general.file_type")
+    file_type = header.value("general.file_type")
     ff = key("feed_forward_length")
     return GGUFModel(
-        name=str(_contents(reader, "general.name") or p.stem),
+        name=str(header.value("general.name") or p.stem),
         architecture=arch,
         n_layer=n_layer,
         n_embd=n_embd,
@@ -128,7 +107,7 @@ def read_gguf(path: str | Path) -> GGUFModel:
         n_expert_used=int(key("expert_used_count") or 0),
         n_ff=int(max(ff) if isinstance(ff, list) else (ff or 0)),
         sliding_window=window,
-        swa_layers=_swa_layers(reader, arch, n_layer, window),
+        swa_layers=_swa_layers(header, n_layer, window),
         file_type=_FILE_TYPES.get(int(file_type), str(file_type)) if file_type is not None else "",
         source=f"GGUF header of {p}",
         file_bytes=p.stat().st_size,

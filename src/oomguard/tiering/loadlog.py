@@ -15,7 +15,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-MIB = 2**20
+from oomguard.units import MIB
+
 PRINT_RESOLUTION_BYTES = int(0.005 * MIB) + 1  # "%8.2f MiB" rounds to 0.01 MiB
 
 _BUFFER = re.compile(

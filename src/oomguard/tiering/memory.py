@@ -29,8 +29,7 @@ from oomguard.tiering.ggml_types import is_quantized, kv_cache_type, pad, row_by
 from oomguard.tiering.model import GGUFModel, GGUFTensor
 from oomguard.tiering.placement import CPU, REPACK, Placement, place
 from oomguard.tiering.settings import CPU_ALIGNMENT_BYTES, GPU_BACKENDS, LlamaCppSettings
-
-MIB = 2**20
+from oomguard.units import MIB
 
 
 @dataclass(frozen=True)

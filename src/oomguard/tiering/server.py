@@ -24,6 +24,7 @@ from oomguard.tiering.args import FlagTable, parse_help
 from oomguard.tiering.command import llama_server_argv
 from oomguard.tiering.loadlog import LoadLog
 from oomguard.tiering.settings import LlamaCppSettings
+from oomguard.units import GIB, MIB
 
 
 class LlamaServerNotFound(BadInput):
@@ -175,7 +176,7 @@ class LlamaDevice:
     def to_dict(self) -> dict[str, object]:
         """JSON-ready."""
         return {"name": self.name, "description": self.description,
-                "total_gib": round(self.total_bytes / 2**30, 3), "free_gib": round(self.free_bytes / 2**30, 3)}  # fmt: skip
+                "total_gib": round(self.total_bytes / GIB, 3), "free_gib": round(self.free_bytes / GIB, 3)}  # fmt: skip
 
 
 def _run_binary(binary: Path, args: Sequence[str], timeout_s: float = 30.0) -> str:
@@ -217,8 +218,8 @@ def list_devices(binary: Path, rpc: str | None = None, devices: str | None = Non
     for line in _run_binary(binary, args).splitlines():
         m = _DEVICE_LINE.match(line)
         if m:
-            found.append(LlamaDevice(m.group("name"), m.group("description"), int(m.group("total")) * 2**20,
-                                     int(m.group("free")) * 2**20))  # fmt: skip
+            found.append(LlamaDevice(m.group("name"), m.group("description"), int(m.group("total")) * MIB,
+                                     int(m.group("free")) * MIB))  # fmt: skip
     if devices:
         wanted = {d.strip() for d in devices.split(",")}
         found = [d for d in found if d.name in wanted]

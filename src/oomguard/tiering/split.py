@@ -20,10 +20,10 @@ from oomguard.tiering.memory import LlamaCppMemory, predict_llama_cpp
 from oomguard.tiering.model import GGUFModel
 from oomguard.tiering.placement import CPU
 from oomguard.tiering.settings import LlamaCppSettings
+from oomguard.units import GIB, MIB
 
-GIB = 2**30
-CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace per GPU (estimate)
-MARGIN_BYTES = 1024 * 2**20  # llama.cpp --fit-target default
+CUDA_CONTEXT_BYTES = 512 * MIB  # CUDA context + cuBLAS workspace per GPU (estimate)
+MARGIN_BYTES = GIB  # llama.cpp --fit-target default
 HOST_MARGIN_BYTES = 2 * GIB  # the OS and the server process itself
 
 

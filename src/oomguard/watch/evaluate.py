@@ -13,14 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from oomguard.engine.memory import DeviceMemory
+from oomguard.units import GIB, MIB
 from oomguard.watch import rules as R
 from oomguard.watch.alerts import Observation, observe
 from oomguard.watch.leak import LeakDetector, LeakVerdict
 from oomguard.watch.plan_figures import PlanFigures
 from oomguard.watch.sampling import TargetSample
-
-GIB = 2**30
-MIB = 2**20
 
 
 @dataclass

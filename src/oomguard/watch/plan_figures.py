@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.errors import BadInput
+from oomguard.units import GIB
 
-GIB = 2**30
 _HOW = "write it with: oomguard plan MODEL --gpu GPU … --json > plan.json"
 
 

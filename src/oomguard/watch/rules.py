@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GIB = 2**30
-MIB = 2**20
+from oomguard.units import GIB, MIB
 
 
 @dataclass(frozen=True)

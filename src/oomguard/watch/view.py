@@ -8,16 +8,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from oomguard.units import MIB, gib_text
+
 if TYPE_CHECKING:
     from oomguard.watch.evaluate import TargetState
     from oomguard.watch.runner import Watch
-
-GIB = 2**30
-MIB = 2**20
-
-
-def _gib(value: float | None) -> str:
-    return "–" if value is None else f"{value / GIB:.2f}"
 
 
 def _usage_bar(usage: float | None, width: int = 10) -> Text:
@@ -63,9 +58,9 @@ def _gpu(state: TargetState) -> str:
     plan = state.plan
     cells = []
     for g in s.gpus:
-        cell = f"{g.index}: {_gib(g.used_bytes)}"
+        cell = f"{g.index}: {gib_text(g.used_bytes)}"
         if plan is not None:
-            cell += f" (plan {_gib(plan.requested_bytes)})"
+            cell += f" (plan {gib_text(plan.requested_bytes)})"
         cells.append(cell)
     tail = " whole device" if s.gpu_source == "nvml-device" else ""
     return ", ".join(cells) + tail
@@ -102,7 +97,7 @@ def render(watch: Watch) -> Group:
         pre = state.recent_preemptions
         table.add_row(
             name, status, _pool(state), _usage_bar(usage), _headroom(state), _requests(state),
-            "–" if pre is None else f"{pre:g}", _gpu(state), _gib(s.host_rss_bytes), _trend(state),
+            "–" if pre is None else f"{pre:g}", _gpu(state), gib_text(s.host_rss_bytes), _trend(state),
         )  # fmt: skip
     parts: list[Table | Text] = [table]
     if watch.devices:
@@ -110,7 +105,7 @@ def render(watch: Watch) -> Group:
         for column in ("gpu", "name", "used GiB", "free GiB", "total GiB"):
             gpus.add_column(column)
         for d in watch.devices:
-            gpus.add_row(str(d.index), d.name, _gib(d.used_bytes), _gib(d.free_bytes), _gib(d.total_bytes))
+            gpus.add_row(str(d.index), d.name, gib_text(d.used_bytes), gib_text(d.free_bytes), gib_text(d.total_bytes))
         parts.append(gpus)
     elif watch.gpu.available is False:
         parts.append(Text("no NVML on this host: GPU memory not watched", style="dim"))

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from oomguard.calibration import Store, lookup, model_family, observation_from_log, record_logs
-from oomguard.calibration.store import GIB
 from oomguard.cli import main
 from oomguard.errors import BadInput, MalformedConfig
 from oomguard.logs import parse_stream
+from oomguard.units import GIB
 
 ROWS = [
     json.loads(line)

@@ -7,11 +7,13 @@ import json
 import pytest
 
 from oomguard.cli import main
-from oomguard.doctor.lint import Workload, lint_command
+from oomguard.doctor.lint import lint_command
 from oomguard.errors import BadInput
 from oomguard.facts.gpus import find_gpu
 from oomguard.facts.resolve import resolve_model
 from oomguard.memory.engine import EngineSettings, predict
+from oomguard.units import GIB
+from oomguard.workload import Workload
 
 QWEN_32B = "vllm serve Qwen/Qwen3-32B --max-model-len 32768"
 
@@ -77,7 +79,7 @@ def test_a_misspelt_flag_names_the_real_one(typo: str, real: str) -> None:
 
 def test_full_utilization_and_an_unbudgeted_cotenant() -> None:
     report = lint_command("vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0", gpu="L40S",
-                          workload=Workload(cotenant_gib=8))
+                          workload=Workload(headroom_bytes=8 * GIB))
     causes = [f.cause for f in report.problems]
     assert causes.count("util_overshoot") == 2
     cotenant = next(f for f in report.problems if "co-tenant" in f.summary)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from oomguard.errors import MalformedConfig, UnsupportedArchitecture
-from oomguard.facts.gguf_reader import spec_from_gguf
+from oomguard.facts.gguf import spec_from_gguf
 from oomguard.memory.spec import AttentionKind
 
 HIDDEN, FF, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96

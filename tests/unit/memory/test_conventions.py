@@ -263,10 +263,24 @@ def test_mxfp4_padding_rounds_the_per_rank_intermediate_size() -> None:
     # gpt-oss: hidden 2880 → 3072; intermediate per rank 2880 → 2944 (TP1), 1440 → 1536 (TP2)
     assert mxfp4_expert_padding(2880, 2880, shards=1) == pytest.approx(3072 / 2880 * 2944 / 2880)
     assert mxfp4_expert_padding(2880, 2880, shards=2) == pytest.approx(3072 / 2880 * 1536 / 1440)
-    assert mxfp4_expert_padding(2880, 2880, shards=2, era_minor=11) == pytest.approx(3072 / 2880)
+    assert mxfp4_expert_padding(2880, 2880, shards=2, pad_intermediate=resolve_era("0.11").mxfp4_pad_intermediate) == pytest.approx(3072 / 2880)
     model = resolve_model("openai/gpt-oss-20b", allow_hub=False)
     s = EngineSettings(vllm_version="0.19", max_model_len=8192)
     tp1 = predict(model, H100, s).weights.gib
     tp2 = predict(model, H100, dataclasses.replace(s, tensor_parallel_size=2)).weights.gib
     assert tp1 == pytest.approx(13.64, rel=0.01)  # logged 13.64 GiB (vLLM 0.19, H100, TP=1)
     assert tp2 == pytest.approx(7.01, rel=0.012)  # logged 7.01 GiB (TP=2)
+
+
+def test_release_differences_are_era_fields() -> None:
+    # each behaviour that changed between releases is read from the era row, not a version check
+    old, mid, new = resolve_era("0.10"), resolve_era("0.17"), resolve_era("0.30")
+    assert (old.hopper_mla_block, mid.hopper_mla_block, new.hopper_mla_block) == (64, 64, 16)
+    assert not old.cpu_hybrid_kv_manager and mid.cpu_hybrid_kv_manager
+    assert not old.refuses_removed_architectures and new.refuses_removed_architectures
+    assert (mid.non_torch_form, new.non_torch_form) == ("v1", "late")
+    assert (resolve_era("0.14").mamba_prefix_mode, new.mamba_prefix_mode) == ("all", "align")
+    assert not mid.rocm_cudagraph_profiled and new.rocm_cudagraph_profiled
+    assert not resolve_era("0.11").mxfp4_pad_intermediate and new.mxfp4_pad_intermediate
+    assert not mid.full_attention_page_padding and new.full_attention_page_padding
+    assert not mid.cpu_mla_block_16 and new.cpu_mla_block_16

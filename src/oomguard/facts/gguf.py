@@ -1,14 +1,17 @@
-"""Model facts from a GGUF file's header (``gguf`` package): dims, layer kinds, exact bytes.
+"""The one GGUF reader (``gguf`` package, header only) and the model facts it gives vLLM.
 
-The metadata is mapped onto the HF config keys the config reader understands (so layer kinds
-and the default context come from one place); parameter counts and bytes come from the tensor
-table itself, which is exact.
+:func:`read_header` opens a file once and decodes its fields and tensor table; the llama.cpp
+model (:func:`oomguard.tiering.gguf_file.read_gguf`) and :func:`spec_from_gguf` are built on
+it. For vLLM the metadata is mapped onto the HF config keys the config reader understands (so
+layer kinds and the default context come from one place); parameter counts and bytes come
+from the tensor table itself, which is exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,30 +52,54 @@ _TENSOR_GROUPS: tuple[tuple[str, str], ...] = (
 _UNQUANTIZED_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - an undecodable field is the same as a corrupt file
-        raise MalformedConfig(
-            f"GGUF field {key!r} cannot be decoded", "download the file again"
-        ) from None
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of the tensor table: ggml shape (``ne0`` first), type, offset, size."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data_offset: int
+    n_elements: int
+    n_bytes: int
 
 
-def _group_of(tensor_name: str) -> str:
-    for pattern, group in _TENSOR_GROUPS:
-        if re.search(pattern, tensor_name):
-            return group
-    return "other"
+@dataclass(frozen=True)
+class GGUFHeader:
+    """A GGUF file's metadata and tensor table (no tensor data read)."""
+
+    path: Path
+    architecture: str
+    tensors: tuple[GGUFTensorInfo, ...]
+    reader: Any = field(repr=False, compare=False)
+
+    def value(self, key: str) -> Any:
+        """The decoded value of metadata ``key``; None when absent."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return None
+        try:
+            return f.contents()
+        except Exception:  # noqa: BLE001 - an undecodable field is the same as a corrupt file
+            raise MalformedConfig(
+                f"GGUF field {key!r} cannot be decoded", "download the file again"
+            ) from None
+
+    def key(self, name: str) -> Any:
+        """The architecture's own key ``{arch}.{name}``; None when absent."""
+        return self.value(f"{self.architecture}.{name}")
+
+    def token_count(self) -> int | None:
+        """Entries of ``tokenizer.ggml.tokens``; None when the file has no tokenizer."""
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        return len(tokens.data) if tokens is not None else None
 
 
-def spec_from_gguf(path: str | Path) -> ModelSpec:
-    """ModelSpec for a ``.gguf`` file with ``QuantSpec(method="gguf", gguf_bits_per_weight=…)``.
+def read_header(path: str | Path) -> GGUFHeader:
+    """Open ``path`` and read its header.
 
-    Raises :class:`MalformedConfig` for a file the gguf package cannot parse and
-    :class:`UnsupportedArchitecture` for a ``general.architecture`` not mapped here.
+    Raises :class:`MalformedConfig` for a file the gguf package cannot parse or one without
+    ``general.architecture``.
     """
     from gguf import GGUFReader
 
@@ -82,28 +109,41 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     except Exception as exc:  # noqa: BLE001 - the gguf package raises plain ValueError/struct errors
         raise MalformedConfig(f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc})",
                               "check the file; it may be truncated") from None  # fmt: skip
-    arch = _field(reader, "general.architecture")
+    tensors = tuple(
+        GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape),
+                       int(t.data_offset), int(t.n_elements), int(t.n_bytes))  # fmt: skip
+        for t in reader.tensors
+    )
+    header = GGUFHeader(path=p, architecture="", tensors=tensors, reader=reader)
+    arch = header.value("general.architecture")
     if not isinstance(arch, str):
         raise MalformedConfig(f"{p} has no general.architecture", "check the file")
+    return dataclasses.replace(header, architecture=arch)
+
+
+def _group_of(tensor_name: str) -> str:
+    for pattern, group in _TENSOR_GROUPS:
+        if re.search(pattern, tensor_name):
+            return group
+    return "other"
+
+
+def _hf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The header's metadata as the HF config.json keys the config reader understands."""
+    arch = header.architecture
     model_type = _ARCH_TO_MODEL_TYPE.get(arch)
     if model_type is None:
         raise UnsupportedArchitecture(
             f"GGUF architecture {arch!r} is not supported",
             f"supported GGUF architectures: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}",
         )
-
-    def kv(key: str) -> Any:
-        return _field(reader, f"{arch}.{key}")
-
-    tensors = list(reader.tensors)
+    kv = header.key
+    tensors = header.tensors
     names = {t.name for t in tensors}
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = (
-        len(tokens.data)
-        if tokens is not None
-        else (int(embd.shape[-1]) if embd is not None else None)
-    )
+    vocab = header.token_count()
+    if vocab is None and embd is not None:
+        vocab = int(embd.shape[-1])
     config: dict[str, Any] = {
         "architectures": [f"gguf:{arch}"],
         "model_type": model_type,
@@ -131,7 +171,18 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     factor = kv("rope.scaling.factor")
     if factor and kv("rope.scaling.type") in ("linear",):
         config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    base = spec_from_config(config, name=p.stem, source=str(p))
+    return config
+
+
+def spec_from_gguf(path: str | Path) -> ModelSpec:
+    """ModelSpec for a ``.gguf`` file with ``QuantSpec(method="gguf", gguf_bits_per_weight=…)``.
+
+    Raises :class:`MalformedConfig` for a file the gguf package cannot parse and
+    :class:`UnsupportedArchitecture` for a ``general.architecture`` not mapped here.
+    """
+    header = read_header(path)
+    p, tensors = header.path, header.tensors
+    base = spec_from_config(_hf_config(header), name=p.stem, source=str(p))
 
     counts: dict[str, int] = {}
     bytes_by_type: dict[str, int] = {}
@@ -146,7 +197,7 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
             counts["attn_kv"] = counts.get("attn_kv", 0) + n * kvn // (q + kvn)
         else:
             counts[group] = counts.get(group, 0) + n
-        type_name = t.tensor_type.name
+        type_name = t.type_name
         bytes_by_type[type_name] = bytes_by_type.get(type_name, 0) + int(t.n_bytes)
         if type_name not in _UNQUANTIZED_TYPES:
             quant_elems += n
@@ -174,5 +225,5 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     )
     return dataclasses.replace(
         base, params=tuple(groups), quant=quant, checkpoint_bytes_by_dtype=bytes_by_type,
-        architecture=f"gguf:{arch}",
+        architecture=f"gguf:{header.architecture}",
     )  # fmt: skip
