@@ -1,4 +1,4 @@
-"""``oomguard plan``: thin shell over :func:`oomguard.api.plan`.
+"""``oomguard plan``: thin shell over :func:`oomguard.plan.service.plan`.
 
 Flags are named like vLLM's. ``oomguard plan -- vllm serve MODEL --flags…`` reads a pasted
 command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no traceback).
@@ -102,8 +102,8 @@ def plan_command(
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
     from rich.console import Console
 
-    from oomguard.api import plan
     from oomguard.plan.render import render
+    from oomguard.plan.service import plan
     from oomguard.vllm_args import _max_model_len, _parse_float
 
     command: list[str] | None = None

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.errors import OomguardError
+from oomguard.plan.result import Alternative, Candidate
 from oomguard.tiering.bandwidth import HOST_RAM_GBPS, PCIE_GBPS, gpu_bandwidth_gbps
 from oomguard.tiering.command import render_llama_server
 from oomguard.tiering.model import GGUFModel
@@ -27,7 +28,6 @@ from oomguard.tiering.split import SplitPlan, best_split, price_split
 if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
     from oomguard.plan.recommend import SearchSpace
-    from oomguard.plan.result import Alternative, Candidate
 
 GIB = 2**30
 STEP_OF_KIND = {"as_planned": 1, "shorter_context": 2, "more_gpus": 3, "larger_gpu": 3, "quantization": 4,
@@ -163,8 +163,6 @@ def fallback_chain(space: SearchSpace, given: Candidate, alternatives: list[Alte
     Every returned item's ``numbers`` has ``tier``, ``tier_name``, ``engine``,
     ``gpu_gib_per_device``, ``host_gib``, ``decode_tokens_per_s_bound`` and ``slowdown``.
     """
-    from oomguard.plan.result import Alternative
-
     gbps = gpu_bandwidth_gbps(space.gpu.name)
     native_bytes = given.prediction.weights.value_bytes * given.settings.tensor_parallel_size * active_share(space.model)
     ref_s = native_bytes / (gbps * 1e9) if gbps else None

@@ -178,7 +178,7 @@ def plan(
     ``vllm serve …`` line (its flags are read as settings). With ``p99_tokens`` and
     ``concurrency`` the checklist search returns the cheapest configuration that serves them with
     ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
-    (:mod:`oomguard.tiering.chain`), whose host-memory needs are checked against
+    (:mod:`oomguard.plan.chain`), whose host-memory needs are checked against
     ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
     :class:`~oomguard.errors.BadInput` (one line).
     """
@@ -317,7 +317,7 @@ def plan(
         if recommendation is not None and workload.stated:
             result_plan = recommendation.candidate
         if recommendation is None:
-            from oomguard.tiering.chain import fallback_chain
+            from oomguard.plan.chain import fallback_chain
 
             host = _host_memory_bytes(host_memory_gib, gpu_source)
             alts = tuple(fallback_chain(space, given, alternatives(space, outcome, given.prediction, catalogue), host))
