@@ -104,7 +104,7 @@ def plan_command(
 
     from oomguard.plan.render import render
     from oomguard.plan.service import plan
-    from oomguard.vllm_args import _max_model_len, _parse_float
+    from oomguard.vllm_args import parse_max_model_len, parse_float
 
     command: list[str] | None = None
     if ctx.args:
@@ -115,7 +115,7 @@ def plan_command(
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
     if gpu_memory_utilization is not None:
-        _parse_float(str(gpu_memory_utilization), "--gpu-memory-utilization")
+        parse_float(str(gpu_memory_utilization), "--gpu-memory-utilization")
         if not 0 < gpu_memory_utilization <= 1:
             raise BadInput(
                 f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
@@ -129,7 +129,7 @@ def plan_command(
         "gpu_memory_utilization": gpu_memory_utilization,
         "max_model_len": None
         if max_model_len is None
-        else _max_model_len(max_model_len, "--max-model-len"),
+        else parse_max_model_len(max_model_len, "--max-model-len"),
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": _human(max_num_batched_tokens, "--max-num-batched-tokens"),
         "kv_cache_dtype": kv_cache_dtype,
@@ -179,7 +179,7 @@ def _check_choices(settings: dict[str, Any]) -> None:
         DTYPE_CHOICES,
         KV_CACHE_DTYPE_CHOICES,
         QUANTIZATION_CHOICES,
-        _choice,
+        choice_parser,
     )
 
     for name, choices in (
@@ -188,7 +188,7 @@ def _check_choices(settings: dict[str, Any]) -> None:
         ("quantization", QUANTIZATION_CHOICES),
     ):
         if settings[name] is not None:
-            _choice(choices)(settings[name], "--" + name.replace("_", "-"))
+            choice_parser(choices)(settings[name], "--" + name.replace("_", "-"))
 
 
 def register(app: typer.Typer) -> None:

@@ -192,11 +192,11 @@ def _names_llama_server(words: list[str]) -> bool:
 
 def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
     """The MODEL form's flags as EngineSettings fields (values read like vLLM reads them)."""
-    from oomguard.vllm_args import _max_model_len, parse_human_int
+    from oomguard.vllm_args import parse_max_model_len, parse_human_int
 
     settings = dict(given)
     if "max_model_len" in settings:
-        settings["max_model_len"] = _max_model_len(
+        settings["max_model_len"] = parse_max_model_len(
             str(settings["max_model_len"]), "--max-model-len"
         )
     for name in ("max_num_batched_tokens", "kv_cache_memory_bytes"):

@@ -19,7 +19,7 @@ from typing import Any
 
 from oomguard._vllm_flags import BOOL_FLAGS, LIST_FLAGS
 from oomguard.errors import BadInput
-from oomguard.vllm_args import ParsedCommand, _canonical, parse_command
+from oomguard.vllm_args import ParsedCommand, canonical_flag, parse_command
 
 DEFAULT_PORT = 8000
 # flags that say where the server listens or how it logs, not what it serves: two commands
@@ -120,7 +120,7 @@ class EngineCommand:
     def with_flag(self, flag: str, value: str | None) -> EngineCommand:
         """A copy with ``flag`` set to ``value`` (every spelling of it removed first, then
         ``--flag value`` appended); ``value`` None sets a boolean flag."""
-        name = _canonical(flag.lstrip("-"))
+        name = canonical_flag(flag.lstrip("-"))
         kept: list[str] = []
         i = 0
         args = list(self.args)
@@ -131,8 +131,8 @@ class EngineCommand:
                 kept.append(token)
                 continue
             raw, has_inline, _ = token.lstrip("-").partition("=")
-            canonical = _canonical(raw)
-            negated = canonical.startswith("no-") and _canonical(canonical[3:]) == name
+            canonical = canonical_flag(raw)
+            negated = canonical.startswith("no-") and canonical_flag(canonical[3:]) == name
             if canonical != name and not negated:
                 kept.append(token)
                 continue
@@ -224,7 +224,7 @@ def _without_model(args: Sequence[str], model: str) -> tuple[str, ...]:
         i += 1
         if token.startswith("-"):
             raw, has_inline, _ = token.lstrip("-").partition("=")
-            name = _canonical(raw)
+            name = canonical_flag(raw)
             if name == "model":
                 if not has_inline and i < len(args):
                     i += 1
