@@ -790,6 +790,154 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
     return best, weights_gib
 
 
+def _numbers(c: Candidate) -> dict[str, Any]:
+    """The figures every alternative shows for its candidate."""
+    return {
+        "gpu": c.gpu.name,
+        "gpu_count": c.gpus_used,
+        "weights": c.weights_label,
+        "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
+        "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
+        "kv_cache_tokens": c.prediction.kv_cache_tokens,
+        "max_concurrency": round(c.serve.max_concurrency, 2) if c.serve else None,
+        "margin_achieved": round(c.serve.margin_achieved, 3) if c.serve else None,
+    }
+
+
+def _label(c: Candidate) -> str:
+    kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
+    layout = f", {c.parallel_label}" if c.parallel_label else ""
+    return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
+
+
+def _alt(
+    kind: str,
+    title: str,
+    serves: bool,
+    numbers: dict[str, Any],
+    command: str,
+    c: Candidate,
+    caveats: tuple[str, ...] = (),
+) -> Alternative:
+    """An alternative not ranked yet (:func:`rank` numbers them)."""
+    return Alternative(rank=0, kind=kind, title=title, serves_workload=serves, numbers=numbers,
+                       command=command, caveats=tuple(x for x in caveats if x), candidate=c)  # fmt: skip
+
+
+def _hardware_alts(
+    space: SearchSpace, catalogue: Iterable[GPUSpec], weights_tp1: int
+) -> list[Alternative]:
+    """More GPUs of the same kind, then larger GPUs from the catalogue, that serve."""
+    more = [("more_gpus", c) for c in _more_gpus(space)]
+    larger = [("larger_gpu", c) for c in _larger_gpus(space, catalogue, weights_tp1)]
+    return [
+        _alt(kind, _label(c), True, _numbers(c), render_serve(c.model_ref, c.settings), c)
+        for kind, c in more + larger
+    ]
+
+
+def _shorter_context_alt(space: SearchSpace, best: Candidate) -> Alternative:
+    """The most capable configuration on the given GPUs, serving shorter or fewer requests."""
+    w = space.workload
+    ctx, most = _max_context(space, best)
+    nums = {**_numbers(best), "max_context_at_concurrency": ctx, "max_requests_at_p99": most}
+    parts = []
+    if ctx >= 16:
+        parts.append(f"{w.concurrency} requests of ≤{ctx:,} tokens")
+    if most >= 1:
+        parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
+    fp8 = ", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else ""
+    serve = " or ".join(parts) if parts else "almost nothing"
+    title = f"on {space.gpu_count}× {space.gpu.name} with {best.weights_label}{fp8}: serve {serve} instead"
+    settings = dataclasses.replace(best.settings, max_model_len=max(ctx, 16)) if ctx >= 16 else best.settings
+    caveat = "requests longer than the context are rejected; fewer sequences queue instead of running"
+    return _alt("shorter_context", title, False, nums, render_serve(best.model_ref, settings), best,
+                (caveat,))  # fmt: skip
+
+
+def _quantization_alt(space: SearchSpace, best: Candidate) -> Alternative:
+    """Even the smallest weights the search tried do not start on the given GPUs."""
+    problems = best.prediction.problems
+    reason = problems[0].message if problems else "does not start"
+    repo = f" ({best.model_ref})" if best.model_ref != space.model_ref else ""
+    title = f"even {best.weights_label}{repo} does not start on {space.gpu_count}× {space.gpu.name}"
+    return _alt("quantization", title, False, {**_numbers(best), "problem": reason},
+                render_serve(best.model_ref, best.settings), best)  # fmt: skip
+
+
+def _quantize_yourself_alt(space: SearchSpace) -> Alternative | None:
+    """An int4 checkpoint nobody has published, priced on the given GPUs."""
+    hypothetical = [
+        o
+        for o in weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
+        if not o.known
+    ]
+    if not hypothetical:
+        return None
+    found = search(space, options=hypothetical)
+    own = found.best or found.most_capable
+    if own is None or not own.fits:
+        return None
+    conc = own.serve.max_concurrency if own.serve else 0.0
+    need = own.serve.required_concurrency if own.serve else 0.0
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    what = (
+        f"would serve this on {where}"
+        if own.serves
+        else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
+    )
+    placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
+    return _alt("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
+                own.serves, _numbers(own), render_serve(placeholder, own.settings), own,
+                ("int4 costs some accuracy; check it on your own prompts",))  # fmt: skip
+
+
+def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative | None:
+    """``--cpu-offload-gb``: the smallest amount that serves, or why no amount does."""
+    offload = _cpu_offload(space, native)
+    if offload is None:
+        return None
+    c, weights_gib = offload
+    p99 = space.workload.p99_tokens
+    if not c.serves:
+        check = c.serve
+        conc = check.max_concurrency if check else 0.0
+        need = check.required_concurrency if check else 0
+        title = (f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
+                 f"in host RAM, {conc:.2f} requests of {p99:,} tokens fit ({need:.2f} needed)")  # fmt: skip
+        return _alt("cpu_offload", title, False, _numbers(c), render_serve(c.model_ref, c.settings), c,
+                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",))  # fmt: skip
+    gb = c.settings.cpu_offload_gb
+    step_s = gb * GIB / (PCIE_GBPS * 1e9)
+    nums = {**_numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
+            "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
+    return _alt("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
+                render_serve(c.model_ref, c.settings), c,
+                (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
+                 if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
+                 "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
+                 "check that 'Model loading took' drops by the offloaded amount",
+                 "KV offloading / LMCache does not add room for active context; only weight offload does"))  # fmt: skip
+
+
+_ALT_ORDER = {"more_gpus": 0, "larger_gpu": 0, "quantization": 1, "quantize_yourself": 1,
+              "shorter_context": 1, "cpu_offload": 2}  # fmt: skip
+
+
+def rank(alts: Iterable[Alternative]) -> list[Alternative]:
+    """Hardware first (the least GPU memory bought first), then weights and context, then
+    offload; numbered from 1."""
+
+    def hardware(a: Alternative) -> float:
+        c = a.candidate
+        if c is not None and a.kind in ("more_gpus", "larger_gpu"):
+            return c.gpus_used * c.gpu.total_bytes
+        return 0
+
+    ordered = sorted(alts, key=lambda a: (_ALT_ORDER[a.kind], hardware(a)))
+    return [dataclasses.replace(a, rank=i + 1) for i, a in enumerate(ordered)]
+
+
 def alternatives(
     space: SearchSpace,
     outcome: SearchOutcome,
@@ -798,137 +946,16 @@ def alternatives(
 ) -> list[Alternative]:
     """Ranked ways out when nothing on the given GPUs serves the workload, each with its numbers."""
     w = space.workload
-    out: list[tuple[str, str, bool, dict[str, Any], str, tuple[str, ...], Candidate | None]] = []
     native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
-    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1, max_model_len=w.p99_tokens,
-                                                  max_num_seqs=w.concurrency))  # fmt: skip
-    weights_tp1 = tp1.weights.value_bytes
-
-    def numbers(c: Candidate) -> dict[str, Any]:
-        return {
-            "gpu": c.gpu.name,
-            "gpu_count": c.gpus_used,
-            "weights": c.weights_label,
-            "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
-            "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
-            "kv_cache_tokens": c.prediction.kv_cache_tokens,
-            "max_concurrency": round(c.serve.max_concurrency, 2) if c.serve else None,
-            "margin_achieved": round(c.serve.margin_achieved, 3) if c.serve else None,
-        }
-
-    def label(c: Candidate) -> str:
-        kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
-        layout = f", {c.parallel_label}" if c.parallel_label else ""
-        return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
-
-    for c in _more_gpus(space):
-        out.append(
-            ("more_gpus", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
-        )
-    for c in _larger_gpus(space, catalogue, weights_tp1):
-        out.append(
-            ("larger_gpu", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
-        )
+    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1,
+                                                  max_model_len=w.p99_tokens, max_num_seqs=w.concurrency))  # fmt: skip
+    found = _hardware_alts(space, catalogue, tp1.weights.value_bytes)
     best = outcome.most_capable
     if best is not None:
-        if best.fits and best.serve is not None and best.serve.max_concurrency > 0:
-            ctx, most = _max_context(space, best)
-            nums = {**numbers(best), "max_context_at_concurrency": ctx, "max_requests_at_p99": most}
-            parts = []
-            if ctx >= 16:
-                parts.append(f"{w.concurrency} requests of ≤{ctx:,} tokens")
-            if most >= 1:
-                parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
-            title = (f"on {space.gpu_count}× {space.gpu.name} with {best.weights_label}"
-                     + (", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else "")
-                     + ": serve " + (" or ".join(parts) if parts else "almost nothing") + " instead")  # fmt: skip
-            out.append(("shorter_context", title, False, nums,
-                        render_serve(best.model_ref, dataclasses.replace(best.settings, max_model_len=max(ctx, 16))
-                                     if ctx >= 16 else best.settings),
-                        ("requests longer than the context are rejected; fewer sequences queue instead of running",), best))  # fmt: skip
-        else:
-            reason = (
-                best.prediction.problems[0].message
-                if best.prediction.problems
-                else "does not start"
-            )
-            out.append(("quantization", f"even {best.weights_label}" + (f" ({best.model_ref})" if best.model_ref != space.model_ref else "")
-                        + f" does not start on {space.gpu_count}× {space.gpu.name}",
-                        False, {**numbers(best), "problem": reason}, render_serve(best.model_ref, best.settings), (), best))  # fmt: skip
-    hypothetical = [
-        o
-        for o in weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
-        if not o.known
-    ]
-    if hypothetical:
-        found = search(space, options=hypothetical)
-        own = found.best or found.most_capable
-        if own is not None and own.fits:
-            conc = own.serve.max_concurrency if own.serve else 0.0
-            need = own.serve.required_concurrency if own.serve else 0.0
-            where = f"{space.gpu_count}× {space.gpu.name}"
-            what = (
-                f"would serve this on {where}"
-                if own.serves
-                else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
-            )
-            placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
-            out.append(("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
-                        own.serves, numbers(own), render_serve(placeholder, own.settings),
-                        ("int4 costs some accuracy; check it on your own prompts",), own))  # fmt: skip
-    offload = _cpu_offload(space, native)
-    if offload is not None and not offload[0].serves:
-        c, weights_gib = offload
-        check = c.serve
-        conc = check.max_concurrency if check else 0.0
-        out.append(("cpu_offload", f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
-                    f"in host RAM, {conc:.2f} requests of {w.p99_tokens:,} tokens fit ({check.required_concurrency if check else 0:.2f} needed)",
-                    False, numbers(c), render_serve(c.model_ref, c.settings),
-                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",), c))  # fmt: skip
-    elif offload is not None:
-        c, weights_gib = offload
-        gb = c.settings.cpu_offload_gb
-        step_s = gb * GIB / (PCIE_GBPS * 1e9)
-        nums = {**numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
-                "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
-        out.append(("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
-                    render_serve(c.model_ref, c.settings),
-                    (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
-                     if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
-                     "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
-                     "check that 'Model loading took' drops by the offloaded amount",
-                     "KV offloading / LMCache does not add room for active context; only weight offload does"), c))  # fmt: skip
-    order = {
-        "more_gpus": 0,
-        "larger_gpu": 0,
-        "quantization": 1,
-        "quantize_yourself": 1,
-        "shorter_context": 1,
-        "cpu_offload": 2,
-    }
-
-    def hardware(item: tuple[Any, ...]) -> float:
-        c = item[6]
-        return (
-            c.gpus_used * c.gpu.total_bytes
-            if c is not None and item[0] in ("more_gpus", "larger_gpu")
-            else 0
-        )
-
-    out.sort(key=lambda item: (order[item[0]], hardware(item)))
-    return [
-        Alternative(
-            rank=i + 1,
-            kind=k,
-            title=t,
-            serves_workload=s,
-            numbers=n,
-            command=cmd,
-            caveats=tuple(x for x in cav if x),
-            candidate=c,
-        )  # fmt: skip
-        for i, (k, t, s, n, cmd, cav, c) in enumerate(out)
-    ]
+        serving = best.fits and best.serve is not None and best.serve.max_concurrency > 0
+        found.append(_shorter_context_alt(space, best) if serving else _quantization_alt(space, best))
+    found += [a for a in (_quantize_yourself_alt(space), _cpu_offload_alt(space, native)) if a]
+    return rank(found)
 
 
 # --------------------------------------------------------------------------------------------
