@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from oomguard._vllm_flags import BOOL_FLAGS, LIST_FLAGS
 from oomguard.errors import BadInput
-from oomguard.vllm_args import ParsedCommand, canonical_flag, parse_command
+from oomguard.vllm_args import BOOL_FLAGS, LIST_FLAGS, ParsedCommand, canonical_flag, parse_command
 
 DEFAULT_PORT = 8000
 # flags that say where the server listens or how it logs, not what it serves: two commands
@@ -214,7 +213,7 @@ def _strip_launcher(words: list[str]) -> tuple[str | None, list[str]]:
 def _without_model(args: Sequence[str], model: str) -> tuple[str, ...]:
     """``args`` without the model: the ``--model X`` flag, or the first bare word equal to it
     that is not a flag's value."""
-    from oomguard._vllm_flags import VALUE_FLAGS
+    from oomguard.vllm_args import VALUE_FLAGS
 
     out: list[str] = []
     removed = False
