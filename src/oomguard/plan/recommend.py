@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -397,6 +398,49 @@ def base_settings(
     return dataclasses.replace(s, **changes), steps
 
 
+def _search_tps(space: SearchSpace, tp_sizes: Iterable[int] | None) -> list[int]:
+    """The tensor-parallel sizes the search tries: the given one when fixed."""
+    if "tensor_parallel_size" in space.fixed:
+        return [space.base.tensor_parallel_size]
+    if tp_sizes is not None:
+        return list(tp_sizes)
+    return valid_tp_sizes(space.model, max(1, space.gpu_count // space.gpus_per_replica))
+
+
+def _capability(c: Candidate) -> tuple[bool, float, int]:
+    """Which candidate comes closest: starts, then most concurrency, then smallest weights."""
+    conc = c.serve.max_concurrency if c.serve else 0.0
+    return (c.fits, conc, -c.prediction.weights.value_bytes)
+
+
+def _batch_caps(space: SearchSpace, default_pred: MemoryPrediction) -> list[int | None]:
+    """The batch-token caps to try, largest (the default, None) first."""
+    if "max_num_batched_tokens" in space.fixed:
+        return [space.base.max_num_batched_tokens]
+    default_tokens = int(default_pred.settings.max_num_batched_tokens or 0)
+    seqs = int(default_pred.settings.max_num_seqs or 1)
+    return [None] + [t for t in _BATCHED_TOKEN_STEPS if t < default_tokens and t >= seqs]
+
+
+def _steps_taken(
+    space: SearchSpace, steps: list[str], chosen: Candidate, weights: WeightsOption,
+    kv_dtype: str, tp: int,
+) -> tuple[str, ...]:
+    """The checklist steps ``chosen`` took from the given settings."""
+    base = space.base
+    steps = list(steps)
+    capped = chosen.settings.max_num_batched_tokens is not None
+    if capped and "max_num_batched_tokens" not in space.fixed:
+        steps.append("max_num_batched_tokens")
+    if tp != base.tensor_parallel_size:
+        steps.append("tensor_parallel_size")
+    if kv_dtype != base.kv_cache_dtype:
+        steps.append("kv_cache_dtype")
+    if weights.key != "native":
+        steps.append("quantization")
+    return tuple(steps)
+
+
 def search(
     space: SearchSpace,
     *,
@@ -411,83 +455,41 @@ def search(
     batch-token cap is priced first; only if it serves is the largest serving cap looked for.
     Only catalogued checkpoints are searched unless ``options`` names the weights to price.
     """
-    model = space.model
     default_util = space.default_util()
-    if "tensor_parallel_size" in space.fixed:
-        tps = [space.base.tensor_parallel_size]
-    else:
-        tps = (
-            list(tp_sizes)
-            if tp_sizes is not None
-            else valid_tp_sizes(model, max(1, space.gpu_count // space.gpus_per_replica))
-        )
+    tps = _search_tps(space, tp_sizes)
     fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
     kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
     if options is None:
-        options = weights_options(space.model_ref, model, space.gpu, space.base, space.fixed)
+        options = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
         options = [o for o in options if o.known]
     if not allow_quantization:
         options = options[:1]
-
     most_capable: Candidate | None = None
-
-    def consider(c: Candidate) -> None:
-        nonlocal most_capable
-
-        def key(x: Candidate) -> tuple[bool, float, int]:
-            conc = x.serve.max_concurrency if x.serve else 0.0
-            return (x.fits, conc, -x.prediction.weights.value_bytes)
-
-        if most_capable is None or key(c) > key(most_capable):
-            most_capable = c
-
-    for weights in options:
-        for kv_dtype in kv_dtypes:
-            for tp in tps:
-                settings, steps = base_settings(space, default_util, tp)
-                settings = dataclasses.replace(
-                    settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
-                    quantization=weights.quantization,
-                )  # fmt: skip
-                default_pred = space.price(weights, settings)
-                if not default_pred.settings.max_num_batched_tokens:
-                    continue
-                default_tokens = int(default_pred.settings.max_num_batched_tokens)
-                seqs = int(default_pred.settings.max_num_seqs or 1)
-                if "max_num_batched_tokens" in space.fixed:
-                    caps: list[int | None] = [space.base.max_num_batched_tokens]
-                else:
-                    caps = [None] + [
-                        t for t in _BATCHED_TOKEN_STEPS if t < default_tokens and t >= seqs
-                    ]
-                # Serving is monotone in the cap: price the smallest first.
-                smallest = space.candidate(
-                    weights, dataclasses.replace(settings, max_num_batched_tokens=caps[-1])
-                )
-                consider(smallest)
-                if not smallest.serves:
-                    continue
-                chosen = smallest
-                for cap in caps[:-1]:
-                    c = space.candidate(
-                        weights, dataclasses.replace(settings, max_num_batched_tokens=cap)
-                    )
-                    if c.serves:
-                        chosen = c
-                        break
-                steps = list(steps)
-                if (
-                    chosen.settings.max_num_batched_tokens is not None
-                    and "max_num_batched_tokens" not in space.fixed
-                ):
-                    steps.append("max_num_batched_tokens")
-                if tp != space.base.tensor_parallel_size:
-                    steps.append("tensor_parallel_size")
-                if kv_dtype != space.base.kv_cache_dtype:
-                    steps.append("kv_cache_dtype")
-                if weights.key != "native":
-                    steps.append("quantization")
-                return SearchOutcome(chosen, most_capable, tuple(steps))
+    for weights, kv_dtype, tp in itertools.product(options, kv_dtypes, tps):
+        settings, steps = base_settings(space, default_util, tp)
+        settings = dataclasses.replace(
+            settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+            quantization=weights.quantization,
+        )  # fmt: skip
+        default_pred = space.price(weights, settings)
+        if not default_pred.settings.max_num_batched_tokens:
+            continue
+        caps = _batch_caps(space, default_pred)
+        # Serving is monotone in the cap: price the smallest first.
+        smallest = space.candidate(
+            weights, dataclasses.replace(settings, max_num_batched_tokens=caps[-1])
+        )
+        if most_capable is None or _capability(smallest) > _capability(most_capable):
+            most_capable = smallest
+        if not smallest.serves:
+            continue
+        priced = (
+            space.candidate(weights, dataclasses.replace(settings, max_num_batched_tokens=cap))
+            for cap in caps[:-1]
+        )
+        chosen = next((c for c in priced if c.serves), smallest)
+        taken = _steps_taken(space, steps, chosen, weights, kv_dtype, tp)
+        return SearchOutcome(chosen, most_capable, taken)
     return SearchOutcome(None, most_capable, ())
 
 
@@ -535,19 +537,12 @@ def _gib(b: float) -> str:
     return f"{b / GIB:.2f} GiB"
 
 
-def explain(
-    space: SearchSpace,
-    chosen: Candidate,
-    steps: Iterable[str],
-    given: MemoryPrediction,
-    default_util: float,
+def _weights_reasons(
+    space: SearchSpace, chosen: Candidate, given: MemoryPrediction
 ) -> list[FlagReason]:
-    """One reason per flag the recommendation sets (and for the checklist steps it skipped)."""
-    w = space.workload
-    s = chosen.settings
-    p = chosen.prediction
+    """Reasons for the checkpoint, online quantization and tensor parallelism."""
+    w, s, p = space.workload, chosen.settings, chosen.prediction
     reasons: list[FlagReason] = []
-    steps = set(steps)
     if chosen.model_ref != space.model_ref:
         reasons.append(FlagReason("model", chosen.model_ref,
                                   f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
@@ -567,23 +562,37 @@ def explain(
         reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
                                   f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
                                   f"split over {s.tensor_parallel_size} GPUs: {_gib(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
-    if "gpu_memory_utilization" in steps:
-        util = s.gpu_memory_utilization
-        if util is None:
-            free_now = "" if space.free_bytes is None else f" ({_gib(space.free_bytes)} free now)"
-            reasons.append(FlagReason("gpu-memory-utilization", f"default ({default_util})",
-                                      f"vLLM's default leaves {_gib(p.total_bytes - p.requested_bytes)} for the CUDA "
-                                      f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
-                                      "processes share it"))  # fmt: skip
-        else:
-            why = []
-            if space.workload.headroom_bytes:
-                why.append(f"{_gib(space.workload.headroom_bytes)} kept free for co-tenants")
-            if space.free_bytes is not None:
-                why.append(f"only {_gib(space.free_bytes)} free now (NVML)")
-            reasons.append(FlagReason("gpu-memory-utilization", util,
-                                      f"vLLM refuses to start when free memory < util × total; capped below the default "
-                                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context"))  # fmt: skip
+    return reasons
+
+
+def _utilization_reason(
+    space: SearchSpace, chosen: Candidate, default_util: float
+) -> FlagReason:
+    """Why the utilization is the default, or capped below it."""
+    s, p = chosen.settings, chosen.prediction
+    util = s.gpu_memory_utilization
+    if util is None:
+        free_now = "" if space.free_bytes is None else f" ({_gib(space.free_bytes)} free now)"
+        return FlagReason("gpu-memory-utilization", f"default ({default_util})",
+                          f"vLLM's default leaves {_gib(p.total_bytes - p.requested_bytes)} for the CUDA "
+                          f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
+                          "processes share it")  # fmt: skip
+    why = []
+    if space.workload.headroom_bytes:
+        why.append(f"{_gib(space.workload.headroom_bytes)} kept free for co-tenants")
+    if space.free_bytes is not None:
+        why.append(f"only {_gib(space.free_bytes)} free now (NVML)")
+    return FlagReason("gpu-memory-utilization", util,
+                      f"vLLM refuses to start when free memory < util × total; capped below the default "
+                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context")  # fmt: skip
+
+
+def _workload_reasons(
+    space: SearchSpace, chosen: Candidate, steps: set[str], given: MemoryPrediction
+) -> list[FlagReason]:
+    """Reasons for the length, sequence, batch-token and KV-dtype flags."""
+    w, s, p = space.workload, chosen.settings, chosen.prediction
+    reasons: list[FlagReason] = []
     if "max_model_len" in steps:
         derived = space.model.derived_max_model_len
         reasons.append(FlagReason("max-model-len", s.max_model_len,
@@ -607,21 +616,45 @@ def explain(
         reasons.append(FlagReason("kv-cache-dtype", s.kv_cache_dtype,
                                   f"fp8 KV halves the bytes per token ({p.kv_bytes_per_token} B/token per GPU); "
                                   "small accuracy cost, fastest on Ada/Hopper/Blackwell"))  # fmt: skip
+    return reasons
+
+
+def _verdict_reason(space: SearchSpace, chosen: Candidate) -> FlagReason | None:
+    """The verdict: how many requests the KV cache holds against what the workload needs."""
+    w, p, check = space.workload, chosen.prediction, chosen.serve
+    if check is None:
+        return None
+    per_rank = space.concurrency_per_rank()
+    need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
+            "with the shared prefix" if check.effective_concurrency < per_rank
+            else f"{per_rank} needed")  # fmt: skip
+    if space.dp > 1:
+        need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
+    return FlagReason("(verdict)", None,
+                      f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
+                      f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
+                      f"(margin asked: {w.margin:.0%})")  # fmt: skip
+
+
+def explain(
+    space: SearchSpace,
+    chosen: Candidate,
+    steps: Iterable[str],
+    given: MemoryPrediction,
+    default_util: float,
+) -> list[FlagReason]:
+    """One reason per flag the recommendation sets (and for the checklist steps it skipped)."""
+    taken = set(steps)
+    reasons = _weights_reasons(space, chosen, given)
+    if "gpu_memory_utilization" in taken:
+        reasons.append(_utilization_reason(space, chosen, default_util))
+    reasons += _workload_reasons(space, chosen, taken, given)
     order = ["model", "gpu-memory-utilization", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
              "tensor-parallel-size", "kv-cache-dtype", "quantization"]  # fmt: skip
     reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
-    check = chosen.serve
-    if check is not None:
-        per_rank = space.concurrency_per_rank()
-        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
-                "with the shared prefix" if check.effective_concurrency < per_rank
-                else f"{per_rank} needed")  # fmt: skip
-        if space.dp > 1:
-            need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
-        reasons.append(FlagReason("(verdict)", None,
-                                  f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
-                                  f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
-                                  f"(margin asked: {w.margin:.0%})"))  # fmt: skip
+    verdict = _verdict_reason(space, chosen)
+    if verdict is not None:
+        reasons.append(verdict)
     return reasons
 
 
