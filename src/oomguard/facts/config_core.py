@@ -624,6 +624,25 @@ def read_granite_hybrid(c: Cfg, acc: Acc) -> None:
         )
 
 
+def _qwen3_next_layer_types(c: Cfg, n_layers: int) -> list[str]:
+    """``layer_types``, else full attention every ``full_attention_interval`` layers."""
+    layer_types = c.get("layer_types")
+    if layer_types is not None:
+        return list(layer_types)
+    interval = c.int("full_attention_interval", 4)
+    return [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(n_layers)
+    ]
+
+
+def _gdn_params(hidden: int, nk: int, dk: int, nv: int, dv: int, conv_k: int) -> int:
+    """Parameters of one Gated DeltaNet layer: in-projections (qkvz, ba), conv, A/dt, norm, out."""
+    qkvz = 2 * nk * dk + 2 * nv * dv
+    conv_dim = 2 * nk * dk + nv * dv
+    return hidden * qkvz + hidden * 2 * nv + conv_dim * conv_k + 2 * nv + dv + nv * dv * hidden
+
+
 def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     """Qwen3-Next and Qwen3.5: Gated DeltaNet layers with gated full attention every
     ``full_attention_interval`` (or per ``layer_types``); MoE with a gated shared expert
@@ -643,13 +662,7 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
         )
     )
     conv_k = c.int("linear_conv_kernel_dim", 4)
-    layer_types = c.get("layer_types")
-    if layer_types is None:
-        interval = c.int("full_attention_interval", 4)
-        layer_types = [
-            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(n_layers)
-        ]
+    layer_types = _qwen3_next_layer_types(c, n_layers)
     if dense:
         n_exp, topk, moe_inter = 0, 0, 0
         sparse = [False] * n_layers
@@ -675,27 +688,10 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
 
     for i in range(n_layers):
         if layer_types[i] == "full_attention":
-            add_full_attention(
-                acc,
-                hidden=hidden,
-                heads=heads,
-                kv_heads=kv_heads,
-                head_dim=hd,
-                qk_norm=True,
-                q_gate=True,
-            )
+            add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                               qk_norm=True, q_gate=True)  # fmt: skip
         else:
-            qkvz = 2 * nk * dk + 2 * nv * dv
-            conv_dim = 2 * nk * dk + nv * dv
-            acc.add(
-                "mamba",
-                hidden * qkvz
-                + hidden * 2 * nv
-                + conv_dim * conv_k
-                + 2 * nv
-                + dv
-                + nv * dv * hidden,
-            )
+            acc.add("mamba", _gdn_params(hidden, nk, dk, nv, dv, conv_k))
             acc.layers.append(_gdn_state(conv_k, nk, dk, nv, dv, ssm_dtype))
         add_ffn(i, acc)
         acc.add("norm", 2 * hidden)
@@ -704,15 +700,8 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     if n_mtp:
         scratch = Acc()
         for _ in range(n_mtp):
-            add_attention(
-                scratch,
-                hidden=hidden,
-                heads=heads,
-                kv_heads=kv_heads,
-                head_dim=hd,
-                qk_norm=True,
-                q_gate=True,
-            )
+            add_attention(scratch, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+                          qk_norm=True, q_gate=True)  # fmt: skip
             add_ffn(n_layers, scratch)
             scratch.add("norm", 2 * hidden)
         # fc (2H -> H), two pre-fc norms, final norm

@@ -68,15 +68,10 @@ def _group_of(tensor_name: str) -> str:
     return "other"
 
 
-def spec_from_gguf(path: str | Path) -> ModelSpec:
-    """ModelSpec for a ``.gguf`` file with ``QuantSpec(method="gguf", gguf_bits_per_weight=…)``.
-
-    Raises :class:`MalformedConfig` for a file the gguf package cannot parse and
-    :class:`UnsupportedArchitecture` for a ``general.architecture`` not mapped here.
-    """
+def _open_gguf(p: Path) -> tuple[Any, str, str]:
+    """(reader, GGUF architecture, the config reader's model_type) of a GGUF file."""
     from gguf import GGUFReader
 
-    p = Path(path).expanduser()
     try:
         reader = GGUFReader(str(p))
     except Exception as exc:  # noqa: BLE001 - the gguf package raises plain ValueError/struct errors
@@ -91,6 +86,11 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
             f"GGUF architecture {arch!r} is not supported",
             f"supported GGUF architectures: {', '.join(sorted(_ARCH_TO_MODEL_TYPE))}",
         )
+    return reader, arch, model_type
+
+
+def _config_from_gguf(reader: Any, arch: str, model_type: str) -> dict[str, Any]:
+    """A Hugging Face-style config from the GGUF header's keys and tensor names."""
 
     def kv(key: str) -> Any:
         return _field(reader, f"{arch}.{key}")
@@ -131,8 +131,13 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
     factor = kv("rope.scaling.factor")
     if factor and kv("rope.scaling.type") in ("linear",):
         config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    base = spec_from_config(config, name=p.stem, source=str(p))
+    return config
 
+
+def _gguf_params(
+    tensors: list[Any], base: ModelSpec
+) -> tuple[tuple[ParamGroup, ...], dict[str, int], QuantSpec]:
+    """The parameter groups counted from the tensors, bytes by GGUF type, and the quantization."""
     counts: dict[str, int] = {}
     bytes_by_type: dict[str, int] = {}
     quant_elems = quant_bytes = 0
@@ -172,7 +177,21 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
         scale_granularity="block",
         gguf_bits_per_weight=bpw,
     )
+    return tuple(groups), bytes_by_type, quant
+
+
+def spec_from_gguf(path: str | Path) -> ModelSpec:
+    """ModelSpec for a ``.gguf`` file with ``QuantSpec(method="gguf", gguf_bits_per_weight=…)``.
+
+    Raises :class:`MalformedConfig` for a file the gguf package cannot parse and
+    :class:`UnsupportedArchitecture` for a ``general.architecture`` not mapped here.
+    """
+    p = Path(path).expanduser()
+    reader, arch, model_type = _open_gguf(p)
+    config = _config_from_gguf(reader, arch, model_type)
+    base = spec_from_config(config, name=p.stem, source=str(p))
+    groups, bytes_by_type, quant = _gguf_params(list(reader.tensors), base)
     return dataclasses.replace(
-        base, params=tuple(groups), quant=quant, checkpoint_bytes_by_dtype=bytes_by_type,
+        base, params=groups, quant=quant, checkpoint_bytes_by_dtype=bytes_by_type,
         architecture=f"gguf:{arch}",
     )  # fmt: skip

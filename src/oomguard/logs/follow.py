@@ -23,9 +23,9 @@ from typing import Any
 from oomguard.logs.lines import (
     Line,
     Record,
+    clean,
     continues,
     join_continuation,
-    clean,
     split_physical,
     strip_decorations,
 )

@@ -163,7 +163,9 @@ def weights_exceed_gpu_text(weights_gib: float, total: int) -> str:
     )
 
 
-def weights_exceed_budget_text(weights_gib: float, requested: float, util: float, total: int) -> str:
+def weights_exceed_budget_text(
+    weights_gib: float, requested: float, util: float, total: int
+) -> str:
     return (
         f"weights need {weights_gib:.2f} GiB per rank, more than the {requested / GIB:.2f} GiB "
         f"budget (util {util} × {total / GIB:.2f} GiB): they load, then nothing is left "

@@ -104,7 +104,7 @@ def plan_command(
 
     from oomguard.plan.render import render
     from oomguard.plan.service import plan
-    from oomguard.vllm_args import parse_max_model_len, parse_float
+    from oomguard.vllm_args import parse_float, parse_max_model_len
 
     command: list[str] | None = None
     if ctx.args:

@@ -881,9 +881,14 @@ def _shorter_context_alt(space: SearchSpace, best: Candidate) -> Alternative:
         parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
     fp8 = ", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else ""
     serve = " or ".join(parts) if parts else "almost nothing"
-    title = f"on {space.gpu_count}× {space.gpu.name} with {best.weights_label}{fp8}: serve {serve} instead"
-    settings = dataclasses.replace(best.settings, max_model_len=max(ctx, 16)) if ctx >= 16 else best.settings
-    caveat = "requests longer than the context are rejected; fewer sequences queue instead of running"
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    title = f"on {where} with {best.weights_label}{fp8}: serve {serve} instead"
+    settings = best.settings
+    if ctx >= 16:
+        settings = dataclasses.replace(settings, max_model_len=max(ctx, 16))
+    caveat = (
+        "requests longer than the context are rejected; fewer sequences queue instead of running"
+    )
     return _alt("shorter_context", title, False, nums, render_serve(best.model_ref, settings), best,
                 (caveat,))  # fmt: skip
 
@@ -893,7 +898,8 @@ def _quantization_alt(space: SearchSpace, best: Candidate) -> Alternative:
     problems = best.prediction.problems
     reason = problems[0].message if problems else "does not start"
     repo = f" ({best.model_ref})" if best.model_ref != space.model_ref else ""
-    title = f"even {best.weights_label}{repo} does not start on {space.gpu_count}× {space.gpu.name}"
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    title = f"even {best.weights_label}{repo} does not start on {where}"
     return _alt("quantization", title, False, {**_numbers(best), "problem": reason},
                 render_serve(best.model_ref, best.settings), best)  # fmt: skip
 

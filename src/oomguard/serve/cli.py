@@ -192,7 +192,7 @@ def _names_llama_server(words: list[str]) -> bool:
 
 def _plan_settings(given: dict[str, Any]) -> dict[str, Any]:
     """The MODEL form's flags as EngineSettings fields (values read like vLLM reads them)."""
-    from oomguard.vllm_args import parse_max_model_len, parse_human_int
+    from oomguard.vllm_args import parse_human_int, parse_max_model_len
 
     settings = dict(given)
     if "max_model_len" in settings:
