@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -142,14 +142,7 @@ def _adopt(backend: Backend, props: dict[str, Any]) -> None:
     if not isinstance(slots, int) or slots < 1 or not isinstance(n_ctx, int) or n_ctx < 1:
         raise LlamaPollError("/props lacks total_slots or default_generation_settings.n_ctx")
     layout = SlotLayout(slots, n_ctx, backend.config.kv_unified)
-    first = backend.llama_layout != layout
-    backend.engine = LLAMA_CPP
-    backend.llama_layout = layout
-    a = backend.admission
-    a.settings = replace(a.settings, high_watermark=1.0, low_watermark=1.0, projected_watermark=1.0,
-                         track_mode="off", stagger=False)  # fmt: skip
-    a.set_capacity(layout.slots + 1, layout.block_tokens)
-    if not first:
+    if not backend.admit_by_slots(layout):
         return
     log.info("backend %s is llama-server: %s; it exposes no KV-usage metric and no preemption counter, "
              "so the guard admits by slots (one request per slot, within a slot's context)",
