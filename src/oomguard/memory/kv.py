@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory.spec import AttentionKind, LayerSpec, MambaStateSpec, MambaVariant, ModelSpec
@@ -332,6 +332,13 @@ class CacheFormat:
     kv_cache_dtype: str
     era: VllmEra
     hybrid_manager: bool = True
+    _heads: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def kv_heads(self, total: int) -> int:
+        """KV heads per rank (:func:`kv_heads_per_rank`), computed once per head count."""
+        if total not in self._heads:
+            self._heads[total] = kv_heads_per_rank(total, self.tp)
+        return self._heads[total]
 
 
 def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
@@ -350,7 +357,7 @@ def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
         return MLA(block_size=bs, token_bytes_=tb, sliding_window=window)
     hk = head_token_bytes(kv_dtype, mbytes, layer.head_size)
     hv = head_token_bytes(kv_dtype, mbytes, layer.head_size_v or layer.head_size)
-    n = kv_heads_per_rank(layer.num_kv_heads, fmt.tp)
+    n = fmt.kv_heads(layer.num_kv_heads)
     if layer.kind is AttentionKind.SLIDING and hybrid and layer.sliding_window:
         return SlidingWindow(bs, None, n, hk, hv, sliding_window=layer.sliding_window)
     if layer.kind is AttentionKind.CHUNKED and hybrid and layer.attention_chunk_size:
@@ -400,10 +407,12 @@ def unify_block_size(
     """Raise the attention block size until an attention page holds the largest Mamba state
     (vLLM's ``unify_hybrid_kv_cache_specs`` and the page-size alignment before it)."""
     era = fmt.era
+    if not mamba_bytes:
+        return UnifiedBlockSize(block_size, None, None, ())
     attn_layers = [
         ly for ly in model.layers if ly.kind not in (AttentionKind.MAMBA, AttentionKind.NONE)
     ]
-    if not mamba_bytes or not attn_layers:
+    if not attn_layers:
         return UnifiedBlockSize(block_size, None, None, ())
     one = attention_spec(attn_layers[0], 1, fmt)
     a1 = one.page_size_bytes  # attention page of one token
