@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+# ``oomguard.plan`` names the function; its modules stay importable as ``oomguard.plan.<name>``.
+# The package loads the planner on the first call, so `import oomguard` stays fast.
+from oomguard.plan import plan
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "plan"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: `import oomguard` stays fast; the planner loads on first use.
-    if name == "plan":
-        from oomguard.api import plan
-
-        return plan
-    raise AttributeError(f"module 'oomguard' has no attribute {name!r}")

@@ -172,7 +172,7 @@ def parse_human_int(text: str, *, flag: str = "value", allow_auto: bool = False)
         ) from None
 
 
-def _parse_float(text: str, flag: str) -> float:
+def parse_float(text: str, flag: str) -> float:
     try:
         return float(text)
     except ValueError:
@@ -197,7 +197,7 @@ def _parse_bool(text: str, flag: str) -> bool:
     raise BadInput(f"{flag} {text!r} is not true or false", f"write {flag} or --no-{flag[2:]}")
 
 
-def _choice(choices: Sequence[str]) -> Callable[[str, str], str]:
+def choice_parser(choices: Sequence[str]) -> Callable[[str, str], str]:
     def parse(text: str, flag: str) -> str:
         value = str(text).strip()
         if value not in choices:
@@ -209,7 +209,7 @@ def _choice(choices: Sequence[str]) -> Callable[[str, str], str]:
 
 
 def _optional_choice(choices: Sequence[str]) -> Callable[[str, str], str | None]:
-    inner = _choice(choices)
+    inner = choice_parser(choices)
 
     def parse(text: str, flag: str) -> str | None:
         if str(text).strip().lower() in ("none", "null", ""):
@@ -229,7 +229,7 @@ def _positive(parse: Callable[[str, str], int]) -> Callable[[str, str], int]:
     return checked
 
 
-def _max_model_len(text: str, flag: str) -> int:
+def parse_max_model_len(text: str, flag: str) -> int:
     value = parse_human_int(text, flag=flag, allow_auto=True)
     if value == 0 or value < -1:
         raise BadInput(
@@ -240,7 +240,7 @@ def _max_model_len(text: str, flag: str) -> int:
 
 
 def _utilization(text: str, flag: str) -> float:
-    value = _parse_float(text, flag)
+    value = parse_float(text, flag)
     if not 0.0 < value <= 1.0:
         raise BadInput(
             f"{flag} {value} is outside (0, 1]",
@@ -250,7 +250,7 @@ def _utilization(text: str, flag: str) -> float:
 
 
 def _non_negative_float(text: str, flag: str) -> float:
-    value = _parse_float(text, flag)
+    value = parse_float(text, flag)
     if value < 0:
         raise BadInput(f"{flag} {text!r} must not be negative", f"pass 0 or more to {flag}")
     return value
@@ -268,11 +268,11 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "data-parallel-size": ("data_parallel_size", _positive(_parse_int)),
     "enable-expert-parallel": ("enable_expert_parallel", None),
     "gpu-memory-utilization": ("gpu_memory_utilization", _utilization),
-    "max-model-len": ("max_model_len", _max_model_len),
+    "max-model-len": ("max_model_len", parse_max_model_len),
     "max-num-seqs": ("max_num_seqs", _positive(_parse_int)),
     "max-num-batched-tokens": ("max_num_batched_tokens", _positive(_human)),
-    "kv-cache-dtype": ("kv_cache_dtype", _choice(KV_CACHE_DTYPE_CHOICES)),
-    "dtype": ("dtype", _choice(DTYPE_CHOICES)),
+    "kv-cache-dtype": ("kv_cache_dtype", choice_parser(KV_CACHE_DTYPE_CHOICES)),
+    "dtype": ("dtype", choice_parser(DTYPE_CHOICES)),
     "quantization": ("quantization", _optional_choice(QUANTIZATION_CHOICES)),
     "enforce-eager": ("enforce_eager", None),
     "block-size": ("block_size", _positive(_parse_int)),
@@ -280,7 +280,7 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "kv-cache-memory-bytes": ("kv_cache_memory_bytes", _positive(_human)),
     "num-gpu-blocks-override": ("num_gpu_blocks_override", _positive(_parse_int)),
     "cpu-offload-gb": ("cpu_offload_gb", _non_negative_float),
-    "performance-mode": ("performance_mode", _choice(PERFORMANCE_MODE_CHOICES)),
+    "performance-mode": ("performance_mode", choice_parser(PERFORMANCE_MODE_CHOICES)),
 }
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
@@ -484,7 +484,7 @@ def _container_args(words: list[str]) -> list[str]:
     )
 
 
-def _canonical(name: str) -> str:
+def canonical_flag(name: str) -> str:
     name = name.replace("_", "-")
     return ALIASES.get(name, name)
 
@@ -507,10 +507,10 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[tuple[str, str | bool
         inline: str | None = None
         if "=" in raw:
             raw, inline = raw.split("=", 1)
-        name = _canonical(raw)
+        name = canonical_flag(raw)
         negated = False
-        if name not in BOOL_FLAGS and name.startswith("no-") and _canonical(name[3:]) in BOOL_FLAGS:
-            name, negated = _canonical(name[3:]), True
+        if name not in BOOL_FLAGS and name.startswith("no-") and canonical_flag(name[3:]) in BOOL_FLAGS:
+            name, negated = canonical_flag(name[3:]), True
         if name in BOOL_FLAGS:
             if negated:
                 pairs.append((name, False))
@@ -577,7 +577,7 @@ def _config_pairs(
         )
     pairs: list[tuple[str, str | bool | list[str]]] = []
     for key, value in data.items():
-        name = _canonical(str(key))
+        name = canonical_flag(str(key))
         if isinstance(value, bool):
             pairs.append((name, value))
         elif isinstance(value, list):
@@ -679,7 +679,7 @@ def closest_flag(name: str) -> str | None:
     import difflib
 
     known = sorted(set(BOOL_FLAGS) | set(VALUE_FLAGS) | set(LIST_FLAGS) | set(_SETTING_FLAGS))
-    name = _canonical(name.lstrip("-"))
+    name = canonical_flag(name.lstrip("-"))
     found = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return found[0] if found else None
 

@@ -124,8 +124,8 @@ def _plan_is_calibrated(
 ) -> None:
     """``plan`` with the healed launch's settings uses the stored term and predicts the log's
     KV figures: the budget to the log's two decimals, the tokens exactly."""
-    from oomguard.api import plan
     from oomguard.memory.spec import GPUSpec
+    from oomguard.plan.service import plan
     from oomguard.vllm_args import parse_command
 
     stored = run.wait_for("calibration", 30)

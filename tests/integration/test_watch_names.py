@@ -81,7 +81,7 @@ def scrapes(
     shared_vllm: VllmServer, tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Exposed]:
     """Live scrapes of vLLM, the guard in front of it, and a watcher watching it (with a plan)."""
-    from oomguard.api import plan
+    from oomguard.plan.service import plan
 
     url = shared_vllm.base_url
     wait_vllm_idle(url)

@@ -5,7 +5,7 @@ Each reader counts the parameters of the modules vLLM builds for the model
 (``vllm/model_executor/models/<family>.py`` of vLLM 0.33) and lists each decoder layer's KV
 state the way the model's ``get_kv_cache_spec`` does: per-layer head sizes and KV heads,
 sliding windows, and layers that share another layer's KV (no state of their own). The
-building blocks (:class:`_Cfg`, :class:`_Acc`, linear and MLP counts) are the config reader's.
+building blocks (:class:`Cfg`, :class:`Acc`, linear and MLP counts) are :mod:`config_parts`'.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomguard.errors import MalformedConfig, UnsupportedArchitecture
-from oomguard.facts.config_reader import (
-    _Acc,
-    _add_attention,
-    _attn_layer,
-    _Cfg,
-    _dense_core,
-    _gated_mlp,
-    _linear,
-    _vision_cfg,
-    _vision_clip_llava,
+from oomguard.facts.config_core import vision_clip_llava
+from oomguard.facts.config_parts import (
+    Acc,
+    Cfg,
+    add_attention,
+    attn_layer,
+    dense_core,
+    gated_mlp,
+    linear,
+    vision_cfg,
 )
 from oomguard.memory.spec import AttentionKind, LayerSpec, MoESpec, VisionSpec
 
@@ -32,7 +32,7 @@ from oomguard.memory.spec import AttentionKind, LayerSpec, MoESpec, VisionSpec
 # Gemma 3n
 
 
-def _gemma3n_kv_layers(c: _Cfg, n_layers: int, kv_heads: int, hd: int) -> list[LayerSpec]:
+def _gemma3n_kv_layers(c: Cfg, n_layers: int, kv_heads: int, hd: int) -> list[LayerSpec]:
     """Sliding/full layers; the last ``num_kv_shared_layers`` reuse an earlier layer's KV.
 
     vllm gemma3n.py / gemma4.py: a shared layer's attention names the last non-shared layer of
@@ -57,15 +57,15 @@ def _gemma3n_kv_layers(c: _Cfg, n_layers: int, kv_heads: int, hd: int) -> list[L
         if i >= first_shared:
             out.append(LayerSpec(kind=AttentionKind.NONE))
         elif layer_types[i] == "sliding_attention" and window:
-            out.append(_attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window)))
+            out.append(attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window)))
         else:
-            out.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+            out.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
     return out
 
 
-def read_gemma3n_text(c: _Cfg, acc: _Acc, model_type: str) -> None:
+def read_gemma3n_text(c: Cfg, acc: Acc, model_type: str) -> None:
     """Gemma 3n text model: AltUp, LAuReL and per-layer embeddings around Gemma attention."""
-    hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
+    hidden, n_layers, heads, kv_heads, hd = dense_core(c)
     inter = c.get("intermediate_size")
     inters = [int(x) for x in inter] if isinstance(inter, list) else [int(inter)] * n_layers
     if len(inters) != n_layers:
@@ -82,7 +82,7 @@ def read_gemma3n_text(c: _Cfg, acc: _Acc, model_type: str) -> None:
         if not shared:
             acc.add("attn_kv", 2 * hidden * kv_heads * hd)
             acc.add("norm", hd)  # k_norm
-        acc.add("mlp", _gated_mlp(hidden, inters[i]))
+        acc.add("mlp", gated_mlp(hidden, inters[i]))
         acc.add("norm", 4 * hidden)
         acc.add("norm", 6 * hidden + n_alt * n_alt + n_alt**3)  # AltUp scales, coefs, router
         acc.add("mlp", 2 * rank * hidden)  # LAuReL left/right
@@ -122,7 +122,7 @@ def _multimodal_embedder(vocab: int, tower_hidden: int, text_hidden: int) -> int
 def vision_gemma3n(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     """MobileNet-V5 vision tower (timm; its architecture name states its size) and the
     conformer audio tower, with their embedders."""
-    v = _vision_cfg(config, arch)
+    v = vision_cfg(config, arch)
     name = str(v.get("architecture") or "")
     size = re.search(r"_(\d+)m_", name + "_")
     if not size:
@@ -147,7 +147,7 @@ def vision_gemma3n(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vi
 # Gemma 4
 
 
-def _gemma4_layer_dims(c: _Cfg, layer_type: str) -> tuple[int, int]:
+def _gemma4_layer_dims(c: Cfg, layer_type: str) -> tuple[int, int]:
     """(KV heads, head size) of one layer: full-attention layers use the global figures."""
     kv, hd = c.int("num_key_value_heads"), c.int("head_dim")
     if layer_type == "full_attention":
@@ -156,7 +156,7 @@ def _gemma4_layer_dims(c: _Cfg, layer_type: str) -> tuple[int, int]:
     return kv, hd
 
 
-def read_gemma4_text(c: _Cfg, acc: _Acc, model_type: str) -> None:
+def read_gemma4_text(c: Cfg, acc: Acc, model_type: str) -> None:
     """Gemma 4: sliding and full layers with their own head sizes and KV heads, optional MoE
     beside the dense MLP, per-layer embeddings and KV sharing (E2B/E4B).
 
@@ -188,17 +188,17 @@ def read_gemma4_text(c: _Cfg, acc: _Acc, model_type: str) -> None:
                 acc.add("runtime_copy", hidden * kv * hd)
             sliding = layer_types[i] == "sliding_attention" and window
             acc.layers.append(
-                _attn_layer(AttentionKind.SLIDING, kv, hd, sliding_window=int(window))
+                attn_layer(AttentionKind.SLIDING, kv, hd, sliding_window=int(window))
                 if sliding
-                else _attn_layer(AttentionKind.FULL, kv, hd)
+                else attn_layer(AttentionKind.FULL, kv, hd)
             )
         wide = 2 if (shared and c.get("use_double_wide_mlp")) else 1
-        acc.add("mlp", _gated_mlp(hidden, inter * wide))
+        acc.add("mlp", gated_mlp(hidden, inter * wide))
         acc.add("norm", 4 * hidden)
         if n_exp:
             moe_inter = c.int("moe_intermediate_size")
             acc.add("router", hidden + n_exp + hidden * n_exp)
-            acc.add("experts", n_exp * _gated_mlp(hidden, moe_inter))
+            acc.add("experts", n_exp * gated_mlp(hidden, moe_inter))
             acc.add("norm", 3 * hidden)
         if hpl:
             acc.add("mlp", 2 * hidden * hpl)
@@ -235,7 +235,7 @@ def vision_gemma4(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vis
     """Gemma 4's vision tower: a linear patch embedder with a 2-D position table, Gemma-style
     encoder layers (q/k/v/o, q/k norms, gated MLP, four norms), and the projection into the
     text model; plus the audio tower of the E2B/E4B models when the config has one."""
-    v = _vision_cfg(config, arch)
+    v = vision_cfg(config, arch)
     hv, iv, n, p = (
         int(x) for x in v.req("hidden_size", "intermediate_size", "num_hidden_layers", "patch_size")
     )
@@ -256,7 +256,7 @@ def vision_gemma4(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vis
 # EXAONE 4 and GLM-4.5
 
 
-def exaone4_layer_types(c: _Cfg, n_layers: int) -> list[str]:
+def exaone4_layer_types(c: Cfg, n_layers: int) -> list[str]:
     """``layer_types``, or transformers' rule from ``sliding_window_pattern`` ("LLLG" or 4)."""
     layer_types = c.get("layer_types")
     if layer_types:
@@ -277,31 +277,31 @@ def exaone4_layer_types(c: _Cfg, n_layers: int) -> list[str]:
     ]
 
 
-def read_exaone4(c: _Cfg, acc: _Acc, model_type: str) -> None:
+def read_exaone4(c: Cfg, acc: Acc, model_type: str) -> None:
     """EXAONE 4: QK-norm attention, post-attention and post-feed-forward norms only, local
     (sliding) and global layers per ``sliding_window_pattern``."""
-    hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
+    hidden, n_layers, heads, kv_heads, hd = dense_core(c)
     inter = c.int("intermediate_size")
     window = c.get("sliding_window")
     for kind in exaone4_layer_types(c, n_layers):
-        _add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
                        qk_norm=True)  # fmt: skip
-        acc.add("mlp", _gated_mlp(hidden, inter))
+        acc.add("mlp", gated_mlp(hidden, inter))
         acc.add("norm", 2 * hidden)
         if kind == "sliding_attention" and window:
             acc.layers.append(
-                _attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window))
+                attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window))
             )
         else:
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+            acc.layers.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
     acc.add("norm", hidden)
 
 
-def read_glm4_moe(c: _Cfg, acc: _Acc, model_type: str) -> None:
+def read_glm4_moe(c: Cfg, acc: Acc, model_type: str) -> None:
     """GLM-4.5 / 4.6 (``glm4_moe``): GQA attention with QKV bias and optional QK-norm, dense MLP
     for the first ``first_k_dense_replace`` layers, then sigmoid-routed MoE with one shared
     expert; MTP layers (``num_nextn_predict_layers``) in the checkpoint."""
-    hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
+    hidden, n_layers, heads, kv_heads, hd = dense_core(c)
     bias = bool(c.get("attention_bias", False))
     qk_norm = bool(c.get("use_qk_norm", False))
     first_dense = c.int("first_k_dense_replace", 0)
@@ -313,25 +313,25 @@ def read_glm4_moe(c: _Cfg, acc: _Acc, model_type: str) -> None:
     n_shared = c.int("n_shared_experts", 0)
     vocab = c.int("vocab_size")
 
-    def layer(target: _Acc, i: int) -> None:
-        _add_attention(target, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+    def layer(target: Acc, i: int) -> None:
+        add_attention(target, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
                        q_bias=bias, kv_bias=bias, qk_norm=qk_norm)  # fmt: skip
         if i < first_dense:
-            target.add("mlp", _gated_mlp(hidden, c.int("intermediate_size")))
+            target.add("mlp", gated_mlp(hidden, c.int("intermediate_size")))
         else:
             target.add("router", hidden * n_exp + n_exp)  # gate and e_score_correction_bias
-            target.add("experts", n_exp * _gated_mlp(hidden, moe_inter))
+            target.add("experts", n_exp * gated_mlp(hidden, moe_inter))
             if n_shared:
-                target.add("shared_experts", _gated_mlp(hidden, moe_inter * n_shared))
+                target.add("shared_experts", gated_mlp(hidden, moe_inter * n_shared))
         target.add("norm", 2 * hidden)
 
     for i in range(n_layers):
         layer(acc, i)
-        acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+        acc.layers.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
     acc.add("norm", hidden)
     n_mtp = c.int("num_nextn_predict_layers", 0)
     if n_mtp:
-        scratch = _Acc()
+        scratch = Acc()
         for _ in range(n_mtp):
             layer(scratch, n_layers)
         # enorm, hnorm, eh_proj (2H → H), shared_head norm and its own embedding and head
@@ -363,8 +363,8 @@ def llava_next_max_tokens(config: Mapping[str, Any], image: int, patch: int) -> 
 def vision_llava_next(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     """LLaVA-NeXT: the LLaVA CLIP tower and projector plus ``image_newline`` (one text-width
     vector); anyres images cost up to :func:`llava_next_max_tokens` placeholder tokens."""
-    spec = _vision_clip_llava(config, arch, text_hidden)
-    v = _vision_cfg(config, arch)
+    spec = vision_clip_llava(config, arch, text_hidden)
+    v = vision_cfg(config, arch)
     tokens = llava_next_max_tokens(config, v.int("image_size"), v.int("patch_size"))
     return VisionSpec(params=spec.params + text_hidden, max_tokens_per_item=tokens,
                       hidden_size=spec.hidden_size, num_layers=spec.num_layers)  # fmt: skip
@@ -373,19 +373,19 @@ def vision_llava_next(config: Mapping[str, Any], arch: str, text_hidden: int) ->
 def vision_qwen3_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
     """Qwen3-VL / Qwen3.5 vision tower: 3-D patch conv, learned position table, pre-norm ViT
     blocks with biases, a 2×2 patch merger and one more merger per DeepStack level."""
-    v = _vision_cfg(config, arch)
+    v = vision_cfg(config, arch)
     hv, iv, depth = (int(x) for x in v.req("hidden_size", "intermediate_size", "depth"))
     p, tp, merge = v.int("patch_size", 16), v.int("temporal_patch_size", 2), v.int("spatial_merge_size", 2)
     channels = v.int("in_channels", 3)
     out = v.int("out_hidden_size", text_hidden)
     mh = hv * merge * merge
     block = (
-        4 * hv + _linear(hv, 3 * hv, True) + _linear(hv, hv, True) + _linear(hv, iv, True)
-        + _linear(iv, hv, True)
+        4 * hv + linear(hv, 3 * hv, True) + linear(hv, hv, True) + linear(hv, iv, True)
+        + linear(iv, hv, True)
     )  # fmt: skip
-    params = _linear(channels * tp * p * p, hv, True) + v.int("num_position_embeddings", 2304) * hv
+    params = linear(channels * tp * p * p, hv, True) + v.int("num_position_embeddings", 2304) * hv
     params += depth * block
-    merger = _linear(mh, mh, True) + _linear(mh, out, True)
+    merger = linear(mh, mh, True) + linear(mh, out, True)
     params += 2 * hv + merger
     params += len(v.get("deepstack_visual_indexes") or []) * (2 * mh + merger)
     # the default processor caps an image at 16,777,216 pixels: 16,384 merged tokens at patch 16

@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from oomguard.errors import UnsupportedArchitecture
-from oomguard.facts.config_reader import (
-    _Acc,
-    _add_attention,
-    _attn_layer,
-    _Cfg,
-    _dense_core,
-    _gated_mlp,
+from oomguard.facts.config_parts import (
+    Acc,
+    Cfg,
+    add_attention,
+    attn_layer,
+    dense_core,
+    gated_mlp,
 )
 from oomguard.memory.spec import AttentionKind, MoESpec
 
@@ -103,7 +103,7 @@ def generic_caveats(text: Mapping[str, Any], config: Mapping[str, Any], arch: st
     note = (
         f"architecture not verified: {arch} (model_type {model_type!r}) has no reader of its "
         "own; read as a standard decoder (attention per layer_types, gated MLP"
-        f"{', MoE' if _experts(_Cfg(text, arch, None)) else ''}) with wider ranges"
+        f"{', MoE' if _experts(Cfg(text, arch, None)) else ''}) with wider ranges"
     )
     if ignored:
         shown = ", ".join(sorted(ignored)[:6]) + (", …" if len(ignored) > 6 else "")
@@ -111,21 +111,21 @@ def generic_caveats(text: Mapping[str, Any], config: Mapping[str, Any], arch: st
     return [note]
 
 
-def _experts(c: _Cfg) -> int:
+def _experts(c: Cfg) -> int:
     return c.int("num_experts", c.int("num_local_experts", c.int("n_routed_experts", 0)))
 
 
-def _is_moe_layer(c: _Cfg, i: int) -> bool:
+def _is_moe_layer(c: Cfg, i: int) -> bool:
     if i < c.int("first_k_dense_replace", 0) or i in (c.get("mlp_only_layers") or ()):
         return False
     step = c.int("decoder_sparse_step", 1)
     return step <= 1 or (i + 1) % step == 0
 
 
-def read_generic(c: _Cfg, acc: _Acc, model_type: str) -> None:
+def read_generic(c: Cfg, acc: Acc, model_type: str) -> None:
     """A standard decoder: attention per ``layer_types`` (all full without it), a gated MLP or a
     plain MoE (routed experts of ``moe_intermediate_size``, optional shared experts)."""
-    hidden, n_layers, heads, kv_heads, hd = _dense_core(c)
+    hidden, n_layers, heads, kv_heads, hd = dense_core(c)
     bias = bool(c.get("attention_bias", False))
     qk_norm = bool(c.get("use_qk_norm") or c.get("qk_norm") or c.get("qk_layernorm"))
     kinds = [str(k) for k in c.get("layer_types") or ["full_attention"] * n_layers]
@@ -135,23 +135,23 @@ def read_generic(c: _Cfg, acc: _Acc, model_type: str) -> None:
     shared = c.int("shared_expert_intermediate_size", moe_inter * c.int("n_shared_experts", 0))
     moe_layers = 0
     for i in range(n_layers):
-        _add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
+        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
                        q_bias=bias, kv_bias=bias, o_bias=bias, qk_norm=qk_norm)  # fmt: skip
         if n_exp and _is_moe_layer(c, i):
             moe_layers += 1
             acc.add("router", hidden * n_exp)
-            acc.add("experts", n_exp * _gated_mlp(hidden, moe_inter))
+            acc.add("experts", n_exp * gated_mlp(hidden, moe_inter))
             if shared:
-                acc.add("shared_experts", _gated_mlp(hidden, shared))
+                acc.add("shared_experts", gated_mlp(hidden, shared))
         else:
-            acc.add("mlp", _gated_mlp(hidden, c.int("intermediate_size")))
+            acc.add("mlp", gated_mlp(hidden, c.int("intermediate_size")))
         acc.add("norm", 2 * hidden)
         if _LAYER_KINDS[kinds[i]] is AttentionKind.SLIDING and window:
             acc.layers.append(
-                _attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window))
+                attn_layer(AttentionKind.SLIDING, kv_heads, hd, sliding_window=int(window))
             )
         else:
-            acc.layers.append(_attn_layer(AttentionKind.FULL, kv_heads, hd))
+            acc.layers.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
     acc.add("norm", hidden)
     if n_exp:
         acc.moe = MoESpec(n_exp, c.int("num_experts_per_tok"), moe_inter,

@@ -18,7 +18,7 @@ from oomguard.facts.quant import apply_quantization_flag, quant_from_name, strip
 from oomguard.memory.spec import ModelSpec
 
 
-def _looks_like_path(ref: str) -> bool:
+def looks_like_path(ref: str) -> bool:
     return (
         ref.startswith(("/", "./", "../", "~"))
         or ref.endswith((".json", ".gguf"))
@@ -44,7 +44,7 @@ def resolve_model(ref: str, *, allow_hub: bool = True) -> ModelSpec:
     path = Path(ref).expanduser()
     if path.exists():
         return spec_from_local(path)
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         raise UnknownModel(
             f"no such file or directory: {path}",
             "check the path to the model directory or config.json",

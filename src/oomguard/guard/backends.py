@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -55,6 +56,20 @@ class Backend:
         self.polls = 0
         self.engine: str | None = None  # "vllm" | "llama.cpp" once known (llama_backend)
         self.llama_layout: SlotLayout | None = None
+
+    def admit_by_slots(self, layout: SlotLayout) -> bool:
+        """A llama-server: admit by its slots (watermarks 1.0, no progress tracking); True when
+        the layout is new."""
+        first = self.llama_layout != layout
+        self.engine = llama_backend.LLAMA_CPP
+        self.llama_layout = layout
+        a = self.admission
+        a.settings = dataclasses.replace(
+            a.settings, high_watermark=1.0, low_watermark=1.0, projected_watermark=1.0,
+            track_mode="off", stagger=False,
+        )  # fmt: skip
+        a.set_capacity(layout.slots + 1, layout.block_tokens)
+        return first
 
     def note_up(self, now_s: float, wall_now_s: float) -> None:
         """A good poll: learn how long the backend took to come back (restart or startup).

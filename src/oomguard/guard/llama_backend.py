@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 
+from oomguard.guard.config import BackendConfig
 from oomguard.vllm_metrics import VllmSnapshot
-
-if TYPE_CHECKING:
-    from oomguard.guard.backends import Backend
 
 log = logging.getLogger("oomguard.guard")
 LLAMA_CPP = "llama.cpp"
@@ -82,12 +80,25 @@ class SlotLayout:
         return f"/props: {self.slots} slots × {self.n_ctx_per_slot} tokens, {layout} (config)"
 
 
-def is_llama(backend: Backend) -> bool:
+class SlotServer(Protocol):
+    """What this module reads and sets of a guard backend (:class:`.backends.Backend`)."""
+
+    url: str
+    config: BackendConfig
+    engine: str | None
+    healthy: bool
+    llama_layout: SlotLayout | None
+    models: dict[str, dict[str, Any]]
+
+    def admit_by_slots(self, layout: SlotLayout) -> bool: ...
+
+
+def is_llama(backend: SlotServer) -> bool:
     """Whether ``backend`` was found to be llama-server."""
     return backend.engine == LLAMA_CPP
 
 
-async def poll(session: aiohttp.ClientSession, backend: Backend) -> VllmSnapshot | None:
+async def poll(session: aiohttp.ClientSession, backend: SlotServer) -> VllmSnapshot | None:
     """One poll of a llama-server backend: health, capacity, busy slots as usage.
 
     None when the backend is not llama-server (so the vLLM poll runs); raises
@@ -119,7 +130,7 @@ async def poll(session: aiohttp.ClientSession, backend: Backend) -> VllmSnapshot
                        requests_running=busy, num_gpu_blocks=layout.slots + 1, block_size=layout.block_tokens)  # fmt: skip
 
 
-async def _props(session: aiohttp.ClientSession, backend: Backend) -> dict[str, Any] | None:
+async def _props(session: aiohttp.ClientSession, backend: SlotServer) -> dict[str, Any] | None:
     async with session.get(backend.url + "/props") as resp:
         if resp.status == 503:
             raise LlamaPollError("/props answered 503: the model is loading")
@@ -134,7 +145,7 @@ async def _props(session: aiohttp.ClientSession, backend: Backend) -> dict[str, 
     return payload
 
 
-def _adopt(backend: Backend, props: dict[str, Any]) -> None:
+def _adopt(backend: SlotServer, props: dict[str, Any]) -> None:
     """Take ``/props``: the slot layout, admission by slots (watermarks 1.0, no tracking)."""
     settings = props.get("default_generation_settings")
     slots = props.get("total_slots")
@@ -142,21 +153,14 @@ def _adopt(backend: Backend, props: dict[str, Any]) -> None:
     if not isinstance(slots, int) or slots < 1 or not isinstance(n_ctx, int) or n_ctx < 1:
         raise LlamaPollError("/props lacks total_slots or default_generation_settings.n_ctx")
     layout = SlotLayout(slots, n_ctx, backend.config.kv_unified)
-    first = backend.llama_layout != layout
-    backend.engine = LLAMA_CPP
-    backend.llama_layout = layout
-    a = backend.admission
-    a.settings = replace(a.settings, high_watermark=1.0, low_watermark=1.0, projected_watermark=1.0,
-                         track_mode="off", stagger=False)  # fmt: skip
-    a.set_capacity(layout.slots + 1, layout.block_tokens)
-    if not first:
+    if not backend.admit_by_slots(layout):
         return
     log.info("backend %s is llama-server: %s; it exposes no KV-usage metric and no preemption counter, "
              "so the guard admits by slots (one request per slot, within a slot's context)",
              backend.url, layout.basis())  # fmt: skip
 
 
-async def _busy_slots(session: aiohttp.ClientSession, backend: Backend) -> int | None:
+async def _busy_slots(session: aiohttp.ClientSession, backend: SlotServer) -> int | None:
     """Slots processing a request now (None when ``/slots`` is off: ``--no-slots``)."""
     async with session.get(backend.url + "/slots") as resp:
         if resp.status != 200:
@@ -167,7 +171,7 @@ async def _busy_slots(session: aiohttp.ClientSession, backend: Backend) -> int |
     return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing"))
 
 
-def note_models(backend: Backend) -> None:
+def note_models(backend: SlotServer) -> None:
     """Give each model ``/v1/models`` lists the longest request a slot holds."""
     layout = backend.llama_layout
     if layout is None:
@@ -176,7 +180,7 @@ def note_models(backend: Backend) -> None:
         entry["max_model_len"] = layout.n_ctx_per_slot
 
 
-def status_fields(backend: Backend) -> dict[str, Any]:
+def status_fields(backend: SlotServer) -> dict[str, Any]:
     """What ``/status`` adds for a llama-server backend: the layout and what cannot be seen."""
     layout = backend.llama_layout
     if layout is None:
@@ -188,7 +192,7 @@ def status_fields(backend: Backend) -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def count_tokens(session: aiohttp.ClientSession, backend: Backend, payload: dict[str, Any],
+async def count_tokens(session: aiohttp.ClientSession, backend: SlotServer, payload: dict[str, Any],
                        timeout: aiohttp.ClientTimeout) -> int | None:  # fmt: skip
     """Prompt tokens by llama-server's ``/tokenize`` (a chat rendered by ``/apply-template``
     first); None when it cannot say."""

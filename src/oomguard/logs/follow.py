@@ -23,19 +23,19 @@ from typing import Any
 from oomguard.logs.lines import (
     Line,
     Record,
-    _continues,
-    _join,
     clean,
+    continues,
+    join_continuation,
     split_physical,
     strip_decorations,
 )
-from oomguard.logs.parsed import _LOGGED_MEMORY_SIGNATURES, Evidence, Observed, ParsedLog, Phase
-from oomguard.logs.parser import _Builder
+from oomguard.logs.parsed import LOGGED_MEMORY_SIGNATURES, Evidence, Observed, ParsedLog, Phase
+from oomguard.logs.parser import LogBuilder
 
 # logged memory signatures that report a state or a narrative rather than this start failing:
 # a `free` listing with little RAM left, a story of memory growing
 _NOT_A_FAILURE = frozenset({"host_ram_low", "memory_growth"})
-FAILURE_SIGNATURES = tuple(s for s in _LOGGED_MEMORY_SIGNATURES if s not in _NOT_A_FAILURE)
+FAILURE_SIGNATURES = tuple(s for s in LOGGED_MEMORY_SIGNATURES if s not in _NOT_A_FAILURE)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class LineNews:
         return not self.fields and not self.phases and self.failure is None
 
 
-class _MarkingBuilder(_Builder):
+class _MarkingBuilder(LogBuilder):
     """The parser's builder, also noting every phase marker (the parser keeps only the first
     of each phase; a follower wants each as it comes)."""
 
@@ -115,8 +115,8 @@ class LogFollower:
             self._number += 1
             body, decorated, tag, level, source = strip_decorations(clean(raw))
             line = Line(self._number, body, decorated, tag, level, source)
-            if self._open is not None and _continues(self._open, line):
-                self._open.text = _join(self._open.text, line.body, self._prev_chars)
+            if self._open is not None and continues(self._open, line):
+                self._open.text = join_continuation(self._open.text, line.body, self._prev_chars)
                 self._open.lines += 1
             else:
                 if self._open is not None:
@@ -149,7 +149,7 @@ class LogFollower:
         seen now rather than when the next line arrives."""
         if self._failure is not None or self._open is None or not self._open.text:
             return
-        probe = _Builder()
+        probe = LogBuilder()
         probe.feed(self._open)
         failure = _failure_of(probe.log)
         if failure is not None:

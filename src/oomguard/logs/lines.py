@@ -178,7 +178,7 @@ def iter_lines(chunks: Iterable[str]) -> Iterator[Line]:
         )
 
 
-def _continues(prev: Record, line: Line) -> bool:
+def continues(prev: Record, line: Line) -> bool:
     """Whether an undecorated line is the rest of the previous record (wrapped by a reporter
     or a multi-line V0 record) rather than a new message."""
     if line.decorated or not line.body.strip():
@@ -212,7 +212,7 @@ _WHOLE_WORDS = frozenset(
 _MIN_WRAPPED_CHARS = 50
 
 
-def _join(prev: str, body: str, prev_line_chars: int) -> str:
+def join_continuation(prev: str, body: str, prev_line_chars: int) -> str:
     # a hard wrap inside a word ("KV cach" + "e is needed") joins without a space
     if (
         prev_line_chars >= _MIN_WRAPPED_CHARS
@@ -232,8 +232,8 @@ def iter_records(chunks: Iterable[str]) -> Iterator[Record]:
     current: Record | None = None
     prev_chars = 0  # the length of the last physical line read
     for line in iter_lines(chunks):
-        if current is not None and _continues(current, line):
-            current.text = _join(current.text, line.body, prev_chars)
+        if current is not None and continues(current, line):
+            current.text = join_continuation(current.text, line.body, prev_chars)
             current.lines += 1
             prev_chars = len(line.body)
             continue

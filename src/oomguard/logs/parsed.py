@@ -248,7 +248,7 @@ FIELD_RULES: dict[str, str] = {
 
 
 # signatures of a memory failure that a log line, error or traceback shows
-_LOGGED_MEMORY_SIGNATURES = (
+LOGGED_MEMORY_SIGNATURES = (
     "cuda_oom",
     "driver_oom",
     "no_cache_blocks",
@@ -333,7 +333,7 @@ class ParsedLog:
     def shows_failure(self) -> bool:
         """Whether the log reports a memory failure of any kind (the doctor's exit 3 test)."""
         memory_signatures = (
-            *_LOGGED_MEMORY_SIGNATURES,
+            *LOGGED_MEMORY_SIGNATURES,
             # a sentence that says memory ran out (an issue title, a summary): weaker
             # evidence, but a stated failure all the same
             "said_oom",
@@ -347,7 +347,7 @@ class ParsedLog:
         return (
             self.shows_failure
             and not self.ooms
-            and all(s == "said_oom" or s not in self.signatures for s in _LOGGED_MEMORY_SIGNATURES)
+            and all(s == "said_oom" or s not in self.signatures for s in LOGGED_MEMORY_SIGNATURES)
         )
 
     # --- rendering ------------------------------------------------------------------------

@@ -61,7 +61,7 @@ ARG_FIELDS: dict[str, str] = {
 }
 
 
-class _Builder:
+class LogBuilder:
     """Mutable state while streaming; everything it keeps is bounded."""
 
     def __init__(self) -> None:
@@ -954,7 +954,7 @@ def parse_stream(lines: Iterable[str]) -> ParsedLog:
     only a fixed set of values and a few pieces of evidence are kept. Never raises on
     malformed text (binary garbage, truncated lines, interleaved processes).
     """
-    builder = _Builder()
+    builder = LogBuilder()
     last = 0
     for record in iter_records(lines):
         builder.feed(record)

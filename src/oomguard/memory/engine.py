@@ -25,6 +25,21 @@ from oomguard.memory.activation import (
     non_torch,
 )
 from oomguard.memory.bands import weights_group
+from oomguard.memory.logtext import (
+    AUTO_FIT_FAILED_TEXT,
+    auto_fit_line,
+    available_kv_line,
+    fit_error_text,
+    format_gib,
+    free_memory_error_text,
+    kv_capacity_lines,
+    no_memory_error_text,
+    override_line,
+    v0_blocks_line,
+    v0_max_len_error_text,
+    weights_exceed_budget_text,
+    weights_exceed_gpu_text,
+)
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
@@ -213,107 +228,6 @@ class MemoryPrediction:
 # --------------------------------------------------------------------------------------------
 # Formatting helpers (§ conventions)
 # --------------------------------------------------------------------------------------------
-
-
-def format_gib(num_bytes: float) -> str:
-    """vLLM's ``format_gib``: ``str(round(b / 2**30, 2))`` (trailing zeros dropped)."""
-    return str(round(num_bytes / GIB, 2))
-
-
-def _gib_text(era: VllmEra, num_bytes: float) -> str:
-    return format_gib(num_bytes) if era.format_gib else f"{num_bytes / GIB:.2f}"
-
-
-def _device_label(platform: str) -> str:
-    return "CPU" if platform == "cpu" else "GPU"
-
-
-def kv_capacity_lines(
-    era: VllmEra, platform: str, tokens: int, max_model_len: int, concurrency: float
-) -> list[str]:
-    """The "KV cache size" / "Maximum concurrency" line(s) of this release (§6)."""
-    if era.engine == "v0":
-        return [f"Maximum concurrency for {max_model_len} tokens per request: {concurrency:.2f}x"]
-    size = f"KV cache size: {tokens:,} tokens"
-    conc = f"Maximum concurrency for {max_model_len:,} tokens per request: {concurrency:.2f}x"
-    if era.kv_line_form == "two_lines":
-        return [f"GPU {size}", conc]
-    if era.kv_line_form == "combined":
-        return [f"GPU {size}, {conc}"]
-    return [f"{_device_label(platform)} {size}, {conc}"]
-
-
-def fit_error_text(
-    era: VllmEra, max_model_len: int, needed: int, available: int, estimate: int
-) -> str:
-    """The ValueError vLLM raises when one request at max_model_len does not fit (§7.2)."""
-    tail_13 = (
-        " See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
-    )
-    if era.fit_error_form in ("v10", "v13"):
-        est = (
-            f"Based on the available memory, the estimated maximum model length is {estimate}."
-            if estimate > 0
-            else ""
-        )
-        text = (
-            f"To serve at least one request with the models's max seq len ({max_model_len}), "
-            f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV "
-            f"cache memory ({available / GIB:.2f} GiB). {est} Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
-        )
-        return text + (tail_13 if era.fit_error_form == "v13" else "")
-    est = (
-        f"Based on the available memory, the estimated maximum model length is {estimate}. "
-        if estimate > 0
-        else ""
-    )
-    if era.fit_error_form == "v14":
-        return (
-            f"To serve at least one request with the models's max seq len ({max_model_len}), "
-            f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV "
-            f"cache memory ({format_gib(available)} GiB). {est}Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
-            + tail_13
-        )
-    return (
-        f"To serve at least one request with the model's max seq len ({max_model_len}), "
-        f"({format_gib(needed)} GiB KV cache is needed, which is larger than the available KV "
-        f"cache memory ({format_gib(available)} GiB). {est}Try increasing "
-        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
-        "decreasing `max_model_len` when initializing the engine." + tail_13
-    )
-
-
-def no_memory_error_text(era: VllmEra) -> str:
-    """The ValueError for a zero or negative KV budget (§7.2)."""
-    base = "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine"
-    docs = " See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
-    if era.no_memory_error_form == "v10":
-        return base + "."
-    if era.no_memory_error_form == "v13":
-        return base + "." + docs
-    return (
-        base
-        + " (this flag also controls CPU memory reservation on the CPU backend, despite its name)."
-        + docs
-    )
-
-
-def free_memory_error_text(
-    era: VllmEra, free: int, total: int, util: float, requested: float
-) -> str:
-    """The startup ValueError when free device memory is below the requested budget (§2.1)."""
-    tail = "Decrease GPU memory utilization or reduce GPU memory used by other processes."
-    if era.free_memory_error_form == "v10":
-        return (
-            f"Free memory on device ({round(free / GIB, 2)}/{round(total / GIB, 2)} GiB) on startup is "
-            f"less than desired GPU memory utilization ({util}, {round(requested / GIB, 2)} GiB). {tail}"
-        )
-    return (
-        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less "
-        f"than desired GPU memory utilization ({util}, {format_gib(requested)} GiB). {tail}"
-    )
 
 
 CPU_STARTUP_ERRORS = frozenset({"cpu_memory_below_requested", "cpu_memory_below_kv"})
@@ -610,6 +524,464 @@ def _available_kv(
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The settings as the chosen release resolves them (defaults by version, GPU and model)."""
+
+    era: VllmEra
+    coef: Coefficients
+    tp: int  # 1 when a non-strict TP did not divide the heads (priced at TP 1)
+    ep: int
+    model_dtype: str
+    dbytes: int
+    util: float
+    auto_fit: bool
+    max_len: int
+    seqs: int
+    tokens: int
+    prefix_caching: bool
+    mamba_mode: str
+    block_size: int  # requested or default; the KV layout may raise it
+    hybrid_manager: bool
+    total: int
+    requested: float  # the budget util × total (a float before 0.14)
+    kv_override: int | None
+
+
+def _serving_era(model: ModelSpec, settings: EngineSettings) -> VllmEra:
+    """The release's era, on the V0 engine where a 0.10 release falls back to it."""
+    era = resolve_era(settings.vllm_version, settings.engine)
+    removed_after = REMOVED_ARCHITECTURES.get(model.architecture)
+    if removed_after and era.engine == "v1":
+        if era.refuses_removed_architectures:
+            raise UnsupportedArchitecture(
+                f"Model architecture {model.architecture} was supported in vLLM until "
+                f"v{removed_after}, and is not supported anymore (vLLM {era.label})",
+                f"use vLLM {removed_after} or older (V0 engine) or another model",
+            )
+        # 0.10.x: encoder-decoder models fall back to the V0 engine and its accounting
+        era = replace(era, engine="v0")
+    return era
+
+
+def _checked_tp(model: ModelSpec, tp: int, strict: bool, problems: list[Problem]) -> int:
+    """``tp``, or 1 with a ``tp_not_divisible`` problem when it does not divide the heads."""
+    tp_problem: str | None = None
+    if model.num_attention_heads % tp:
+        tp_problem = (
+            f"Total number of attention heads ({model.num_attention_heads}) must be divisible by "
+            f"tensor parallel size ({tp})."
+        )
+    else:
+        try:
+            kvm.kv_heads_per_rank(model.num_kv_heads, tp)
+        except BadInput as exc:
+            tp_problem = exc.message
+    if not tp_problem:
+        return tp
+    if strict:
+        raise BadInput(
+            tp_problem, "use a tensor parallel size that divides the model's attention heads"
+        )
+    problems.append(Problem("tp_not_divisible", tp_problem))
+    return 1  # price the rest at TP 1 so callers still see the sizes
+
+
+def _max_len(
+    model: ModelSpec, settings: EngineSettings, era: VllmEra, problems: list[Problem]
+) -> tuple[int, bool]:
+    """(max_model_len, auto-fit asked for): the given length, else the model's derived one."""
+    derived_len = model.derived_max_model_len
+    auto_fit = settings.max_model_len == -1
+    if auto_fit and not era.auto_fit:
+        raise BadInput(
+            f"--max-model-len -1 (auto-fit) needs vLLM 0.14 or newer (version {era.label})",
+            "pass a length",
+        )
+    max_len = derived_len if settings.max_model_len in (None, -1) else int(settings.max_model_len)
+    if max_len > derived_len:
+        problems.append(
+            Problem(
+                "max_len_exceeds_derived",
+                f"User-specified max_model_len ({max_len}) is greater than the derived max_model_len "
+                f"({derived_len}) of the model; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
+            )
+        )
+    return max_len, auto_fit
+
+
+def _batch_limits(
+    model: ModelSpec, gpu: GPUSpec, settings: EngineSettings, era: VllmEra, max_len: int, tp: int
+) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) as the release's scheduler resolves them."""
+    if era.engine == "v0":
+        seqs = settings.max_num_seqs or 256
+        if settings.max_num_batched_tokens:
+            return seqs, settings.max_num_batched_tokens
+        if _v0_auto_chunked_prefill(model, max_len, settings.platform):
+            return seqs, era.v0_chunked_prefill_tokens
+        # SchedulerConfig without chunked prefill: the whole context in one batch
+        return seqs, max(max_len, 5120 if model.vision is not None else 2048)
+    defaults = batch_defaults(
+        era,
+        platform=settings.platform,
+        usage_context=settings.usage_context,
+        device_total_bytes=gpu.total_bytes,
+        device_name=gpu.device_name or gpu.name,
+        world_size=tp * settings.pipeline_parallel_size,
+        compute_capability=gpu.compute_capability,
+    )
+    factor = 2 if (era.performance_mode and settings.performance_mode == "throughput") else 1
+    seqs = settings.max_num_seqs or defaults.max_num_seqs * factor
+    if settings.max_num_batched_tokens:
+        tokens = settings.max_num_batched_tokens
+    else:
+        tokens = min(defaults.max_num_batched_tokens * factor, seqs * max_len)
+    if era.clamp_seqs_to_tokens and settings.max_num_seqs is None:
+        seqs = min(seqs, tokens)
+    return seqs, tokens
+
+
+def _kv_override(settings: EngineSettings) -> int | None:
+    """The KV pool size the settings fix, if any."""
+    if settings.platform == "cpu" and settings.cpu_kvcache_space_gib is not None:
+        # 0.20+: the legacy variable becomes kv_cache_memory_bytes (platforms/cpu.py);
+        # before, it was the KV pool itself
+        return settings.cpu_kvcache_space_gib * GIB
+    return settings.kv_cache_memory_bytes
+
+
+def resolve_settings(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    problems: list[Problem],
+    *,
+    strict: bool,
+    coefficients: Coefficients | None,
+) -> ResolvedSettings:
+    """Resolve the era and every defaulted setting; settings problems go to ``problems``."""
+    era = _serving_era(model, settings)
+    kvm.check_kv_cache_dtype(settings.kv_cache_dtype, era)
+    tp = _checked_tp(model, settings.tensor_parallel_size, strict, problems)
+    model_dtype = resolve_model_dtype(model, settings.dtype, gpu.compute_capability)
+    util = settings.gpu_memory_utilization
+    if util is None:
+        util = era.default_gpu_memory_utilization
+    max_len, auto_fit = _max_len(model, settings, era, problems)
+    seqs, tokens = _batch_limits(model, gpu, settings, era, max_len, tp)
+    prefix_caching = settings.enable_prefix_caching
+    if prefix_caching is None:
+        prefix_caching = (not model.has_mamba) or era.hybrid_prefix_caching_default
+    hybrid_manager = not settings.disable_hybrid_kv_cache_manager and not any(
+        layer.kind is AttentionKind.CHUNKED for layer in model.layers
+    )
+    if settings.platform == "cpu" and not era.cpu_hybrid_kv_manager:
+        hybrid_manager = False
+    total = gpu.total_bytes
+    requested: float
+    if era.requested_ceil or settings.platform == "cpu":
+        requested = math.ceil(total * util)
+    else:
+        requested = total * util  # a float before 0.14
+    return ResolvedSettings(
+        era=era, coef=coefficients or DEFAULT_COEFFICIENTS, tp=tp,
+        ep=tp * settings.data_parallel_size if settings.enable_expert_parallel else 1,
+        model_dtype=model_dtype, dbytes=kvm.dtype_bytes(model_dtype), util=util,
+        auto_fit=auto_fit, max_len=max_len, seqs=seqs, tokens=tokens,
+        prefix_caching=prefix_caching, mamba_mode=_mamba_cache_mode(model, era, prefix_caching),
+        block_size=settings.block_size or _default_block_size(model, gpu, settings, era),
+        hybrid_manager=hybrid_manager, total=total, requested=requested,
+        kv_override=_kv_override(settings),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache's layer specs, groups and request bound (global, one TP rank)."""
+
+    log_lines: tuple[str, ...]
+    block_size: int
+    indexed: list[tuple[int, kvm.KVLayerSpec]]
+    layout: kvm.KVLayout
+    bound: kvm.RequestBound
+    kv_bytes_per_token: int
+    stage_entries: list[frozenset[int]]  # each pipeline stage's state entries
+
+
+def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettings) -> KVPlan:
+    """Build the layer specs, group them, and bound one request's blocks."""
+    era, pp, tokens = r.era, settings.pipeline_parallel_size, r.tokens
+    built = kvm.build_layer_specs(
+        model, tp=r.tp, model_dtype=r.model_dtype, kv_cache_dtype=settings.kv_cache_dtype,
+        block_size=r.block_size, era=era, hybrid_manager=r.hybrid_manager,
+        mamba_cache_mode=r.mamba_mode,
+    )  # fmt: skip
+    indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
+    if era.sliding_bound == "batched":
+        in_flight = tokens
+    elif settings.platform == "cpu":  # async scheduling forced off on CPU: PP batches in flight
+        in_flight = tokens * pp
+    else:
+        in_flight = tokens * (pp if pp > 1 else 2)
+    # cross-attention holds the scheduler's max_num_encoder_input_tokens per request, which
+    # vllm 0.32 config/scheduler.py sets to max_num_batched_tokens
+    bound = kvm.RequestBound(
+        max_model_len=r.max_len, lookahead_tokens=in_flight, encoder_tokens=tokens
+    )
+    return KVPlan(
+        log_lines=tuple(built.log_lines),
+        block_size=built.block_size,
+        indexed=indexed,
+        layout=kvm.group_layers(indexed, era),
+        bound=bound,
+        kv_bytes_per_token=sum(
+            s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
+        ),
+        stage_entries=[
+            kvm.stage_state_indices(model, rng) for rng in pp_layer_ranges(model.num_layers, pp)
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class StageBudgets:
+    """Each pipeline stage's budget, and the stage that decides (the fewest blocks)."""
+
+    stages: list[StageMemory]
+    estimates: list[tuple[Estimate, Estimate, Estimate]]  # weights, activation, graphs
+    non_torch: Estimate
+    weights_max_bytes: int
+    measured_names: list[str]  # the terms whose measured value replaced the estimate
+    worst: int
+    worst_layout: kvm.KVLayout  # the deciding stage's groups as the fit check sees them
+    blocks: int
+
+
+def _stage_layout(kv: KVPlan, era: VllmEra, idx: int) -> kvm.KVLayout:
+    if era.fit_check_groups == "worker":
+        return kvm.project_layout(kv.layout, kv.stage_entries[idx])
+    return kv.layout
+
+
+def budget_stages(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    kv: KVPlan,
+    measured: MeasuredTerms | None,
+) -> StageBudgets:
+    """Weights, activation, non-torch, graphs and the KV budget of every pipeline stage."""
+    era, pp = r.era, settings.pipeline_parallel_size
+    wb = weight_bytes_per_stage(
+        model, model_dtype=r.model_dtype, tp=r.tp, pp=pp, ep=r.ep,
+        quantization=settings.quantization, cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
+        pad_intermediate=era.mxfp4_pad_intermediate, load_mtp="mtp" in (settings.speculative_method or "").lower(),
+    )  # fmt: skip
+    measured_names: list[str] = []
+    nt = non_torch(
+        era, tp=r.tp, pp=pp, platform=settings.platform, nvlink=gpu.nvlink, nvls=gpu.nvls,
+        coef=r.coef,
+    )  # fmt: skip
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
+        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
+        measured_names.append("non_torch")
+    budget = _BudgetInputs(
+        model=model, gpu=gpu, settings=settings, era=era, coef=r.coef, measured=measured,
+        tp=r.tp, ep=r.ep, dbytes=r.dbytes, tokens=r.tokens, seqs=r.seqs, requested=r.requested,
+        total=r.total, kv_override=r.kv_override, model_dtype=r.model_dtype,
+        block_size=kv.block_size,
+    )  # fmt: skip
+    stages: list[StageMemory] = []
+    estimates: list[tuple[Estimate, Estimate, Estimate]] = []
+    for idx, layers in enumerate(pp_layer_ranges(model.num_layers, pp)):
+        stage, terms = _stage_memory(
+            budget, idx, layers, wb.per_stage_bytes[idx], wb.basis, nt,
+            _stage_layout(kv, era, idx), len(kv.stage_entries[idx]), measured_names,
+        )  # fmt: skip
+        stages.append(stage)
+        estimates.append(terms)
+    # the stage with the fewest blocks decides (ties: the most loaded)
+    worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
+    return StageBudgets(
+        stages=stages, estimates=estimates, non_torch=nt, weights_max_bytes=wb.max_bytes,
+        measured_names=measured_names, worst=worst, worst_layout=_stage_layout(kv, era, worst),
+        blocks=settings.num_gpu_blocks_override or min(s.num_blocks for s in stages),
+    )  # fmt: skip
+
+
+def startup_checks(
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    sb: StageBudgets,
+    free_bytes: int | None,
+    problems: list[Problem],
+    logs: list[str],
+) -> None:
+    """The checks vLLM makes before the KV sizing: free memory, the CPU worker's budget and
+    weights that exceed the device or the budget (added to ``problems`` and ``logs``)."""
+    era, platform, total, requested = r.era, settings.platform, r.total, r.requested
+    if free_bytes is not None and platform != "cpu" and free_bytes < requested:
+        msg = free_memory_error_text(era, free_bytes, total, r.util, requested)
+        problems.append(Problem("free_memory_below_requested", msg))
+    if platform == "cpu" and era.cpu_kv_budget == "util" and era.engine == "v1":
+        cpu_problem, cpu_line = _cpu_worker_budget(
+            era, node=settings.cpu_numa_node, total=total, available_on_node=free_bytes,
+            util=r.util, requested=int(requested),
+            explicit_kv=None if r.kv_override is None else int(r.kv_override),
+            kv_bytes=sb.stages[sb.worst].kv_cache_bytes,
+        )  # fmt: skip
+        if cpu_problem is not None:
+            problems.append(cpu_problem)
+        if cpu_line:
+            logs.append(cpu_line)
+    weights_gib = sb.estimates[sb.worst][0].gib
+    if sb.weights_max_bytes > total:
+        # util does not limit loading: the weights go in while the device has room, so only a
+        # checkpoint larger than the device fails here (in load_model, before any KV sizing)
+        problems.append(Problem("weights_exceed_gpu", weights_exceed_gpu_text(weights_gib, total)))
+    elif r.kv_override is None and sb.weights_max_bytes > requested:
+        problems.append(
+            Problem(
+                "weights_exceed_budget",
+                weights_exceed_budget_text(weights_gib, requested, r.util, total),
+            )
+        )
+
+
+def _startup_context(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    free_bytes: int | None,
+    r: ResolvedSettings,
+    kv: KVPlan,
+    sb: StageBudgets,
+) -> _StartupContext:
+    w, a, g = sb.estimates[sb.worst]
+    return _StartupContext(
+        model=model, gpu=gpu, settings=settings, era=r.era, util=r.util, seqs=r.seqs,
+        tokens=r.tokens, block_size=kv.block_size, prefix_caching=r.prefix_caching,
+        total=r.total, free_bytes=free_bytes, requested=r.requested, w=w, a=a,
+        n=sb.non_torch, g=g, bpb=sb.stages[sb.worst].bytes_per_block, blocks=sb.blocks,
+        kv_per_token=kv.kv_bytes_per_token, stages=sb.stages, measured_names=sb.measured_names,
+    )  # fmt: skip
+
+
+def v0_fit(
+    ctx: _StartupContext,
+    r: ResolvedSettings,
+    kv: KVPlan,
+    sb: StageBudgets,
+    problems: list[Problem],
+    logs: list[str],
+) -> MemoryPrediction:
+    """The V0 engine's outcome: blocks, the max-length check and the capacity lines."""
+    era, blocks, bpb, block_size = r.era, sb.blocks, ctx.bpb, kv.block_size
+    max_len, pp = r.max_len, ctx.settings.pipeline_parallel_size
+    available = sb.stages[sb.worst].kv_cache_bytes
+    tokens_cap = blocks * block_size
+    conc = tokens_cap / max_len if max_len else 0.0
+    logs.append(v0_blocks_line(blocks, bpb))
+    est_len: int | None = None
+    if available <= 0 or blocks == 0:
+        problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
+    elif max_len > block_size * (blocks // pp):
+        est_len = block_size * (blocks // pp)
+        problems.append(Problem("max_len_exceeds_kv", v0_max_len_error_text(max_len, est_len)))
+    else:
+        logs.extend(kv_capacity_lines(era, ctx.settings.platform, tokens_cap, max_len, conc))
+    capacity = _capacity_range(
+        sb.stages, ctx.settings.num_gpu_blocks_override,
+        lambda n: n * block_size, lambda n: n * block_size / max_len if max_len else 0.0,
+    )  # fmt: skip
+    return _finish(
+        ctx, max_len=max_len, available=available, tokens_cap=tokens_cap, conc=conc,
+        needed=max_len * kv.kv_bytes_per_token, est_len=est_len, problems=problems, logs=logs,
+        num_groups=1, capacity=capacity,
+    )  # fmt: skip
+
+
+def v1_fit(
+    ctx: _StartupContext,
+    r: ResolvedSettings,
+    kv: KVPlan,
+    sb: StageBudgets,
+    problems: list[Problem],
+    logs: list[str],
+) -> MemoryPrediction:
+    """The V1 engine's outcome: the available line, auto-fit, the fit check and capacity."""
+    era, settings, layout, bpb = r.era, ctx.settings, kv.layout, ctx.bpb
+    platform, available = settings.platform, sb.stages[sb.worst].kv_cache_bytes
+    if r.kv_override is None and platform != "cpu":
+        logs.append(available_kv_line(era, available))
+    logs.extend(layout.padding_warnings)
+    if settings.num_gpu_blocks_override is not None and layout.groups:
+        logs.append(override_line(sb.stages[sb.worst].num_blocks, settings.num_gpu_blocks_override))
+        available = settings.num_gpu_blocks_override * bpb
+    specs = [s for i, s in kv.indexed if i in kv.stage_entries[sb.worst]]
+    check_mem = kvm.check_memory_bytes(available, sb.worst_layout, era)
+    bound = kv.bound
+    if r.auto_fit and layout.groups:
+        fit_len = kvm.estimate_max_model_len(sb.worst_layout, bound, check_mem, era, specs)
+        if fit_len <= 0:
+            problems.append(Problem("no_kv_memory", AUTO_FIT_FAILED_TEXT))
+        else:
+            logs.append(auto_fit_line(era, platform, r.max_len, fit_len, check_mem))
+            if fit_len < r.max_len:
+                bound = replace(bound, max_model_len=fit_len)
+    max_len = bound.max_model_len
+    needed = kvm.needed_bytes(sb.worst_layout, bound, era, specs)
+    est_len = None
+    cpu_fatal = any(p.code in CPU_STARTUP_ERRORS for p in problems)
+    if layout.groups and not cpu_fatal and not any(p.code == "no_kv_memory" for p in problems):
+        if check_mem <= 0:
+            problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
+        elif needed > check_mem:
+            est_len = kvm.estimate_max_model_len(sb.worst_layout, bound, check_mem, era, specs)
+            problems.append(Problem(
+                "max_len_exceeds_kv", fit_error_text(era, max_len, needed, check_mem, est_len)
+            ))  # fmt: skip
+    conc = kvm.max_concurrency(sb.blocks, layout, bound)
+    tokens_cap = kvm.kv_cache_tokens(sb.blocks, layout, bound, era)
+    logs.extend(v1_outcome_lines(era, platform, problems, tokens_cap, max_len, conc))
+    capacity = _capacity_range(
+        sb.stages, settings.num_gpu_blocks_override,
+        lambda n: kvm.kv_cache_tokens(n, layout, bound, era),
+        lambda n: kvm.max_concurrency(n, layout, bound),
+    )  # fmt: skip
+    return _finish(
+        ctx, max_len=max_len, available=available, tokens_cap=tokens_cap, conc=conc,
+        needed=needed, est_len=est_len, problems=problems, logs=logs,
+        num_groups=layout.num_groups, capacity=capacity,
+    )  # fmt: skip
+
+
+def v1_outcome_lines(
+    era: VllmEra,
+    platform: str,
+    problems: list[Problem],
+    tokens_cap: int,
+    max_len: int,
+    conc: float,
+) -> list[str]:
+    """What V1 prints after sizing: its first startup error, else the KV errors, else the
+    capacity lines."""
+    # vLLM stops at its first error: the startup free-memory check comes before everything
+    startup = [
+        p for p in problems if p.code in ("free_memory_below_requested", *CPU_STARTUP_ERRORS)
+    ]
+    if startup:
+        return [startup[0].message]
+    kv_errors = [p.message for p in problems if p.code in ("no_kv_memory", "max_len_exceeds_kv")]
+    if kv_errors:
+        return kv_errors
+    return kv_capacity_lines(era, platform, tokens_cap, max_len, conc)
+
+
 def predict(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -638,382 +1010,15 @@ def predict(
     vllm 0.32 ``v1/worker/cpu_worker.py``.
     """
     _validate(settings)
-    coef = coefficients or DEFAULT_COEFFICIENTS
-    era = resolve_era(settings.vllm_version, settings.engine)
-    removed_after = REMOVED_ARCHITECTURES.get(model.architecture)
-    if removed_after and era.engine == "v1":
-        if era.refuses_removed_architectures:
-            raise UnsupportedArchitecture(
-                f"Model architecture {model.architecture} was supported in vLLM until "
-                f"v{removed_after}, and is not supported anymore (vLLM {era.label})",
-                f"use vLLM {removed_after} or older (V0 engine) or another model",
-            )
-        # 0.10.x: encoder-decoder models fall back to the V0 engine and its accounting
-        era = replace(era, engine="v0")
-    platform = settings.platform
-    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
-    kvm.check_kv_cache_dtype(settings.kv_cache_dtype, era)
     problems: list[Problem] = []
-
-    # -- parallelism checks ------------------------------------------------------------------
-    tp_problem: str | None = None
-    if model.num_attention_heads % tp:
-        tp_problem = (
-            f"Total number of attention heads ({model.num_attention_heads}) must be divisible by "
-            f"tensor parallel size ({tp})."
-        )
-    else:
-        try:
-            kvm.kv_heads_per_rank(model.num_kv_heads, tp)
-        except BadInput as exc:
-            tp_problem = exc.message
-    if tp_problem:
-        if strict:
-            raise BadInput(
-                tp_problem, "use a tensor parallel size that divides the model's attention heads"
-            )
-        problems.append(Problem("tp_not_divisible", tp_problem))
-        tp = 1  # price the rest at TP 1 so callers still see the sizes
-
-    # -- resolved settings -------------------------------------------------------------------
-    model_dtype = resolve_model_dtype(model, settings.dtype, gpu.compute_capability)
-    dbytes = kvm.dtype_bytes(model_dtype)
-    util = settings.gpu_memory_utilization
-    if util is None:
-        util = era.default_gpu_memory_utilization
-    derived_len = model.derived_max_model_len
-    auto_fit = settings.max_model_len == -1
-    if auto_fit and not era.auto_fit:
-        raise BadInput(
-            f"--max-model-len -1 (auto-fit) needs vLLM 0.14 or newer (version {era.label})",
-            "pass a length",
-        )
-    max_len = derived_len if settings.max_model_len in (None, -1) else int(settings.max_model_len)
-    if max_len > derived_len:
-        problems.append(
-            Problem(
-                "max_len_exceeds_derived",
-                f"User-specified max_model_len ({max_len}) is greater than the derived max_model_len "
-                f"({derived_len}) of the model; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
-            )
-        )
-    world = tp * pp
-    if era.engine == "v0":
-        seqs = settings.max_num_seqs or 256
-        if settings.max_num_batched_tokens:
-            tokens = settings.max_num_batched_tokens
-        elif _v0_auto_chunked_prefill(model, max_len, platform):
-            tokens = era.v0_chunked_prefill_tokens
-        else:
-            # SchedulerConfig without chunked prefill: the whole context in one batch
-            tokens = max(max_len, 5120 if model.vision is not None else 2048)
-    else:
-        defaults = batch_defaults(
-            era,
-            platform=platform,
-            usage_context=settings.usage_context,
-            device_total_bytes=gpu.total_bytes,
-            device_name=gpu.device_name or gpu.name,
-            world_size=world,
-            compute_capability=gpu.compute_capability,
-        )
-        factor = 2 if (era.performance_mode and settings.performance_mode == "throughput") else 1
-        seqs = settings.max_num_seqs or defaults.max_num_seqs * factor
-        if settings.max_num_batched_tokens:
-            tokens = settings.max_num_batched_tokens
-        else:
-            tokens = min(defaults.max_num_batched_tokens * factor, seqs * max_len)
-        if era.clamp_seqs_to_tokens and settings.max_num_seqs is None:
-            seqs = min(seqs, tokens)
-    prefix_caching = settings.enable_prefix_caching
-    if prefix_caching is None:
-        prefix_caching = (not model.has_mamba) or era.hybrid_prefix_caching_default
-    mamba_mode = _mamba_cache_mode(model, era, prefix_caching)
-    block_size = settings.block_size or _default_block_size(model, gpu, settings, era)
-    hybrid_manager = not settings.disable_hybrid_kv_cache_manager and not any(
-        layer.kind is AttentionKind.CHUNKED for layer in model.layers
-    )
-    if platform == "cpu" and not era.cpu_hybrid_kv_manager:
-        hybrid_manager = False
-
-    # -- KV specs and groups (global, one TP rank) --------------------------------------------
-    built = kvm.build_layer_specs(
-        model,
-        tp=tp,
-        model_dtype=model_dtype,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        block_size=block_size,
-        era=era,
-        hybrid_manager=hybrid_manager,
-        mamba_cache_mode=mamba_mode,
-    )
-    block_size = built.block_size
-    indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
-    layout = kvm.group_layers(indexed, era)
-    if era.sliding_bound == "batched":
-        in_flight = tokens
-    elif platform == "cpu":  # async scheduling forced off on CPU: PP batches in flight
-        in_flight = tokens * pp
-    else:
-        in_flight = tokens * (pp if pp > 1 else 2)
-    # cross-attention holds the scheduler's max_num_encoder_input_tokens per request, which
-    # vllm 0.32 config/scheduler.py sets to max_num_batched_tokens
-    bound = kvm.RequestBound(
-        max_model_len=max_len, lookahead_tokens=in_flight, encoder_tokens=tokens
-    )
-    kv_bytes_per_token = sum(
-        s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
-    )
-
-    # -- per-stage budget --------------------------------------------------------------------
-    ranges = pp_layer_ranges(model.num_layers, pp)
-    stage_entries = [kvm.stage_state_indices(model, r) for r in ranges]
-    ep = tp * settings.data_parallel_size if settings.enable_expert_parallel else 1
-    wb = weight_bytes_per_stage(
-        model,
-        model_dtype=model_dtype,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        quantization=settings.quantization,
-        cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
-        pad_intermediate=era.mxfp4_pad_intermediate,
-        load_mtp="mtp" in (settings.speculative_method or "").lower(),
-    )
-    total = gpu.total_bytes
-    requested: float
-    if era.requested_ceil or platform == "cpu":
-        requested = math.ceil(total * util)
-    else:
-        requested = total * util  # a float before 0.14
-    # the terms whose measured value replaced the estimate (and so enters the KV budget)
-    measured_names: list[str] = []
-    nt = non_torch(
-        era, tp=tp, pp=pp, platform=platform, nvlink=gpu.nvlink, nvls=gpu.nvls, coef=coef
-    )
-    if measured and measured.non_torch_bytes is not None:
-        # on the CPU backend the term is the worker's runtime outside weights and activations
-        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
-        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
-        measured_names.append("non_torch")
-    kv_override = settings.kv_cache_memory_bytes
-    if platform == "cpu" and settings.cpu_kvcache_space_gib is not None:
-        # 0.20+: the legacy variable becomes kv_cache_memory_bytes (platforms/cpu.py);
-        # before, it was the KV pool itself
-        kv_override = settings.cpu_kvcache_space_gib * GIB
-    budget = _BudgetInputs(
-        model=model, gpu=gpu, settings=settings, era=era, coef=coef, measured=measured,
-        tp=tp, ep=ep, dbytes=dbytes, tokens=tokens, seqs=seqs, requested=requested,
-        total=total, kv_override=kv_override, model_dtype=model_dtype, block_size=block_size,
-    )  # fmt: skip
-    stages: list[StageMemory] = []
-    stage_estimates: list[tuple[Estimate, Estimate, Estimate]] = []
-    for idx, layers in enumerate(ranges):
-        stage_layout = (
-            kvm.project_layout(layout, stage_entries[idx])
-            if era.fit_check_groups == "worker"
-            else layout
-        )
-        stage, estimates = _stage_memory(
-            budget, idx, layers, wb.per_stage_bytes[idx], wb.basis, nt, stage_layout,
-            len(stage_entries[idx]), measured_names,
-        )  # fmt: skip
-        stages.append(stage)
-        stage_estimates.append(estimates)
-
-    # the stage with the fewest blocks decides (ties: the most loaded)
-    worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
-    w_est, a_est, g_est = stage_estimates[worst]
-    available = stages[worst].kv_cache_bytes
-    bpb = stages[worst].bytes_per_block
-    stage_layout = (
-        kvm.project_layout(layout, stage_entries[worst])
-        if era.fit_check_groups == "worker"
-        else layout
-    )
-    blocks = settings.num_gpu_blocks_override or min(s.num_blocks for s in stages)
-
-    logs: list[str] = list(built.log_lines)
-    if free_bytes is not None and platform != "cpu" and free_bytes < requested:
-        msg = free_memory_error_text(era, free_bytes, total, util, requested)
-        problems.append(Problem("free_memory_below_requested", msg))
-    if platform == "cpu" and era.cpu_kv_budget == "util" and era.engine == "v1":
-        cpu_problem, cpu_line = _cpu_worker_budget(
-            era,
-            node=settings.cpu_numa_node,
-            total=total,
-            available_on_node=free_bytes,
-            util=util,
-            requested=int(requested),
-            explicit_kv=None if kv_override is None else int(kv_override),
-            kv_bytes=stages[worst].kv_cache_bytes,
-        )
-        if cpu_problem is not None:
-            problems.append(cpu_problem)
-        if cpu_line:
-            logs.append(cpu_line)
-    if wb.max_bytes > total:
-        # util does not limit loading: the weights go in while the device has room, so only a
-        # checkpoint larger than the device fails here (in load_model, before any KV sizing)
-        problems.append(
-            Problem(
-                "weights_exceed_gpu",
-                f"weights need {w_est.gib:.2f} GiB per rank but the device has "
-                f"{total / GIB:.2f} GiB: loading fails with an out-of-memory error",
-            )
-        )
-    elif kv_override is None and wb.max_bytes > requested:
-        problems.append(
-            Problem(
-                "weights_exceed_budget",
-                f"weights need {w_est.gib:.2f} GiB per rank, more than the {requested / GIB:.2f} GiB "
-                f"budget (util {util} × {total / GIB:.2f} GiB): they load, then nothing is left "
-                "for the KV cache",
-            )
-        )
-
-    startup_ctx = _StartupContext(
-        model=model,
-        gpu=gpu,
-        settings=settings,
-        era=era,
-        util=util,
-        seqs=seqs,
-        tokens=tokens,
-        block_size=block_size,
-        prefix_caching=prefix_caching,
-        total=total,
-        free_bytes=free_bytes,
-        requested=requested,
-        w=w_est,
-        a=a_est,
-        n=nt,
-        g=g_est,
-        bpb=bpb,
-        blocks=blocks,
-        kv_per_token=kv_bytes_per_token,
-        stages=stages,
-        measured_names=measured_names,
-    )
-
-    # -- V0 engine ---------------------------------------------------------------------------
-    if era.engine == "v0":
-        tokens_cap = blocks * block_size
-        conc = tokens_cap / max_len if max_len else 0.0
-        logs.append(f"# cuda blocks: {blocks}, # CPU blocks: {int(4 * GIB // bpb) if bpb else 0}")
-        est_len: int | None = None
-        if available <= 0 or blocks == 0:
-            problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
-        elif max_len > block_size * (blocks // pp):
-            est_len = block_size * (blocks // pp)
-            problems.append(
-                Problem(
-                    "max_len_exceeds_kv",
-                    f"The model's max seq len ({max_len}) is larger than the maximum number of tokens "
-                    f"that can be stored in KV cache ({est_len}). Try increasing "
-                    "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
-                )
-            )
-        else:
-            logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
-        capacity = _capacity_range(
-            stages, settings.num_gpu_blocks_override,
-            lambda n: n * block_size, lambda n: n * block_size / max_len if max_len else 0.0,
-        )  # fmt: skip
-        return _finish(
-            startup_ctx,
-            max_len=max_len,
-            available=available,
-            tokens_cap=tokens_cap,
-            conc=conc,
-            needed=max_len * kv_bytes_per_token,
-            est_len=est_len,
-            problems=problems,
-            logs=logs,
-            num_groups=1,
-            capacity=capacity,
-        )
-
-    # -- V1: available line, grouping warnings, override, auto-fit, fit check ----------------
-    if kv_override is None and platform != "cpu":
-        logs.append(f"Available KV cache memory: {_gib_text(era, available)} GiB")
-    logs.extend(layout.padding_warnings)
-    if settings.num_gpu_blocks_override is not None and layout.groups:
-        logs.append(
-            f"Overriding num_gpu_blocks={stages[worst].num_blocks} with "
-            f"num_gpu_blocks_override={settings.num_gpu_blocks_override}"
-        )
-        available = settings.num_gpu_blocks_override * bpb
-    specs_for_check = [s for i, s in indexed if i in stage_entries[worst]]
-    check_mem = kvm.check_memory_bytes(available, stage_layout, era)
-    if auto_fit and layout.groups:
-        fit_len = kvm.estimate_max_model_len(stage_layout, bound, check_mem, era, specs_for_check)
-        kv_text = f"{format_gib(check_mem)} GiB {_device_label(platform)}"
-        if fit_len <= 0:
-            problems.append(
-                Problem(
-                    "no_kv_memory",
-                    "Cannot auto-fit max_model_len: not enough GPU memory available to serve even a "
-                    "single token. Try increasing `gpu_memory_utilization`.",
-                )
-            )
-        elif fit_len >= max_len:
-            logs.append(
-                f"Auto-fit max_model_len: full model context length {max_len} fits in available GPU memory"
-                if era.auto_fit_log_form == "v14"
-                else f"Auto-fit max_model_len: full model context length {max_len} fits in available KV cache memory ({kv_text})"
-            )
-        else:
-            logs.append(
-                f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available GPU memory ({format_gib(check_mem)} GiB available for KV cache)"
-                if era.auto_fit_log_form == "v14"
-                else f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available KV cache memory ({kv_text})"
-            )
-            max_len = fit_len
-            bound = replace(bound, max_model_len=max_len)
-    needed = kvm.needed_bytes(stage_layout, bound, era, specs_for_check)
-    est_len = None
-    cpu_fatal = any(p.code in CPU_STARTUP_ERRORS for p in problems)
-    if layout.groups and not cpu_fatal and not any(p.code == "no_kv_memory" for p in problems):
-        if check_mem <= 0:
-            problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
-        elif needed > check_mem:
-            est = kvm.estimate_max_model_len(stage_layout, bound, check_mem, era, specs_for_check)
-            est_len = est
-            problems.append(
-                Problem("max_len_exceeds_kv", fit_error_text(era, max_len, needed, check_mem, est))
-            )
-    conc = kvm.max_concurrency(blocks, layout, bound)
-    tokens_cap = kvm.kv_cache_tokens(blocks, layout, bound, era)
-    failed = any(p.code in ("no_kv_memory", "max_len_exceeds_kv") for p in problems)
-    # vLLM stops at its first error: the startup free-memory check comes before everything
-    startup = [
-        p for p in problems if p.code in ("free_memory_below_requested", *CPU_STARTUP_ERRORS)
-    ]
-    if startup:
-        logs.append(startup[0].message)
-    else:
-        logs.extend(p.message for p in problems if p.code in ("no_kv_memory", "max_len_exceeds_kv"))
-    if not failed and not startup and not cpu_fatal:
-        logs.extend(kv_capacity_lines(era, platform, tokens_cap, max_len, conc))
-    capacity = _capacity_range(
-        stages, settings.num_gpu_blocks_override,
-        lambda n: kvm.kv_cache_tokens(n, layout, bound, era),
-        lambda n: kvm.max_concurrency(n, layout, bound),
-    )  # fmt: skip
-    return _finish(
-        startup_ctx,
-        max_len=max_len,
-        available=available,
-        tokens_cap=tokens_cap,
-        conc=conc,
-        needed=needed,
-        est_len=est_len,
-        problems=problems,
-        logs=logs,
-        num_groups=layout.num_groups,
-        capacity=capacity,
-    )
+    r = resolve_settings(model, gpu, settings, problems, strict=strict, coefficients=coefficients)
+    kv = plan_kv_layout(model, settings, r)
+    sb = budget_stages(model, gpu, settings, r, kv, measured)
+    logs = list(kv.log_lines)
+    startup_checks(settings, r, sb, free_bytes, problems, logs)
+    ctx = _startup_context(model, gpu, settings, free_bytes, r, kv, sb)
+    fit = v0_fit if r.era.engine == "v0" else v1_fit
+    return fit(ctx, r, kv, sb, problems, logs)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory.dtypes import DTYPE_BYTES, dtype_bytes
@@ -305,6 +305,150 @@ class LayerSpecsResult:
     log_lines: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class CacheFormat:
+    """How one rank stores a layer's cache: TP, the model's dtype width, the KV dtype, the era
+    and whether the hybrid manager keeps sliding and chunked layers their own specs."""
+
+    tp: int
+    model_dtype_bytes: int
+    kv_cache_dtype: str
+    era: VllmEra
+    hybrid_manager: bool = True
+    _heads: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def kv_heads(self, total: int) -> int:
+        """KV heads per rank (:func:`kv_heads_per_rank`), computed once per head count."""
+        if total not in self._heads:
+            self._heads[total] = kv_heads_per_rank(total, self.tp)
+        return self._heads[total]
+
+
+def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
+    """The cache spec of one attention layer (MLA, sliding, chunked, cross or full) at block
+    size ``bs``."""
+    kv_dtype, mbytes, hybrid = fmt.kv_cache_dtype, fmt.model_dtype_bytes, fmt.hybrid_manager
+    if layer.kind is AttentionKind.MLA:
+        tb = head_token_bytes(kv_dtype, mbytes, layer.head_size)
+        if layer.indexer:  # uint8 key plus scales, whatever the KV dtype
+            tb = layer.head_size
+        elif layer.ds_sparse and (
+            kv_dtype in FP8_KV_DTYPES or (kv_dtype == "auto" and fmt.era.ds_mla_fp8_default)
+        ):
+            tb = DS_MLA_FP8_TOKEN_BYTES
+        window = layer.sliding_window if hybrid else None
+        return MLA(block_size=bs, token_bytes_=tb, sliding_window=window)
+    hk = head_token_bytes(kv_dtype, mbytes, layer.head_size)
+    hv = head_token_bytes(kv_dtype, mbytes, layer.head_size_v or layer.head_size)
+    n = fmt.kv_heads(layer.num_kv_heads)
+    if layer.kind is AttentionKind.SLIDING and hybrid and layer.sliding_window:
+        return SlidingWindow(bs, None, n, hk, hv, sliding_window=layer.sliding_window)
+    if layer.kind is AttentionKind.CHUNKED and hybrid and layer.attention_chunk_size:
+        return ChunkedLocal(bs, None, n, hk, hv, attention_chunk_size=layer.attention_chunk_size)
+    if layer.kind is AttentionKind.CROSS:
+        return CrossAttention(bs, None, n, hk, hv)
+    return FullAttention(bs, None, n, hk, hv)
+
+
+def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
+    """Each Mamba layer's per-rank state bytes, by layer index."""
+    conv_b = fmt.model_dtype_bytes
+    sizes: dict[int, int] = {}
+    for i, layer in enumerate(model.layers):
+        if layer.kind is not AttentionKind.MAMBA:
+            continue
+        if layer.mamba is None:
+            raise UnsupportedArchitecture(
+                f"{model.name}: Mamba layer {i} has no state shapes",
+                "the model facts must describe the recurrent state",
+            )
+        ssm_b = dtype_bytes(layer.mamba.ssm_dtype) if layer.mamba.ssm_dtype else conv_b
+        if not fmt.era.mamba_separate_dtypes and fmt.kv_cache_dtype == "auto":
+            ssm_b = conv_b
+        sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b)
+    return sizes
+
+
+@dataclass(frozen=True)
+class UnifiedBlockSize:
+    """The attention block size after a hybrid model's raise, with what vLLM logs about it."""
+
+    block_size: int
+    raised_from: int | None
+    padding_pct: float | None
+    log_lines: tuple[str, ...]
+
+
+def unify_block_size(
+    model: ModelSpec,
+    fmt: CacheFormat,
+    block_size: int,
+    mamba_bytes: dict[int, int],
+    mamba_cache_mode: str,
+    mla_align: int,
+) -> UnifiedBlockSize:
+    """Raise the attention block size until an attention page holds the largest Mamba state
+    (vLLM's ``unify_hybrid_kv_cache_specs`` and the page-size alignment before it)."""
+    era = fmt.era
+    if not mamba_bytes:
+        return UnifiedBlockSize(block_size, None, None, ())
+    attn_layers = [
+        ly for ly in model.layers if ly.kind not in (AttentionKind.MAMBA, AttentionKind.NONE)
+    ]
+    if not attn_layers:
+        return UnifiedBlockSize(block_size, None, None, ())
+    one = attention_spec(attn_layers[0], 1, fmt)
+    a1 = one.page_size_bytes  # attention page of one token
+    m = max(mamba_bytes.values())
+    if isinstance(one, MLA):
+        align = mla_align if era.mamba_align_16 else max(128, mla_align)
+    else:
+        align = 16 if era.mamba_align_16 else max(16, block_size)
+    if mamba_cache_mode == "all":
+        # per-block Mamba caching: the block is a multiple of lcm(chunk, alignment),
+        # chunk = the model's SSD chunk size (vLLM's fallback 256 when the facts carry
+        # none; e.g. Nemotron-H and Falcon-H1 publish 128 or 256)
+        chunks = [
+            ly.mamba.mamba_chunk_size
+            for ly in model.layers
+            if ly.mamba is not None and ly.mamba.mamba_chunk_size
+        ]
+        chunk = math.lcm(max(chunks) if chunks else 256, align)
+        needed = chunk * cdiv(cdiv(m, a1), chunk)
+    else:
+        needed = align * cdiv(m, align * a1)
+    logs: list[str] = []
+    bs, raised_from, padding_pct = block_size, None, None
+    if bs < needed:
+        raised_from, bs = bs, needed
+        logs.append(
+            f"Setting attention block size to {bs} tokens to ensure that attention page "
+            "size is >= mamba page size."
+        )
+    attn_page = bs * a1
+    if attn_page != m:
+        padding_pct = (attn_page - m) / m * 100
+        logs.append(
+            f"Padding mamba page size by {padding_pct:.2f}% to ensure that mamba page size "
+            "and attention page size are exactly equal."
+        )
+    return UnifiedBlockSize(bs, raised_from, padding_pct, tuple(logs))
+
+
+def pad_mamba_pages(specs: list[KVLayerSpec | None]) -> list[KVLayerSpec | None]:
+    """Pad every Mamba page to the largest attention page (one page size for all groups)."""
+    attn_pages = [s.page_size_bytes for s in specs if s is not None and not isinstance(s, Mamba)]
+    if not attn_pages or not any(isinstance(s, Mamba) for s in specs):
+        return specs
+    target = max(attn_pages)
+    return [
+        replace(s, page_size_padded=target)
+        if isinstance(s, Mamba) and s.raw_page_size_bytes != target
+        else s
+        for s in specs
+    ]
+
+
 def build_layer_specs(
     model: ModelSpec,
     *,
@@ -322,102 +466,11 @@ def build_layer_specs(
     ``block_size`` is the attention block size before any hybrid raise. With the hybrid manager
     off, sliding-window and chunked layers become full attention (allocate for full length).
     """
-    mbytes = dtype_bytes(model_dtype)
-    heads_cache: dict[int, int] = {}
-
-    def heads(n: int) -> int:
-        if n not in heads_cache:
-            heads_cache[n] = kv_heads_per_rank(n, tp)
-        return heads_cache[n]
-
-    def attention(layer: LayerSpec, bs: int) -> KVLayerSpec | None:
-        if layer.kind is AttentionKind.MLA:
-            mla_dtype = "auto" if kv_cache_dtype == "auto" else kv_cache_dtype
-            tb = head_token_bytes(mla_dtype, mbytes, layer.head_size)
-            if layer.indexer:  # uint8 key plus scales, whatever the KV dtype
-                tb = layer.head_size
-            elif layer.ds_sparse and (
-                kv_cache_dtype in FP8_KV_DTYPES
-                or (kv_cache_dtype == "auto" and era.ds_mla_fp8_default)
-            ):
-                tb = DS_MLA_FP8_TOKEN_BYTES
-            window = layer.sliding_window if hybrid_manager else None
-            return MLA(block_size=bs, token_bytes_=tb, sliding_window=window)
-        hk = head_token_bytes(kv_cache_dtype, mbytes, layer.head_size)
-        hv = head_token_bytes(kv_cache_dtype, mbytes, layer.head_size_v or layer.head_size)
-        n = heads(layer.num_kv_heads)
-        if layer.kind is AttentionKind.SLIDING and hybrid_manager and layer.sliding_window:
-            return SlidingWindow(bs, None, n, hk, hv, sliding_window=layer.sliding_window)
-        if layer.kind is AttentionKind.CHUNKED and hybrid_manager and layer.attention_chunk_size:
-            return ChunkedLocal(
-                bs, None, n, hk, hv, attention_chunk_size=layer.attention_chunk_size
-            )
-        if layer.kind is AttentionKind.CROSS:
-            return CrossAttention(bs, None, n, hk, hv)
-        return FullAttention(bs, None, n, hk, hv)
-
+    fmt = CacheFormat(tp, dtype_bytes(model_dtype), kv_cache_dtype, era, hybrid_manager)
     has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
-    logs: list[str] = []
-    raised_from: int | None = None
-    padding_pct: float | None = None
-    bs = block_size
-    mamba_bytes: dict[int, int] = {}
-    if has_mamba:
-        conv_b = mbytes
-        for i, layer in enumerate(model.layers):
-            if layer.kind is AttentionKind.MAMBA:
-                if layer.mamba is None:
-                    raise UnsupportedArchitecture(
-                        f"{model.name}: Mamba layer {i} has no state shapes",
-                        "the model facts must describe the recurrent state",
-                    )
-                ssm_b = dtype_bytes(layer.mamba.ssm_dtype) if layer.mamba.ssm_dtype else conv_b
-                if not era.mamba_separate_dtypes and kv_cache_dtype == "auto":
-                    ssm_b = conv_b
-                mamba_bytes[i] = mamba_state_bytes(layer.mamba, tp, conv_b, ssm_b)
-        attn_layers = [
-            layer
-            for layer in model.layers
-            if layer.kind not in (AttentionKind.MAMBA, AttentionKind.NONE)
-        ]
-        if attn_layers:
-            one = attention(attn_layers[0], 1)
-            assert one is not None
-            a1 = one.page_size_bytes  # attention page of one token
-            m = max(mamba_bytes.values())
-            is_mla = isinstance(one, MLA)
-            if is_mla:
-                align = mla_align if era.mamba_align_16 else max(128, mla_align)
-            else:
-                align = 16 if era.mamba_align_16 else max(16, block_size)
-            if mamba_cache_mode == "all":
-                # per-block Mamba caching: the block is a multiple of lcm(chunk, alignment),
-                # chunk = the model's SSD chunk size (vLLM's fallback 256 when the facts carry
-                # none; e.g. Nemotron-H and Falcon-H1 publish 128 or 256)
-                chunks = [
-                    ly.mamba.mamba_chunk_size
-                    for ly in model.layers
-                    if ly.mamba is not None and ly.mamba.mamba_chunk_size
-                ]
-                chunk = math.lcm(max(chunks) if chunks else 256, align)
-                needed = chunk * cdiv(cdiv(m, a1), chunk)
-            else:
-                needed = align * cdiv(m, align * a1)
-            if bs < needed:
-                raised_from = bs
-                bs = needed
-                logs.append(
-                    f"Setting attention block size to {bs} tokens to ensure that attention page "
-                    "size is >= mamba page size."
-                )
-            attn_page = bs * a1
-            if attn_page != m:
-                padding_pct = (attn_page - m) / m * 100
-                logs.append(
-                    f"Padding mamba page size by {padding_pct:.2f}% to ensure that mamba page size "
-                    "and attention page size are exactly equal."
-                )
-
+    mamba_bytes = mamba_state_sizes(model, fmt) if has_mamba else {}
+    unified = unify_block_size(model, fmt, block_size, mamba_bytes, mamba_cache_mode, mla_align)
+    bs = unified.block_size
     specs: list[KVLayerSpec | None] = []
     for i, layer in enumerate(model.layers):
         if layer.kind is AttentionKind.NONE:
@@ -429,20 +482,12 @@ def build_layer_specs(
                 Mamba(block_size=bs, state_bytes=mamba_bytes[i], cache_mode=mamba_cache_mode)
             )
         else:
-            specs.append(attention(layer, bs))
-    if has_mamba and any(isinstance(s, Mamba) for s in specs):
-        attn_pages = [
-            s.page_size_bytes for s in specs if s is not None and not isinstance(s, Mamba)
-        ]
-        if attn_pages:
-            target = max(attn_pages)
-            specs = [
-                replace(s, page_size_padded=target)
-                if isinstance(s, Mamba) and s.raw_page_size_bytes != target
-                else s
-                for s in specs
-            ]
-    return LayerSpecsResult(tuple(specs), bs, raised_from, padding_pct, tuple(logs))
+            specs.append(attention_spec(layer, bs, fmt))
+    if has_mamba:
+        specs = pad_mamba_pages(specs)
+    return LayerSpecsResult(
+        tuple(specs), bs, unified.raised_from, unified.padding_pct, unified.log_lines
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -196,6 +196,66 @@ def _stage_share(model: ModelSpec, group_name: str, layers: range) -> float:
     return (len(layers) - moe_here) / first_moe
 
 
+def _served_quant(model: ModelSpec, quantization: str | None) -> QuantSpec:
+    """The checkpoint's format, or fp8 when an online fp8 method quantizes an unquantized one."""
+    online = (quantization or "").lower()
+    if model.quant.method is None and online in ("fp8", "ptpc_fp8", "fbgemm_fp8"):
+        return QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor")
+    return model.quant
+
+
+def _expert_padding(
+    model: ModelSpec, quant: QuantSpec, tp: int, ep: int, pad_intermediate: bool
+) -> float:
+    """gpt-oss's MXFP4 experts are padded per shard; every other model: 1."""
+    mxfp4 = (quant.method or "").lower() == "mxfp4"
+    if not mxfp4 or model.moe is None or model.model_type != "gpt_oss":
+        return 1.0
+    return mxfp4_expert_padding(
+        model.hidden_size,
+        model.moe.expert_intermediate_size,
+        shards=ep if ep > 1 else tp,
+        pad_intermediate=pad_intermediate,
+        expert_parallel=ep > 1,
+    )
+
+
+def _on_stage(
+    group: ParamGroup, model: ModelSpec, first: bool, last: bool, has_lm_head: bool
+) -> bool:
+    """Whether a first- or last-stage group is held by this stage (a tied embedding is held
+    by the last stage too, as its LM head)."""
+    if group.stage == "first" and not first:
+        return last and group.name == "embed" and model.tie_word_embeddings and not has_lm_head
+    return not (group.stage == "last" and not last)
+
+
+def _is_quantized(group: ParamGroup, quant: QuantSpec) -> bool:
+    method = (quant.method or "").lower()
+    if group.name in ("lm_head", "embed") and method not in ("gguf",):
+        return False  # vLLM keeps the (vocab-parallel) LM head and embedding in model dtype
+    if method == "mxfp4" and group.name != "experts":
+        return False
+    quantizable = group.quantizable and quant.method is not None
+    return quantizable and group.name not in quant.unquantized_groups
+
+
+def _checkpoint_ratio(model: ModelSpec, quant: QuantSpec) -> float | None:
+    """Checkpoint elements over counted parameters, for an unquantized model with byte counts."""
+    ckpt = model.checkpoint_bytes_by_dtype
+    if not ckpt or quant.method is not None or not model.total_params:
+        return None
+    # "ALL": total bytes without a dtype split (safetensors index); price it at the
+    # checkpoint's own dtype (config torch_dtype, float32 when absent)
+    ckpt_dtype_bytes = SAFETENSORS_DTYPE_BYTES.get(
+        {"float32": "F32", "float16": "F16"}.get(model.dtype, "BF16"), 2
+    )
+    ckpt_elems = sum(
+        v / SAFETENSORS_DTYPE_BYTES.get(k.upper(), ckpt_dtype_bytes) for k, v in ckpt.items()
+    )
+    return ckpt_elems / model.total_params
+
+
 def weight_bytes_per_stage(
     model: ModelSpec,
     *,
@@ -217,32 +277,16 @@ def weight_bytes_per_stage(
     unless an MTP speculative method runs (``load_mtp``).
     """
     mbytes = dtype_bytes(model_dtype)
-    quant = model.quant
-    online = (quantization or "").lower()
-    if quant.method is None and online in ("fp8", "ptpc_fp8", "fbgemm_fp8"):
-        quant = QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor")
+    quant = _served_quant(model, quantization)
     q_bytes = (
         quantized_bytes_per_element(quant, model.hidden_size)
         if quant.method
         else float(mbytes)
     )
-    ranges = pp_layer_ranges(model.num_layers, pp)
-    expert_pad = 1.0
-    if (
-        (quant.method or "").lower() == "mxfp4"
-        and model.moe is not None
-        and model.model_type == "gpt_oss"
-    ):
-        expert_pad = mxfp4_expert_padding(
-            model.hidden_size,
-            model.moe.expert_intermediate_size,
-            shards=ep if ep > 1 else tp,
-            pad_intermediate=pad_intermediate,
-            expert_parallel=ep > 1,
-        )
+    expert_pad = _expert_padding(model, quant, tp, ep, pad_intermediate)
     has_lm_head = any(g.name == "lm_head" for g in model.params)
     per_stage = []
-    for stage, layers in enumerate(ranges):
+    for stage, layers in enumerate(pp_layer_ranges(model.num_layers, pp)):
         total = 0.0
         first, last = stage == 0, stage == pp - 1
         for group in model.params:
@@ -251,28 +295,12 @@ def weight_bytes_per_stage(
             elems = _elements_on_rank(group, model, tp, ep)
             if group.per_layer and group.stage == "layers":
                 elems *= _stage_share(model, group.name, layers)
-            elif group.stage == "first" and not first:
-                if not (
-                    last and group.name == "embed" and model.tie_word_embeddings and not has_lm_head
-                ):
-                    continue
-            elif group.stage == "last" and not last:
+            elif not _on_stage(group, model, first, last, has_lm_head):
                 continue
-            quantized = (
-                group.quantizable
-                and quant.method is not None
-                and group.name not in quant.unquantized_groups
-            )
-            if group.name in ("lm_head", "embed") and (quant.method or "").lower() not in ("gguf",):
-                quantized = (
-                    False  # vLLM keeps the (vocab-parallel) LM head and embedding in model dtype
-                )
-            if (quant.method or "").lower() == "mxfp4" and group.name != "experts":
-                quantized = False
-            per_elem = q_bytes if quantized else float(mbytes)
+            quantized = _is_quantized(group, quant)
             if quantized and group.name == "experts":
                 elems *= expert_pad
-            total += elems * per_elem
+            total += elems * (q_bytes if quantized else float(mbytes))
         if first or last:
             # rotary cos/sin cache: max positions × head size in model dtype, once per rank
             total += model.derived_max_model_len * model.head_size * mbytes
@@ -281,20 +309,10 @@ def weight_bytes_per_stage(
     if quant.method:
         basis += f", {quant.method} {q_bytes:.4f} B/elem"
     # Cross-check against the checkpoint's own bytes when the model is unquantized.
-    ckpt = model.checkpoint_bytes_by_dtype
-    if ckpt and quant.method is None and model.total_params:
-        # "ALL": total bytes without a dtype split (safetensors index); price it at the
-        # checkpoint's own dtype (config torch_dtype, float32 when absent)
-        ckpt_dtype_bytes = SAFETENSORS_DTYPE_BYTES.get(
-            {"float32": "F32", "float16": "F16"}.get(model.dtype, "BF16"), 2
-        )
-        ckpt_elems = sum(
-            v / SAFETENSORS_DTYPE_BYTES.get(k.upper(), ckpt_dtype_bytes) for k, v in ckpt.items()
-        )
-        ratio = ckpt_elems / model.total_params
-        if 0.97 <= ratio <= 1.03:
-            per_stage = [int(b * ratio) for b in per_stage]
-            basis += f", scaled by checkpoint element count ({ratio:.4f})"
-        else:
-            basis += f" (checkpoint elements differ by {100 * (ratio - 1):+.1f}%: not used)"
+    ratio = _checkpoint_ratio(model, quant)
+    if ratio is not None and 0.97 <= ratio <= 1.03:
+        per_stage = [int(b * ratio) for b in per_stage]
+        basis += f", scaled by checkpoint element count ({ratio:.4f})"
+    elif ratio is not None:
+        basis += f" (checkpoint elements differ by {100 * (ratio - 1):+.1f}%: not used)"
     return WeightBreakdown(tuple(per_stage), basis)

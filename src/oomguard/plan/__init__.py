@@ -1,22 +1,21 @@
 """The plan face: recommendation search, fallbacks, sizing, command rendering, ``oomguard plan``.
 
-``oomguard.plan`` is also callable: once this package is imported, ``from oomguard import
-plan`` finds the package rather than the function, so the package forwards calls to
-:func:`oomguard.api.plan`.
+:func:`plan` is the Python API (``from oomguard import plan``); it loads the planner
+(:mod:`oomguard.plan.service`) on its first call, so importing the package stays cheap.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oomguard.plan.result import PlanResult
+
+__all__ = ["plan"]
 
 
-class _CallablePackage(types.ModuleType):
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from oomguard.api import plan
+def plan(*args: Any, **kwargs: Any) -> PlanResult:
+    """Plan one vLLM deployment; the arguments are :func:`oomguard.plan.service.plan`'s."""
+    from oomguard.plan.service import plan as run
 
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+    return run(*args, **kwargs)

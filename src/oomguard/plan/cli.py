@@ -1,4 +1,4 @@
-"""``oomguard plan``: thin shell over :func:`oomguard.api.plan`.
+"""``oomguard plan``: thin shell over :func:`oomguard.plan.service.plan`.
 
 Flags are named like vLLM's. ``oomguard plan -- vllm serve MODEL --flags…`` reads a pasted
 command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no traceback).
@@ -66,8 +66,8 @@ def plan_command(
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
     from rich.console import Console
 
-    from oomguard.api import plan
     from oomguard.plan.render import render
+    from oomguard.plan.service import plan
     from oomguard.vllm_args import settings_from_flags
 
     command: list[str] | None = None

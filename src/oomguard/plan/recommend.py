@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -397,6 +398,49 @@ def base_settings(
     return dataclasses.replace(s, **changes), steps
 
 
+def _search_tps(space: SearchSpace, tp_sizes: Iterable[int] | None) -> list[int]:
+    """The tensor-parallel sizes the search tries: the given one when fixed."""
+    if "tensor_parallel_size" in space.fixed:
+        return [space.base.tensor_parallel_size]
+    if tp_sizes is not None:
+        return list(tp_sizes)
+    return valid_tp_sizes(space.model, max(1, space.gpu_count // space.gpus_per_replica))
+
+
+def _capability(c: Candidate) -> tuple[bool, float, int]:
+    """Which candidate comes closest: starts, then most concurrency, then smallest weights."""
+    conc = c.serve.max_concurrency if c.serve else 0.0
+    return (c.fits, conc, -c.prediction.weights.value_bytes)
+
+
+def _batch_caps(space: SearchSpace, default_pred: MemoryPrediction) -> list[int | None]:
+    """The batch-token caps to try, largest (the default, None) first."""
+    if "max_num_batched_tokens" in space.fixed:
+        return [space.base.max_num_batched_tokens]
+    default_tokens = int(default_pred.settings.max_num_batched_tokens or 0)
+    seqs = int(default_pred.settings.max_num_seqs or 1)
+    return [None] + [t for t in _BATCHED_TOKEN_STEPS if t < default_tokens and t >= seqs]
+
+
+def _steps_taken(
+    space: SearchSpace, steps: list[str], chosen: Candidate, weights: WeightsOption,
+    kv_dtype: str, tp: int,
+) -> tuple[str, ...]:
+    """The checklist steps ``chosen`` took from the given settings."""
+    base = space.base
+    steps = list(steps)
+    capped = chosen.settings.max_num_batched_tokens is not None
+    if capped and "max_num_batched_tokens" not in space.fixed:
+        steps.append("max_num_batched_tokens")
+    if tp != base.tensor_parallel_size:
+        steps.append("tensor_parallel_size")
+    if kv_dtype != base.kv_cache_dtype:
+        steps.append("kv_cache_dtype")
+    if weights.key != "native":
+        steps.append("quantization")
+    return tuple(steps)
+
+
 def search(
     space: SearchSpace,
     *,
@@ -411,83 +455,41 @@ def search(
     batch-token cap is priced first; only if it serves is the largest serving cap looked for.
     Only catalogued checkpoints are searched unless ``options`` names the weights to price.
     """
-    model = space.model
     default_util = space.default_util()
-    if "tensor_parallel_size" in space.fixed:
-        tps = [space.base.tensor_parallel_size]
-    else:
-        tps = (
-            list(tp_sizes)
-            if tp_sizes is not None
-            else valid_tp_sizes(model, max(1, space.gpu_count // space.gpus_per_replica))
-        )
+    tps = _search_tps(space, tp_sizes)
     fixed_kv = "kv_cache_dtype" in space.fixed or space.base.kv_cache_dtype != "auto"
     kv_dtypes = [space.base.kv_cache_dtype] if fixed_kv else ["auto", "fp8"]
     if options is None:
-        options = weights_options(space.model_ref, model, space.gpu, space.base, space.fixed)
+        options = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
         options = [o for o in options if o.known]
     if not allow_quantization:
         options = options[:1]
-
     most_capable: Candidate | None = None
-
-    def consider(c: Candidate) -> None:
-        nonlocal most_capable
-
-        def key(x: Candidate) -> tuple[bool, float, int]:
-            conc = x.serve.max_concurrency if x.serve else 0.0
-            return (x.fits, conc, -x.prediction.weights.value_bytes)
-
-        if most_capable is None or key(c) > key(most_capable):
-            most_capable = c
-
-    for weights in options:
-        for kv_dtype in kv_dtypes:
-            for tp in tps:
-                settings, steps = base_settings(space, default_util, tp)
-                settings = dataclasses.replace(
-                    settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
-                    quantization=weights.quantization,
-                )  # fmt: skip
-                default_pred = space.price(weights, settings)
-                if not default_pred.settings.max_num_batched_tokens:
-                    continue
-                default_tokens = int(default_pred.settings.max_num_batched_tokens)
-                seqs = int(default_pred.settings.max_num_seqs or 1)
-                if "max_num_batched_tokens" in space.fixed:
-                    caps: list[int | None] = [space.base.max_num_batched_tokens]
-                else:
-                    caps = [None] + [
-                        t for t in _BATCHED_TOKEN_STEPS if t < default_tokens and t >= seqs
-                    ]
-                # Serving is monotone in the cap: price the smallest first.
-                smallest = space.candidate(
-                    weights, dataclasses.replace(settings, max_num_batched_tokens=caps[-1])
-                )
-                consider(smallest)
-                if not smallest.serves:
-                    continue
-                chosen = smallest
-                for cap in caps[:-1]:
-                    c = space.candidate(
-                        weights, dataclasses.replace(settings, max_num_batched_tokens=cap)
-                    )
-                    if c.serves:
-                        chosen = c
-                        break
-                steps = list(steps)
-                if (
-                    chosen.settings.max_num_batched_tokens is not None
-                    and "max_num_batched_tokens" not in space.fixed
-                ):
-                    steps.append("max_num_batched_tokens")
-                if tp != space.base.tensor_parallel_size:
-                    steps.append("tensor_parallel_size")
-                if kv_dtype != space.base.kv_cache_dtype:
-                    steps.append("kv_cache_dtype")
-                if weights.key != "native":
-                    steps.append("quantization")
-                return SearchOutcome(chosen, most_capable, tuple(steps))
+    for weights, kv_dtype, tp in itertools.product(options, kv_dtypes, tps):
+        settings, steps = base_settings(space, default_util, tp)
+        settings = dataclasses.replace(
+            settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+            quantization=weights.quantization,
+        )  # fmt: skip
+        default_pred = space.price(weights, settings)
+        if not default_pred.settings.max_num_batched_tokens:
+            continue
+        caps = _batch_caps(space, default_pred)
+        # Serving is monotone in the cap: price the smallest first.
+        smallest = space.candidate(
+            weights, dataclasses.replace(settings, max_num_batched_tokens=caps[-1])
+        )
+        if most_capable is None or _capability(smallest) > _capability(most_capable):
+            most_capable = smallest
+        if not smallest.serves:
+            continue
+        priced = (
+            space.candidate(weights, dataclasses.replace(settings, max_num_batched_tokens=cap))
+            for cap in caps[:-1]
+        )
+        chosen = next((c for c in priced if c.serves), smallest)
+        taken = _steps_taken(space, steps, chosen, weights, kv_dtype, tp)
+        return SearchOutcome(chosen, most_capable, taken)
     return SearchOutcome(None, most_capable, ())
 
 
@@ -531,19 +533,12 @@ def apply_prefix_caching(
     return chosen, None
 
 
-def explain(
-    space: SearchSpace,
-    chosen: Candidate,
-    steps: Iterable[str],
-    given: MemoryPrediction,
-    default_util: float,
+def _weights_reasons(
+    space: SearchSpace, chosen: Candidate, given: MemoryPrediction
 ) -> list[FlagReason]:
-    """One reason per flag the recommendation sets (and for the checklist steps it skipped)."""
-    w = space.workload
-    s = chosen.settings
-    p = chosen.prediction
+    """Reasons for the checkpoint, online quantization and tensor parallelism."""
+    w, s, p = space.workload, chosen.settings, chosen.prediction
     reasons: list[FlagReason] = []
-    steps = set(steps)
     if chosen.model_ref != space.model_ref:
         reasons.append(FlagReason("model", chosen.model_ref,
                                   f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
@@ -563,23 +558,37 @@ def explain(
         reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
                                   f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
                                   f"split over {s.tensor_parallel_size} GPUs: {gib_label(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
-    if "gpu_memory_utilization" in steps:
-        util = s.gpu_memory_utilization
-        if util is None:
-            free_now = "" if space.free_bytes is None else f" ({gib_label(space.free_bytes)} free now)"
-            reasons.append(FlagReason("gpu-memory-utilization", f"default ({default_util})",
-                                      f"vLLM's default leaves {gib_label(p.total_bytes - p.requested_bytes)} for the CUDA "
-                                      f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
-                                      "processes share it"))  # fmt: skip
-        else:
-            why = []
-            if space.workload.headroom_bytes:
-                why.append(f"{gib_label(space.workload.headroom_bytes)} kept free for co-tenants")
-            if space.free_bytes is not None:
-                why.append(f"only {gib_label(space.free_bytes)} free now (NVML)")
-            reasons.append(FlagReason("gpu-memory-utilization", util,
-                                      f"vLLM refuses to start when free memory < util × total; capped below the default "
-                                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context"))  # fmt: skip
+    return reasons
+
+
+def _utilization_reason(
+    space: SearchSpace, chosen: Candidate, default_util: float
+) -> FlagReason:
+    """Why the utilization is the default, or capped below it."""
+    s, p = chosen.settings, chosen.prediction
+    util = s.gpu_memory_utilization
+    if util is None:
+        free_now = "" if space.free_bytes is None else f" ({gib_label(space.free_bytes)} free now)"
+        return FlagReason("gpu-memory-utilization", f"default ({default_util})",
+                          f"vLLM's default leaves {gib_label(p.total_bytes - p.requested_bytes)} for the CUDA "
+                          f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
+                          "processes share it")  # fmt: skip
+    why = []
+    if space.workload.headroom_bytes:
+        why.append(f"{gib_label(space.workload.headroom_bytes)} kept free for co-tenants")
+    if space.free_bytes is not None:
+        why.append(f"only {gib_label(space.free_bytes)} free now (NVML)")
+    return FlagReason("gpu-memory-utilization", util,
+                      f"vLLM refuses to start when free memory < util × total; capped below the default "
+                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context")  # fmt: skip
+
+
+def _workload_reasons(
+    space: SearchSpace, chosen: Candidate, steps: set[str], given: MemoryPrediction
+) -> list[FlagReason]:
+    """Reasons for the length, sequence, batch-token and KV-dtype flags."""
+    w, s, p = space.workload, chosen.settings, chosen.prediction
+    reasons: list[FlagReason] = []
     if "max_model_len" in steps:
         derived = space.model.derived_max_model_len
         reasons.append(FlagReason("max-model-len", s.max_model_len,
@@ -603,21 +612,45 @@ def explain(
         reasons.append(FlagReason("kv-cache-dtype", s.kv_cache_dtype,
                                   f"fp8 KV halves the bytes per token ({p.kv_bytes_per_token} B/token per GPU); "
                                   "small accuracy cost, fastest on Ada/Hopper/Blackwell"))  # fmt: skip
+    return reasons
+
+
+def _verdict_reason(space: SearchSpace, chosen: Candidate) -> FlagReason | None:
+    """The verdict: how many requests the KV cache holds against what the workload needs."""
+    w, p, check = space.workload, chosen.prediction, chosen.serve
+    if check is None:
+        return None
+    per_rank = space.concurrency_per_rank()
+    need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
+            "with the shared prefix" if check.effective_concurrency < per_rank
+            else f"{per_rank} needed")  # fmt: skip
+    if space.dp > 1:
+        need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
+    return FlagReason("(verdict)", None,
+                      f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
+                      f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
+                      f"(margin asked: {w.margin:.0%})")  # fmt: skip
+
+
+def explain(
+    space: SearchSpace,
+    chosen: Candidate,
+    steps: Iterable[str],
+    given: MemoryPrediction,
+    default_util: float,
+) -> list[FlagReason]:
+    """One reason per flag the recommendation sets (and for the checklist steps it skipped)."""
+    taken = set(steps)
+    reasons = _weights_reasons(space, chosen, given)
+    if "gpu_memory_utilization" in taken:
+        reasons.append(_utilization_reason(space, chosen, default_util))
+    reasons += _workload_reasons(space, chosen, taken, given)
     order = ["model", "gpu-memory-utilization", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
              "tensor-parallel-size", "kv-cache-dtype", "quantization"]  # fmt: skip
     reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
-    check = chosen.serve
-    if check is not None:
-        per_rank = space.concurrency_per_rank()
-        need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
-                "with the shared prefix" if check.effective_concurrency < per_rank
-                else f"{per_rank} needed")  # fmt: skip
-        if space.dp > 1:
-            need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
-        reasons.append(FlagReason("(verdict)", None,
-                                  f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
-                                  f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
-                                  f"(margin asked: {w.margin:.0%})"))  # fmt: skip
+    verdict = _verdict_reason(space, chosen)
+    if verdict is not None:
+        reasons.append(verdict)
     return reasons
 
 
@@ -786,6 +819,160 @@ def _cpu_offload(space: SearchSpace, native: WeightsOption) -> tuple[Candidate, 
     return best, weights_gib
 
 
+def _numbers(c: Candidate) -> dict[str, Any]:
+    """The figures every alternative shows for its candidate."""
+    return {
+        "gpu": c.gpu.name,
+        "gpu_count": c.gpus_used,
+        "weights": c.weights_label,
+        "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
+        "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
+        "kv_cache_tokens": c.prediction.kv_cache_tokens,
+        "max_concurrency": round(c.serve.max_concurrency, 2) if c.serve else None,
+        "margin_achieved": round(c.serve.margin_achieved, 3) if c.serve else None,
+    }
+
+
+def _label(c: Candidate) -> str:
+    kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
+    layout = f", {c.parallel_label}" if c.parallel_label else ""
+    return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
+
+
+def _alt(
+    kind: str,
+    title: str,
+    serves: bool,
+    numbers: dict[str, Any],
+    command: str,
+    c: Candidate,
+    caveats: tuple[str, ...] = (),
+) -> Alternative:
+    """An alternative not ranked yet (:func:`rank` numbers them)."""
+    return Alternative(rank=0, kind=kind, title=title, serves_workload=serves, numbers=numbers,
+                       command=command, caveats=tuple(x for x in caveats if x), candidate=c)  # fmt: skip
+
+
+def _hardware_alts(
+    space: SearchSpace, catalogue: Iterable[GPUSpec], weights_tp1: int
+) -> list[Alternative]:
+    """More GPUs of the same kind, then larger GPUs from the catalogue, that serve."""
+    more = [("more_gpus", c) for c in _more_gpus(space)]
+    larger = [("larger_gpu", c) for c in _larger_gpus(space, catalogue, weights_tp1)]
+    return [
+        _alt(kind, _label(c), True, _numbers(c), render_serve(c.model_ref, c.settings), c)
+        for kind, c in more + larger
+    ]
+
+
+def _shorter_context_alt(space: SearchSpace, best: Candidate) -> Alternative:
+    """The most capable configuration on the given GPUs, serving shorter or fewer requests."""
+    w = space.workload
+    ctx, most = _max_context(space, best)
+    nums = {**_numbers(best), "max_context_at_concurrency": ctx, "max_requests_at_p99": most}
+    parts = []
+    if ctx >= 16:
+        parts.append(f"{w.concurrency} requests of ≤{ctx:,} tokens")
+    if most >= 1:
+        parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
+    fp8 = ", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else ""
+    serve = " or ".join(parts) if parts else "almost nothing"
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    title = f"on {where} with {best.weights_label}{fp8}: serve {serve} instead"
+    settings = best.settings
+    if ctx >= 16:
+        settings = dataclasses.replace(settings, max_model_len=max(ctx, 16))
+    caveat = (
+        "requests longer than the context are rejected; fewer sequences queue instead of running"
+    )
+    return _alt("shorter_context", title, False, nums, render_serve(best.model_ref, settings), best,
+                (caveat,))  # fmt: skip
+
+
+def _quantization_alt(space: SearchSpace, best: Candidate) -> Alternative:
+    """Even the smallest weights the search tried do not start on the given GPUs."""
+    problems = best.prediction.problems
+    reason = problems[0].message if problems else "does not start"
+    repo = f" ({best.model_ref})" if best.model_ref != space.model_ref else ""
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    title = f"even {best.weights_label}{repo} does not start on {where}"
+    return _alt("quantization", title, False, {**_numbers(best), "problem": reason},
+                render_serve(best.model_ref, best.settings), best)  # fmt: skip
+
+
+def _quantize_yourself_alt(space: SearchSpace) -> Alternative | None:
+    """An int4 checkpoint nobody has published, priced on the given GPUs."""
+    hypothetical = [
+        o
+        for o in weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
+        if not o.known
+    ]
+    if not hypothetical:
+        return None
+    found = search(space, options=hypothetical)
+    own = found.best or found.most_capable
+    if own is None or not own.fits:
+        return None
+    conc = own.serve.max_concurrency if own.serve else 0.0
+    need = own.serve.required_concurrency if own.serve else 0.0
+    where = f"{space.gpu_count}× {space.gpu.name}"
+    what = (
+        f"would serve this on {where}"
+        if own.serves
+        else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
+    )
+    placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
+    return _alt("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
+                own.serves, _numbers(own), render_serve(placeholder, own.settings), own,
+                ("int4 costs some accuracy; check it on your own prompts",))  # fmt: skip
+
+
+def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative | None:
+    """``--cpu-offload-gb``: the smallest amount that serves, or why no amount does."""
+    offload = _cpu_offload(space, native)
+    if offload is None:
+        return None
+    c, weights_gib = offload
+    p99 = space.workload.p99_tokens
+    if not c.serves:
+        check = c.serve
+        conc = check.max_concurrency if check else 0.0
+        need = check.required_concurrency if check else 0
+        title = (f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
+                 f"in host RAM, {conc:.2f} requests of {p99:,} tokens fit ({need:.2f} needed)")  # fmt: skip
+        return _alt("cpu_offload", title, False, _numbers(c), render_serve(c.model_ref, c.settings), c,
+                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",))  # fmt: skip
+    gb = c.settings.cpu_offload_gb
+    step_s = gb * GIB / (PCIE_GBPS * 1e9)
+    nums = {**_numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
+            "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
+    return _alt("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
+                render_serve(c.model_ref, c.settings), c,
+                (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
+                 if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
+                 "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
+                 "check that 'Model loading took' drops by the offloaded amount",
+                 "KV offloading / LMCache does not add room for active context; only weight offload does"))  # fmt: skip
+
+
+_ALT_ORDER = {"more_gpus": 0, "larger_gpu": 0, "quantization": 1, "quantize_yourself": 1,
+              "shorter_context": 1, "cpu_offload": 2}  # fmt: skip
+
+
+def rank(alts: Iterable[Alternative]) -> list[Alternative]:
+    """Hardware first (the least GPU memory bought first), then weights and context, then
+    offload; numbered from 1."""
+
+    def hardware(a: Alternative) -> float:
+        c = a.candidate
+        if c is not None and a.kind in ("more_gpus", "larger_gpu"):
+            return c.gpus_used * c.gpu.total_bytes
+        return 0
+
+    ordered = sorted(alts, key=lambda a: (_ALT_ORDER[a.kind], hardware(a)))
+    return [dataclasses.replace(a, rank=i + 1) for i, a in enumerate(ordered)]
+
+
 def alternatives(
     space: SearchSpace,
     outcome: SearchOutcome,
@@ -794,137 +981,16 @@ def alternatives(
 ) -> list[Alternative]:
     """Ranked ways out when nothing on the given GPUs serves the workload, each with its numbers."""
     w = space.workload
-    out: list[tuple[str, str, bool, dict[str, Any], str, tuple[str, ...], Candidate | None]] = []
     native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
-    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1, max_model_len=w.p99_tokens,
-                                                  max_num_seqs=w.concurrency))  # fmt: skip
-    weights_tp1 = tp1.weights.value_bytes
-
-    def numbers(c: Candidate) -> dict[str, Any]:
-        return {
-            "gpu": c.gpu.name,
-            "gpu_count": c.gpus_used,
-            "weights": c.weights_label,
-            "weights_gib_per_gpu": round(c.prediction.weights.value_bytes / GIB, 2),
-            "kv_cache_gib": round(c.prediction.kv_cache_bytes / GIB, 2),
-            "kv_cache_tokens": c.prediction.kv_cache_tokens,
-            "max_concurrency": round(c.serve.max_concurrency, 2) if c.serve else None,
-            "margin_achieved": round(c.serve.margin_achieved, 3) if c.serve else None,
-        }
-
-    def label(c: Candidate) -> str:
-        kv = ", fp8 KV" if c.settings.kv_cache_dtype == "fp8" else ""
-        layout = f", {c.parallel_label}" if c.parallel_label else ""
-        return f"{c.gpus_used}× {c.gpu.name} ({c.weights_label}{kv}{layout})"
-
-    for c in _more_gpus(space):
-        out.append(
-            ("more_gpus", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
-        )
-    for c in _larger_gpus(space, catalogue, weights_tp1):
-        out.append(
-            ("larger_gpu", label(c), True, numbers(c), render_serve(c.model_ref, c.settings), (), c)
-        )
+    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1,
+                                                  max_model_len=w.p99_tokens, max_num_seqs=w.concurrency))  # fmt: skip
+    found = _hardware_alts(space, catalogue, tp1.weights.value_bytes)
     best = outcome.most_capable
     if best is not None:
-        if best.fits and best.serve is not None and best.serve.max_concurrency > 0:
-            ctx, most = _max_context(space, best)
-            nums = {**numbers(best), "max_context_at_concurrency": ctx, "max_requests_at_p99": most}
-            parts = []
-            if ctx >= 16:
-                parts.append(f"{w.concurrency} requests of ≤{ctx:,} tokens")
-            if most >= 1:
-                parts.append(f"{most} requests of {w.p99_tokens:,} tokens")
-            title = (f"on {space.gpu_count}× {space.gpu.name} with {best.weights_label}"
-                     + (", fp8 KV" if best.settings.kv_cache_dtype == "fp8" else "")
-                     + ": serve " + (" or ".join(parts) if parts else "almost nothing") + " instead")  # fmt: skip
-            out.append(("shorter_context", title, False, nums,
-                        render_serve(best.model_ref, dataclasses.replace(best.settings, max_model_len=max(ctx, 16))
-                                     if ctx >= 16 else best.settings),
-                        ("requests longer than the context are rejected; fewer sequences queue instead of running",), best))  # fmt: skip
-        else:
-            reason = (
-                best.prediction.problems[0].message
-                if best.prediction.problems
-                else "does not start"
-            )
-            out.append(("quantization", f"even {best.weights_label}" + (f" ({best.model_ref})" if best.model_ref != space.model_ref else "")
-                        + f" does not start on {space.gpu_count}× {space.gpu.name}",
-                        False, {**numbers(best), "problem": reason}, render_serve(best.model_ref, best.settings), (), best))  # fmt: skip
-    hypothetical = [
-        o
-        for o in weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)
-        if not o.known
-    ]
-    if hypothetical:
-        found = search(space, options=hypothetical)
-        own = found.best or found.most_capable
-        if own is not None and own.fits:
-            conc = own.serve.max_concurrency if own.serve else 0.0
-            need = own.serve.required_concurrency if own.serve else 0.0
-            where = f"{space.gpu_count}× {space.gpu.name}"
-            what = (
-                f"would serve this on {where}"
-                if own.serves
-                else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
-            )
-            placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
-            out.append(("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
-                        own.serves, numbers(own), render_serve(placeholder, own.settings),
-                        ("int4 costs some accuracy; check it on your own prompts",), own))  # fmt: skip
-    offload = _cpu_offload(space, native)
-    if offload is not None and not offload[0].serves:
-        c, weights_gib = offload
-        check = c.serve
-        conc = check.max_concurrency if check else 0.0
-        out.append(("cpu_offload", f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
-                    f"in host RAM, {conc:.2f} requests of {w.p99_tokens:,} tokens fit ({check.required_concurrency if check else 0:.2f} needed)",
-                    False, numbers(c), render_serve(c.model_ref, c.settings),
-                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",), c))  # fmt: skip
-    elif offload is not None:
-        c, weights_gib = offload
-        gb = c.settings.cpu_offload_gb
-        step_s = gb * GIB / (PCIE_GBPS * 1e9)
-        nums = {**numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
-                "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
-        out.append(("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
-                    render_serve(c.model_ref, c.settings),
-                    (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
-                     if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
-                     "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
-                     "check that 'Model loading took' drops by the offloaded amount",
-                     "KV offloading / LMCache does not add room for active context; only weight offload does"), c))  # fmt: skip
-    order = {
-        "more_gpus": 0,
-        "larger_gpu": 0,
-        "quantization": 1,
-        "quantize_yourself": 1,
-        "shorter_context": 1,
-        "cpu_offload": 2,
-    }
-
-    def hardware(item: tuple[Any, ...]) -> float:
-        c = item[6]
-        return (
-            c.gpus_used * c.gpu.total_bytes
-            if c is not None and item[0] in ("more_gpus", "larger_gpu")
-            else 0
-        )
-
-    out.sort(key=lambda item: (order[item[0]], hardware(item)))
-    return [
-        Alternative(
-            rank=i + 1,
-            kind=k,
-            title=t,
-            serves_workload=s,
-            numbers=n,
-            command=cmd,
-            caveats=tuple(x for x in cav if x),
-            candidate=c,
-        )  # fmt: skip
-        for i, (k, t, s, n, cmd, cav, c) in enumerate(out)
-    ]
+        serving = best.fits and best.serve is not None and best.serve.max_concurrency > 0
+        found.append(_shorter_context_alt(space, best) if serving else _quantization_alt(space, best))
+    found += [a for a in (_quantize_yourself_alt(space), _cpu_offload_alt(space, native)) if a]
+    return rank(found)
 
 
 # --------------------------------------------------------------------------------------------

@@ -306,7 +306,7 @@ def recommendation(result: PlanResult) -> RenderableType | None:
 
 
 def _tier_figures(n: dict[str, object]) -> str:
-    """The fallback chain's price of one tier (oomguard.tiering.chain)."""
+    """The fallback chain's price of one tier (oomguard.plan.chain)."""
     parts = [f"tier {n['tier']}: {n['tier_name']}"]
     if n.get("gpu_count"):
         parts.append(f"GPU {n['gpu_gib_per_device']} GiB × {n['gpu_count']}")

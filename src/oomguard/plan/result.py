@@ -236,6 +236,13 @@ class Calibration:
 
 
 _ESTIMATE_TERMS = ("weights", "activation", "non_torch", "cudagraph")
+# the settings the JSON shows, in its order
+_SETTINGS_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                  "enable_expert_parallel", "gpu_memory_utilization", "max_model_len",
+                  "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "quantization",
+                  "dtype", "enforce_eager", "block_size", "enable_prefix_caching",
+                  "kv_cache_memory_bytes", "num_gpu_blocks_override", "cpu_offload_gb",
+                  "performance_mode")  # fmt: skip
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -319,30 +326,9 @@ class PlanResult:
         )
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """One JSON-ready object (keys documented in docs/plan.md)."""
+    def _estimates_dict(self) -> dict[str, Any]:
+        """Each budget term's value, range and basis (the weights' known-ness from the plan)."""
         p = self.plan.prediction
-        s = p.settings
-        settings = {
-            "tensor_parallel_size": s.tensor_parallel_size,
-            "pipeline_parallel_size": s.pipeline_parallel_size,
-            "data_parallel_size": s.data_parallel_size,
-            "enable_expert_parallel": s.enable_expert_parallel,
-            "gpu_memory_utilization": s.gpu_memory_utilization,
-            "max_model_len": s.max_model_len,
-            "max_num_seqs": s.max_num_seqs,
-            "max_num_batched_tokens": s.max_num_batched_tokens,
-            "kv_cache_dtype": s.kv_cache_dtype,
-            "quantization": s.quantization,
-            "dtype": s.dtype,
-            "enforce_eager": s.enforce_eager,
-            "block_size": s.block_size,
-            "enable_prefix_caching": s.enable_prefix_caching,
-            "kv_cache_memory_bytes": s.kv_cache_memory_bytes,
-            "num_gpu_blocks_override": s.num_gpu_blocks_override,
-            "cpu_offload_gb": s.cpu_offload_gb,
-            "performance_mode": s.performance_mode,
-        }
         estimates = {}
         for term in _ESTIMATE_TERMS:
             est = getattr(p, term)
@@ -358,32 +344,62 @@ class PlanResult:
                 "high_gib": gib_rounded(est.high_bytes if estimated else est.value_bytes),
                 "basis": basis,
             }
-        out: dict[str, Any] = {
+        return estimates
+
+    def _gpu_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.plan.gpu.name,
+            "total_gib": round(self.plan.gpu.total_gib, 2),
+            "count": self.plan.gpus_used,
+            "available": self.plan.gpu_count,
+            "free_gib": gib_rounded(self.plan.prediction.free_bytes) if self.gpu_source == "nvml" else None,
+            "source": self.gpu_source,
+        }
+
+    def _memory_dict(self) -> dict[str, Any]:
+        p = self.plan.prediction
+        return {
+            "total_gib": gib_rounded(p.total_bytes),
+            "requested_gib": gib_rounded(p.requested_bytes),
+            "weights_gib": gib_rounded(p.weights.value_bytes),
+            "activation_gib": gib_rounded(p.activation.value_bytes),
+            "non_torch_gib": gib_rounded(p.non_torch.value_bytes),
+            "cudagraph_gib": gib_rounded(p.cudagraph.value_bytes),
+            "kv_cache_gib": gib_rounded(p.kv_cache_bytes),
+            # what the estimated terms' ranges allow (equal ends when all are measured)
+            "kv_cache_gib_range": [gib_rounded(b) for b in p.kv_cache_bytes_range],
+        }
+
+    def _given_dict(self) -> dict[str, Any] | None:
+        """The configuration as given, when the plan differs from it."""
+        if self.given is self.plan:
+            return None
+        given = self.given
+        return {
+            "fits": given.fits,
+            "serve": given.serve.to_dict() if given.serve else None,
+            "kv_cache_gib": gib_rounded(given.prediction.kv_cache_bytes),
+            "kv_cache_tokens": given.prediction.kv_cache_tokens,
+            "max_concurrency": round(float(given.prediction.max_concurrency), 2),
+            "problems": [{"code": pr.code, "message": pr.message} for pr in given.prediction.problems],
+            "command": render_serve(given.model_ref, given.settings),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """One JSON-ready object (keys documented in docs/plan.md)."""
+        p = self.plan.prediction
+        workload = None
+        if self.workload is not None:
+            workload = {**self.workload.to_dict(), **(self.plan.serve.to_dict() if self.plan.serve else {})}
+        return {
             "model": self.model_ref,
             "model_name": self.plan.model.name,
             # False: an architecture read by the generic reader (see notes; wider ranges)
             "model_verified": self.plan.model.verified,
-            "vllm_version": s.vllm_version,
-            "gpu": {
-                "name": self.plan.gpu.name,
-                "total_gib": round(self.plan.gpu.total_gib, 2),
-                "count": self.plan.gpus_used,
-                "available": self.plan.gpu_count,
-                "free_gib": gib_rounded(p.free_bytes) if self.gpu_source == "nvml" else None,
-                "source": self.gpu_source,
-            },
-            "settings": settings,
-            "memory": {
-                "total_gib": gib_rounded(p.total_bytes),
-                "requested_gib": gib_rounded(p.requested_bytes),
-                "weights_gib": gib_rounded(p.weights.value_bytes),
-                "activation_gib": gib_rounded(p.activation.value_bytes),
-                "non_torch_gib": gib_rounded(p.non_torch.value_bytes),
-                "cudagraph_gib": gib_rounded(p.cudagraph.value_bytes),
-                "kv_cache_gib": gib_rounded(p.kv_cache_bytes),
-                # what the estimated terms' ranges allow (equal ends when all are measured)
-                "kv_cache_gib_range": [gib_rounded(b) for b in p.kv_cache_bytes_range],
-            },
+            "vllm_version": p.settings.vllm_version,
+            "gpu": self._gpu_dict(),
+            "settings": {key: getattr(p.settings, key) for key in _SETTINGS_KEYS},
+            "memory": self._memory_dict(),
             "kv_cache_tokens": p.kv_cache_tokens,
             "kv_cache_tokens_range": list(p.kv_cache_tokens_range),
             "max_concurrency": round(float(p.max_concurrency), 2),
@@ -398,37 +414,16 @@ class PlanResult:
             "command": self.command,
             "commands": self.commands(),
             "log_lines": list(p.log_lines),
-            "workload": None
-            if self.workload is None
-            else {
-                **self.workload.to_dict(),
-                **(self.plan.serve.to_dict() if self.plan.serve else {}),
-            },
-            "recommendation": None
-            if self.recommendation is None
-            else self.recommendation.to_dict(),
+            "workload": workload,
+            "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
             "alternatives": [a.to_dict() for a in self.alternatives],
             "sizing": [row.to_dict() for row in self.sizing],
-            "estimates": estimates,
+            "estimates": self._estimates_dict(),
             "calibration": self.calibration.to_dict(),
-            "given": None
-            if self.given is self.plan
-            else {
-                "fits": self.given.fits,
-                "serve": self.given.serve.to_dict() if self.given.serve else None,
-                "kv_cache_gib": gib_rounded(self.given.prediction.kv_cache_bytes),
-                "kv_cache_tokens": self.given.prediction.kv_cache_tokens,
-                "max_concurrency": round(float(self.given.prediction.max_concurrency), 2),
-                "problems": [
-                    {"code": pr.code, "message": pr.message}
-                    for pr in self.given.prediction.problems
-                ],
-                "command": render_serve(self.given.model_ref, self.given.settings),
-            },
+            "given": self._given_dict(),
             "notes": list(self.notes),
             "elapsed_s": round(self.elapsed_s, 4),
         }
-        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         """:meth:`to_dict` as a JSON string."""

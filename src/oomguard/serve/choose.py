@@ -24,7 +24,7 @@ RUNNABLE_HERE = ("shorter_context", "cpu_offload", *LLAMA_TIERS)
 def choose_engine(options: Any) -> tuple[str, str]:
     """``("vllm" | "llama.cpp", why)`` for ``options`` (a :class:`ServeOptions` with a model
     and a GGUF); the plan runs on this machine's device as vLLM's serve would run it."""
-    from oomguard.api import plan
+    from oomguard.plan.service import plan
     from oomguard.serve.device import detect_device
     from oomguard.serve.engines import VllmEngine
 

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from oomguard._vllm_flags import BOOL_FLAGS, LIST_FLAGS
 from oomguard.errors import BadInput
 from oomguard.vllm_args import (
+    BOOL_FLAGS,
+    LIST_FLAGS,
     Launcher,
     ParsedCommand,
-    _canonical,
+    canonical_flag,
     parse_command,
     split_launcher,
 )
@@ -116,7 +117,7 @@ class EngineCommand:
     def with_flag(self, flag: str, value: str | None) -> EngineCommand:
         """A copy with ``flag`` set to ``value`` (every spelling of it removed first, then
         ``--flag value`` appended); ``value`` None sets a boolean flag."""
-        name = _canonical(flag.lstrip("-"))
+        name = canonical_flag(flag.lstrip("-"))
         kept: list[str] = []
         i = 0
         args = list(self.args)
@@ -127,8 +128,8 @@ class EngineCommand:
                 kept.append(token)
                 continue
             raw, has_inline, _ = token.lstrip("-").partition("=")
-            canonical = _canonical(raw)
-            negated = canonical.startswith("no-") and _canonical(canonical[3:]) == name
+            canonical = canonical_flag(raw)
+            negated = canonical.startswith("no-") and canonical_flag(canonical[3:]) == name
             if canonical != name and not negated:
                 kept.append(token)
                 continue
@@ -195,7 +196,7 @@ def _server_launcher(words: list[str]) -> Launcher:
 def _without_model(args: Sequence[str], model: str) -> tuple[str, ...]:
     """``args`` without the model: the ``--model X`` flag, or the first bare word equal to it
     that is not a flag's value."""
-    from oomguard._vllm_flags import VALUE_FLAGS
+    from oomguard.vllm_args import VALUE_FLAGS
 
     out: list[str] = []
     removed = False
@@ -205,7 +206,7 @@ def _without_model(args: Sequence[str], model: str) -> tuple[str, ...]:
         i += 1
         if token.startswith("-"):
             raw, has_inline, _ = token.lstrip("-").partition("=")
-            name = _canonical(raw)
+            name = canonical_flag(raw)
             if name == "model":
                 if not has_inline and i < len(args):
                     i += 1

@@ -712,10 +712,10 @@ def check_port_free(host: str, port: int, what: str) -> None:
 
 def check_model_path(model: str) -> None:
     """A model given as a path must exist (a hub id is left to the engine and the facts)."""
-    from oomguard.facts.resolve import _looks_like_path
+    from oomguard.facts.resolve import looks_like_path
 
     path = Path(model).expanduser()
-    if not path.exists() and _looks_like_path(model):
+    if not path.exists() and looks_like_path(model):
         raise BadInput(
             f"model path does not exist: {path}", "check the path to the model directory"
         )

@@ -100,7 +100,7 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction]):
 
     def _planned_command(self) -> EngineCommand:
         """``oomguard serve MODEL …``: plan on this machine's device, launch the result."""
-        from oomguard.api import plan
+        from oomguard.plan.service import plan
 
         o = self.options
         assert o.model is not None and self.engine is not None
@@ -199,7 +199,7 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction]):
 
     def _alternatives(self, command: EngineCommand) -> None:
         """What ``plan`` proposes instead (more GPUs, a quantized checkpoint, tiering)."""
-        from oomguard.api import plan
+        from oomguard.plan.service import plan
 
         if self.device is None or self.engine is None:
             return

@@ -1,6 +1,6 @@
 """llama.cpp tiering: its memory model (from GGUF headers), the GPU/host split, llama-server
-commands and load logs, and the cross-engine fallback chain ``plan`` shows when vLLM cannot
-hold a model.
+commands and load logs. The cross-engine fallback chain ``plan`` shows when vLLM cannot hold a
+model is :mod:`oomguard.plan.chain`.
 
 >>> from oomguard.tiering import read_gguf, predict_llama_cpp, LlamaCppSettings
 >>> memory = predict_llama_cpp(read_gguf("model.gguf"), LlamaCppSettings(ctx_size=8192, n_gpu_layers=20, gpu_count=1))

@@ -28,14 +28,10 @@ CPU, the batched matrix products of those layers run on the GPU on copies of the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from oomguard.tiering.model import GGUFModel
 from oomguard.tiering.placement import CPU, Placement
-from oomguard.tiering.settings import LlamaCppSettings
-
-if TYPE_CHECKING:
-    from oomguard.tiering.memory import ContextSize
+from oomguard.tiering.settings import ContextSize, LlamaCppSettings
 
 F32 = 4
 SMALL_FLOATS_PER_TOKEN = 8  # token ids, positions, output ids, KV row indices

@@ -28,7 +28,12 @@ from oomguard.tiering.compute import ComputeEstimate, estimate_compute
 from oomguard.tiering.ggml_types import is_quantized, kv_cache_type, pad, row_bytes
 from oomguard.tiering.model import GGUFModel, GGUFTensor
 from oomguard.tiering.placement import CPU, REPACK, Placement, place
-from oomguard.tiering.settings import CPU_ALIGNMENT_BYTES, GPU_BACKENDS, LlamaCppSettings
+from oomguard.tiering.settings import (
+    CPU_ALIGNMENT_BYTES,
+    GPU_BACKENDS,
+    ContextSize,
+    LlamaCppSettings,
+)
 from oomguard.units import MIB
 
 
@@ -58,18 +63,6 @@ class Buffer:
         low = self.size_bytes if self.low_bytes is None else self.low_bytes
         high = self.size_bytes if self.high_bytes is None else self.high_bytes
         return low, high
-
-
-@dataclass(frozen=True)
-class ContextSize:
-    """The context llama.cpp builds: total cells, per slot, streams, batch sizes."""
-
-    n_ctx: int
-    n_ctx_seq: int  # the context of one slot
-    n_seq_max: int
-    n_stream: int
-    n_batch: int
-    n_ubatch: int
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,15 @@ class LlamaCppSettings:
             rules.append(Override(exps, "CPU"))
         rules.extend(Override(rf"blk\.{i}{exps}", "CPU") for i in range(self.n_cpu_moe))
         return tuple(rules)
+
+
+@dataclass(frozen=True)
+class ContextSize:
+    """The context llama.cpp builds: total cells, per slot, streams, batch sizes."""
+
+    n_ctx: int
+    n_ctx_seq: int  # the context of one slot
+    n_seq_max: int
+    n_stream: int
+    n_batch: int
+    n_ubatch: int

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import api
 from oomguard.errors import UnknownModel, UnsupportedArchitecture
 from oomguard.facts.catalogue import find_entry, list_aliases, lookup_entry
 from oomguard.facts.config_reader import spec_from_config
 from oomguard.facts.resolve import resolve_model, sibling_names
+from oomguard.plan import service as api
 
 # every model the 2026 startup logs named that the planner refused before (architectures,
 # re-releases, siblings and quantized variants), with what it must resolve to offline

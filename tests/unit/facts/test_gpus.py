@@ -180,7 +180,7 @@ def test_gb10_keeps_the_small_batch_tier_from_0_33() -> None:
 
 
 def test_plan_on_unified_memory_says_what_competes_for_it() -> None:
-    from oomguard.api import plan
+    from oomguard.plan.service import plan
 
     result = plan("Qwen/Qwen3-8B", "GB10", allow_hub=False)
     note = next(n for n in result.notes if "shares its" in n)

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from oomguard.errors import BadInput
-from oomguard.memory.engine import EngineSettings, MeasuredTerms, format_gib, predict
+from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
+from oomguard.memory.logtext import format_gib
 from oomguard.memory.spec import GPUSpec, QuantSpec
 from oomguard.memory.versions import batch_defaults, resolve_era
 from oomguard.memory.weights import (

@@ -115,7 +115,7 @@ def test_graph_estimate_carries_a_wider_band_under_tensor_parallelism() -> None:
 
 
 def test_plan_json_reports_the_ranges() -> None:
-    from oomguard.api import plan
+    from oomguard.plan.service import plan
 
     data = plan("meta-llama/Llama-3.1-8B-Instruct", "L40S", allow_hub=False).to_dict()
     low, high = data["memory"]["kv_cache_gib_range"]

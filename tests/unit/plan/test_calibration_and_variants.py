@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.api import plan
 from oomguard.cli import main
 from oomguard.facts.resolve import resolve_model
 from oomguard.memory.engine import predict
 from oomguard.plan.recommend import NO_INT4_REPO
+from oomguard.plan.service import plan
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from oomguard.api import plan
 from oomguard.cli import main
+from oomguard.plan.service import plan
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from oomguard.api import plan
 from oomguard.facts.catalogue import lookup_entry
+from oomguard.plan.service import plan
 
 LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"
 

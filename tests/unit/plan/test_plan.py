@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from oomguard.api import plan
 from oomguard.facts.gpus import find_gpu
 from oomguard.facts.resolve import resolve_model
 from oomguard.memory.engine import predict
 from oomguard.plan.recommend import valid_tp_sizes
+from oomguard.plan.service import plan
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.api import plan
 from oomguard.errors import BadInput
+from oomguard.plan.service import plan
 from oomguard.watch.plan_figures import load_plan_file, plan_from_flags
 
 GIB = 2**30

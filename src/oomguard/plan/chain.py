@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.errors import OomguardError
+from oomguard.plan.result import Alternative, Candidate
 from oomguard.tiering.bandwidth import HOST_RAM_GBPS, PCIE_GBPS, gpu_bandwidth_gbps
 from oomguard.tiering.command import render_llama_server
 from oomguard.tiering.model import GGUFModel
@@ -28,7 +29,6 @@ from oomguard.units import GIB, gib_rounded
 if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
     from oomguard.plan.recommend import SearchSpace
-    from oomguard.plan.result import Alternative, Candidate
 
 STEP_OF_KIND = {"as_planned": 1, "shorter_context": 2, "more_gpus": 3, "larger_gpu": 3, "quantization": 4,
                 "quantize_yourself": 4, "cpu_offload": 5, "llama_cpp": 6, "cpu_only": 7}  # fmt: skip
@@ -159,8 +159,6 @@ def fallback_chain(space: SearchSpace, given: Candidate, alternatives: list[Alte
     Every returned item's ``numbers`` has ``tier``, ``tier_name``, ``engine``,
     ``gpu_gib_per_device``, ``host_gib``, ``decode_tokens_per_s_bound`` and ``slowdown``.
     """
-    from oomguard.plan.result import Alternative
-
     gbps = gpu_bandwidth_gbps(space.gpu.name)
     native_bytes = given.prediction.weights.value_bytes * given.settings.tensor_parallel_size * active_share(space.model)
     ref_s = native_bytes / (gbps * 1e9) if gbps else None

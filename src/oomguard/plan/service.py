@@ -23,7 +23,13 @@ from oomguard.plan.recommend import (
     valid_tp_sizes,
     weights_options,
 )
-from oomguard.plan.result import Calibration, Candidate, PlanResult
+from oomguard.plan.result import (
+    Alternative,
+    Calibration,
+    Candidate,
+    PlanResult,
+    Recommendation,
+)
 from oomguard.units import GIB
 from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
 from oomguard.workload import DEFAULT_MARGIN, Workload, shared_prefix_tokens
@@ -125,6 +131,245 @@ class _CalibrationLookup:
         return terms
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """One plan's inputs, read and checked: bad numbers raise :class:`BadInput` on construction."""
+
+    model: str
+    base: EngineSettings
+    fixed: frozenset[str]  # the settings given, which the search keeps
+    notes: tuple[str, ...]
+    other_flags: dict[str, Any]
+    p99_tokens: int | str | None = None
+    concurrency: int | None = None
+    shared_prefix: float | int | str | None = None
+    headroom_gib: float = 0.0
+    margin: float = DEFAULT_MARGIN
+    host_memory_gib: float | None = None
+    gpu_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.margin < 0:
+            raise BadInput(
+                f"--margin {self.margin} is negative", "pass a fraction such as 0.1 (10 % spare KV)"
+            )
+        if self.headroom_gib < 0:
+            raise BadInput(f"--headroom-gib {self.headroom_gib} is negative", "pass 0 or more GiB")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise BadInput(f"--host-memory-gib {self.host_memory_gib} must be positive",
+                           "pass the host's RAM in GiB")  # fmt: skip
+        p99 = self.p99
+        if p99 is not None and p99 <= 0:
+            raise BadInput(
+                f"--p99-tokens {self.p99_tokens}: a length must be positive",
+                "pass the P99 prompt+output in tokens",
+            )
+        if self.concurrency is not None and self.concurrency <= 0:
+            raise BadInput(
+                f"--concurrency {self.concurrency} must be at least 1",
+                "pass the peak number of concurrent requests",
+            )
+        if self.gpu_count is not None and self.gpu_count < 1:
+            raise BadInput(f"--gpu-count {self.gpu_count} must be at least 1",
+                           "pass the number of GPUs")  # fmt: skip
+
+    @property
+    def p99(self) -> int | None:
+        """The P99 length as given (``8k`` read as 8000), or None."""
+        if self.p99_tokens is None:
+            return None
+        return parse_human_int(str(self.p99_tokens), flag="--p99-tokens")
+
+    def workload(self, spec: ModelSpec) -> Workload:
+        """The workload to serve: as stated, else one request at the model's length."""
+        p99, concurrency = self.p99, self.concurrency
+        stated = p99 is not None or concurrency is not None
+        base, derived = self.base, spec.derived_max_model_len
+        if p99 is None:
+            p99 = base.max_model_len if base.max_model_len not in (None, -1) else derived
+        if concurrency is None:
+            concurrency = base.max_num_seqs if stated and base.max_num_seqs else 1
+        if p99 > derived:
+            raise BadInput(
+                f"--p99-tokens {p99} exceeds {spec.name}'s context length of {derived} tokens",
+                "vLLM refuses longer requests; check the P99 or pick a longer-context model",
+            )
+        return Workload(
+            p99_tokens=int(p99),
+            concurrency=int(concurrency),
+            shared_prefix_tokens=shared_prefix_tokens(self.shared_prefix, int(p99)),
+            margin=float(self.margin) if stated else 0.0,
+            headroom_bytes=int(self.headroom_gib * GIB),
+            stated=stated,
+        )
+
+
+def read_request(
+    model: str | None, command: str | Sequence[str] | None, settings: dict[str, Any],
+    **numbers: Any,
+) -> PlanRequest:
+    """The request from MODEL or a pasted ``vllm serve`` command, the settings and the numbers."""
+    notes: list[str] = []
+    other_flags: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
+    if command is not None:
+        parsed: ParsedCommand = parse_command(command)
+        parsed.check_flags()  # a misspelt flag is an error naming the closest real one
+        if model is not None and model != parsed.model:
+            raise BadInput(
+                f"two models given: {model!r} and {parsed.model!r} in the command",
+                "pass the model once, in the command or as MODEL",
+            )
+        model = parsed.model
+        kwargs.update(parsed.settings_kwargs)
+        other_flags = dict(parsed.other_flags)
+        notes.extend(parsed.notes())
+    if model is None:
+        raise BadInput("no model given", "pass MODEL (catalogue name, hub id or local path)")
+    unknown = sorted(set(settings) - _SETTING_FIELDS)
+    if unknown:
+        raise BadInput(
+            f"unknown setting(s): {', '.join(unknown)}",
+            "use EngineSettings field names such as max_model_len, tensor_parallel_size",
+        )
+    kwargs.update({k: v for k, v in settings.items() if v is not None})
+    fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
+    return PlanRequest(model=model, base=EngineSettings(**kwargs), fixed=fixed,
+                       notes=tuple(notes), other_flags=other_flags, **numbers)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The GPU to plan for, how it was found, how many there are and their free memory."""
+
+    gpu: GPUSpec | None  # None: a sizing table over the catalogue
+    source: str
+    count: int
+    free_bytes: int | None
+
+
+def resolve_target(
+    req: PlanRequest, spec: ModelSpec, gpu: str | GPUSpec | None, gpu_memory_gib: float | None,
+    notes: list[str],
+) -> Target:
+    """The GPU and count, checked against the parallel sizes the settings ask for."""
+    gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
+    base = req.base
+    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
+    count = req.gpu_count or (max(world, detected_count or 1) if detected_count else world)
+    if world > count:
+        raise BadInput(
+            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
+            "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
+            "raise --gpu-count",
+        )
+    if base.enable_expert_parallel and spec.moe is None:
+        notes.append(
+            f"--enable-expert-parallel has no effect: {spec.name} has no MoE layers "
+            "(every rank holds the whole model)"
+        )
+    return Target(gpu_spec, gpu_source, count, free_bytes)
+
+
+def check_tp(spec: ModelSpec, gpu: GPUSpec, base: EngineSettings) -> None:
+    """Strict first: an impossible TP is bad input (exit 2), not a "does not fit"."""
+    try:
+        predict(spec, gpu, base)
+    except BadInput as exc:
+        tp = base.tensor_parallel_size
+        valid = valid_tp_sizes(spec, max(8, tp))
+        if tp in valid:
+            raise
+        heads = f"{spec.num_attention_heads} attention heads"
+        if spec.num_kv_heads and spec.num_kv_heads != spec.num_attention_heads:
+            heads += f" and {spec.num_kv_heads} KV heads"
+        raise BadInput(
+            f"--tensor-parallel-size {tp} does not split {spec.name}'s {heads} evenly",
+            f"use one of {', '.join(map(str, valid))}",
+        ) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOutcome:
+    """The configuration as given, the plan to show, the fix and the fallback chain."""
+
+    given: Candidate
+    plan: Candidate
+    recommendation: Recommendation | None
+    alternatives: tuple[Alternative, ...]
+
+
+def find_plan(
+    space: SearchSpace, req: PlanRequest, target: Target, catalogue: list[GPUSpec]
+) -> PlanOutcome:
+    """Price the given configuration; with a workload or a miss, search for a fix, and
+    without one, build the fallback chain."""
+    native = weights_options(space.model_ref, space.model, space.gpu, req.base, req.fixed)[0]
+    given = space.candidate(native, req.base)
+    if not space.workload.stated:
+        given = dataclasses.replace(given, serve=None)
+    if not (space.workload.stated or not given.fits):
+        return PlanOutcome(given, given, None, ())
+    recommendation, outcome = recommend(space, given.prediction)
+    if recommendation is not None:
+        chosen = recommendation.candidate if space.workload.stated else given
+        return PlanOutcome(given, chosen, recommendation, ())
+    from oomguard.plan.chain import fallback_chain
+
+    host = _host_memory_bytes(req.host_memory_gib, target.source)
+    alts = alternatives(space, outcome, given.prediction, catalogue)
+    return PlanOutcome(given, given, None, tuple(fallback_chain(space, given, alts, host)))
+
+
+def _calibration(plan: Candidate, measured: _CalibrationLookup | None) -> Calibration:
+    """Which of the plan's terms the calibration store measured, and from which entry."""
+    terms = [
+        t
+        for t in ("weights", "activation", "non_torch", "cudagraph")
+        if getattr(plan.prediction, t).basis.startswith("measured")
+    ]
+    if not terms or measured is None:
+        return Calibration(used=False)
+    found = measured(plan.settings)
+    return Calibration(
+        used=True,
+        source=found.source if found is not None else "calibration store",
+        terms=tuple(terms),
+        key=measured.keys.get(plan.settings.tensor_parallel_size, ""),
+    )
+
+
+def assemble(
+    space: SearchSpace, target: Target, found: PlanOutcome, version: str,
+    notes: list[str], other_flags: dict[str, Any], started: float,
+) -> PlanResult:
+    """The result: the search's outcome with the calibration used and the notes."""
+    measured = space.measured if isinstance(space.measured, _CalibrationLookup) else None
+    calibration = _calibration(found.plan, measured)
+    if measured is not None and measured.error:
+        notes.append(measured.error)
+    gpu = space.gpu
+    if gpu.unified_memory:
+        notes.append(unified_memory_note(gpu, version))
+    if target.source == "nvml" and target.free_bytes is not None:
+        notes.append(
+            f"NVML: {target.free_bytes / GIB:.2f} GiB free of {gpu.total_gib:.2f} GiB on the fullest GPU"
+        )
+    return PlanResult(
+        model_ref=space.model_ref,
+        plan=found.plan,
+        given=found.given,
+        gpu_source=target.source,
+        workload=space.workload,
+        recommendation=found.recommendation,
+        alternatives=found.alternatives,
+        calibration=calibration,
+        notes=tuple(notes),
+        other_flags=other_flags,
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
 def plan(
     model: str | None = None,
     gpu: str | GPUSpec | None = None,
@@ -151,185 +396,38 @@ def plan(
     ``vllm serve …`` line (its flags are read as settings). With ``p99_tokens`` and
     ``concurrency`` the checklist search returns the cheapest configuration that serves them with
     ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
-    (:mod:`oomguard.tiering.chain`), whose host-memory needs are checked against
+    (:mod:`oomguard.plan.chain`), whose host-memory needs are checked against
     ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
     :class:`~oomguard.errors.BadInput` (one line).
     """
     started = time.perf_counter()
-    notes: list[str] = []
-    other_flags: dict[str, Any] = {}
-    kwargs: dict[str, Any] = {}
-    if command is not None:
-        parsed: ParsedCommand = parse_command(command)
-        parsed.check_flags()  # a misspelt flag is an error naming the closest real one
-        if model is not None and model != parsed.model:
-            raise BadInput(
-                f"two models given: {model!r} and {parsed.model!r} in the command",
-                "pass the model once, in the command or as MODEL",
-            )
-        model = parsed.model
-        kwargs.update(parsed.settings_kwargs)
-        other_flags = dict(parsed.other_flags)
-        notes.extend(parsed.notes())
-    if model is None:
-        raise BadInput("no model given", "pass MODEL (catalogue name, hub id or local path)")
-    unknown = sorted(set(settings) - _SETTING_FIELDS)
-    if unknown:
-        raise BadInput(
-            f"unknown setting(s): {', '.join(unknown)}",
-            "use EngineSettings field names such as max_model_len, tensor_parallel_size",
-        )
-    kwargs.update({k: v for k, v in settings.items() if v is not None})
-    fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
-    base = EngineSettings(**kwargs)
-
-    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
-
-    spec = resolve_model_with_quantization(model, base.quantization, allow_hub=allow_hub)
-    model = serve_reference(model)
-    notes.extend(spec.caveats)  # generic reader, a sibling's or base model's config
-
-    # -- workload -------------------------------------------------------------------------------
-    if margin < 0:
-        raise BadInput(
-            f"--margin {margin} is negative", "pass a fraction such as 0.1 (10 % spare KV)"
-        )
-    if headroom_gib < 0:
-        raise BadInput(f"--headroom-gib {headroom_gib} is negative", "pass 0 or more GiB")
-    if host_memory_gib is not None and not host_memory_gib > 0:
-        raise BadInput(f"--host-memory-gib {host_memory_gib} must be positive", "pass the host's RAM in GiB")
-    p99 = None if p99_tokens is None else parse_human_int(str(p99_tokens), flag="--p99-tokens")
-    if p99 is not None and p99 <= 0:
-        raise BadInput(
-            f"--p99-tokens {p99_tokens}: a length must be positive",
-            "pass the P99 prompt+output in tokens",
-        )
-    if concurrency is not None and concurrency <= 0:
-        raise BadInput(
-            f"--concurrency {concurrency} must be at least 1",
-            "pass the peak number of concurrent requests",
-        )
-    stated = p99 is not None or concurrency is not None
-    derived = spec.derived_max_model_len
-    if p99 is None:
-        p99 = base.max_model_len if base.max_model_len not in (None, -1) else derived
-    if concurrency is None:
-        concurrency = base.max_num_seqs if stated and base.max_num_seqs else 1
-    if p99 > derived:
-        raise BadInput(
-            f"--p99-tokens {p99} exceeds {spec.name}'s context length of {derived} tokens",
-            "vLLM refuses longer requests; check the P99 or pick a longer-context model",
-        )
-    workload = Workload(
-        p99_tokens=int(p99),
-        concurrency=int(concurrency),
-        shared_prefix_tokens=shared_prefix_tokens(shared_prefix, int(p99)),
-        margin=float(margin) if stated else 0.0,
-        headroom_bytes=int(headroom_gib * GIB),
-        stated=stated,
-    )
-
-    # -- GPU ------------------------------------------------------------------------------------
-    gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
-    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
-    if gpu_count is not None and gpu_count < 1:
-        raise BadInput(f"--gpu-count {gpu_count} must be at least 1", "pass the number of GPUs")
-    count = gpu_count or (max(world, detected_count or 1) if detected_count else world)
-    if world > count:
-        raise BadInput(
-            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
-            "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
-            "raise --gpu-count",
-        )
-    if base.enable_expert_parallel and spec.moe is None:
-        notes.append(
-            f"--enable-expert-parallel has no effect: {spec.name} has no MoE layers "
-            "(every rank holds the whole model)"
-        )
-
+    req = read_request(
+        model, command, settings, p99_tokens=p99_tokens, concurrency=concurrency,
+        shared_prefix=shared_prefix, headroom_gib=headroom_gib, margin=margin,
+        host_memory_gib=host_memory_gib, gpu_count=gpu_count,
+    )  # fmt: skip
     from oomguard.facts.gpus import list_gpus
+    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
     from oomguard.memory.versions import resolve_era
 
-    version = resolve_era(base.vllm_version, base.engine).label
+    spec = resolve_model_with_quantization(req.model, req.base.quantization, allow_hub=allow_hub)
+    model_ref = serve_reference(req.model)
+    notes = [*req.notes, *spec.caveats]  # generic reader, a sibling's or base model's config
+    workload = req.workload(spec)
+    target = resolve_target(req, spec, gpu, gpu_memory_gib, notes)
+    version = resolve_era(req.base.vllm_version, req.base.engine).label
     catalogue = list_gpus()
-
-    if gpu_spec is None:
-        return _sizing_plan(
-            model, spec, base, fixed, workload, catalogue, notes, other_flags, started
-        )
-
-    measured = _CalibrationLookup(gpu_spec, version, spec.name) if use_calibration else None
+    if target.gpu is None:
+        return _sizing_plan(model_ref, spec, req.base, req.fixed, workload, catalogue, notes,
+                            req.other_flags, started)  # fmt: skip
+    measured = _CalibrationLookup(target.gpu, version, spec.name) if use_calibration else None
     space = SearchSpace(
-        model_ref=model, model=spec, gpu=gpu_spec, gpu_count=count, base=base, fixed=fixed,
-        workload=workload, free_bytes=free_bytes, measured=measured,
+        model_ref=model_ref, model=spec, gpu=target.gpu, gpu_count=target.count, base=req.base,
+        fixed=req.fixed, workload=workload, free_bytes=target.free_bytes, measured=measured,
     )  # fmt: skip
-    native = weights_options(model, spec, gpu_spec, base, fixed)[0]
-    # Strict first: an impossible TP is bad input (exit 2), not a "does not fit".
-    try:
-        predict(spec, gpu_spec, base)
-    except BadInput as exc:
-        tp = base.tensor_parallel_size
-        valid = valid_tp_sizes(spec, max(8, tp))
-        if tp in valid:
-            raise
-        heads = f"{spec.num_attention_heads} attention heads"
-        if spec.num_kv_heads and spec.num_kv_heads != spec.num_attention_heads:
-            heads += f" and {spec.num_kv_heads} KV heads"
-        raise BadInput(
-            f"--tensor-parallel-size {tp} does not split {spec.name}'s {heads} evenly",
-            f"use one of {', '.join(map(str, valid))}",
-        ) from exc
-    given = space.candidate(native, base)
-    if not workload.stated:
-        given = dataclasses.replace(given, serve=None)
-    result_plan = given
-    recommendation = None
-    alts: tuple[Any, ...] = ()
-    if workload.stated or not given.fits:
-        recommendation, outcome = recommend(space, given.prediction)
-        if recommendation is not None and workload.stated:
-            result_plan = recommendation.candidate
-        if recommendation is None:
-            from oomguard.tiering.chain import fallback_chain
-
-            host = _host_memory_bytes(host_memory_gib, gpu_source)
-            alts = tuple(fallback_chain(space, given, alternatives(space, outcome, given.prediction, catalogue), host))
-    calibration = Calibration(used=False)
-    terms = [
-        t
-        for t in ("weights", "activation", "non_torch", "cudagraph")
-        if getattr(result_plan.prediction, t).basis.startswith("measured")
-    ]
-    if terms and measured is not None:
-        tp = result_plan.settings.tensor_parallel_size
-        found = measured(result_plan.settings)
-        calibration = Calibration(
-            used=True,
-            source=found.source if found is not None else "calibration store",
-            terms=tuple(terms),
-            key=measured.keys.get(tp, ""),
-        )
-    if measured is not None and measured.error:
-        notes.append(measured.error)
-    if gpu_spec.unified_memory:
-        notes.append(unified_memory_note(gpu_spec, version))
-    if gpu_source == "nvml" and free_bytes is not None:
-        notes.append(
-            f"NVML: {free_bytes / GIB:.2f} GiB free of {gpu_spec.total_gib:.2f} GiB on the fullest GPU"
-        )
-    return PlanResult(
-        model_ref=model,
-        plan=result_plan,
-        given=given,
-        gpu_source=gpu_source,
-        workload=workload,
-        recommendation=recommendation,
-        alternatives=alts,
-        calibration=calibration,
-        notes=tuple(notes),
-        other_flags=other_flags,
-        elapsed_s=time.perf_counter() - started,
-    )
+    check_tp(spec, target.gpu, req.base)
+    found = find_plan(space, req, target, catalogue)
+    return assemble(space, target, found, version, notes, req.other_flags, started)
 
 
 def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
