@@ -11,6 +11,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from oomguard.errors import OomguardError
 
@@ -79,22 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     except OomguardError as exc:
         if debug:
             raise
-        _err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        _err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         return exc.exit_code
-    except SystemExit as exc:  # typer.Exit raised inside commands
+    except SystemExit as exc:  # raised inside commands with their exit code
         return int(exc.code or 0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         return 130
-    except Exception as exc:  # usage errors from the argument parser, and its exits
-        name = type(exc).__name__
-        if name == "Exit":
-            return int(getattr(exc, "exit_code", 0))
-        if name == "Abort":
-            return 130
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            return 2
-        raise
+    except typer.Exit as exc:  # raised inside commands; not a SystemExit outside standalone mode
+        return exc.exit_code
+    except typer.TyperException as exc:  # the argument parser rejected the input
+        show = getattr(exc, "show", None)  # usage errors print the usage line with the message
+        if show is not None:
+            show()
+        else:
+            _err.print(f"[bold red]error:[/] {escape(exc.format_message())}", soft_wrap=True)
+        return 2
     return 0
 
 

@@ -26,18 +26,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, EngineFailed
 
 LineCallback = Callable[[str], None]
 
 TAIL_LINES = 400
 
 
-class EngineStartError(BadInput):
+class EngineStartError(EngineFailed):
     """The engine's executable could not be started at all (missing, not executable)."""
 
 
-class EngineLeftBehind(RuntimeError):
+class EngineLeftBehind(EngineFailed):
     """Processes of the engine's group survived SIGKILL (they may still hold GPU memory)."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.engine import EngineProcess, EngineStartError, group_pids, wait_memory_released
+from oomguard.errors import EXIT_ENGINE_FAILED
 
 # A parent that starts two children (like vLLM's API server → engine core → worker), prints,
 # and ignores SIGTERM in one child, so only SIGKILL ends it.
@@ -78,7 +79,7 @@ def test_missing_executable_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EngineStartError) as info:
         engine.start()
     assert "no-such-vllm" in info.value.one_line()
-    assert info.value.exit_code == 2
+    assert info.value.exit_code == EXIT_ENGINE_FAILED
 
 
 def test_wait_healthy_sees_health_and_an_early_exit() -> None:
