@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from oomguard.errors import OomguardError
+from oomguard.errors import MissingExtra, OomguardError
 
 # command name → module whose ``register(app)`` adds it
 FACES: dict[str, str] = {
@@ -26,6 +26,17 @@ FACES: dict[str, str] = {
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
     "watch": "oomguard.watch.cli",
+}
+
+# command name → the optional extra (pyproject.toml) its libraries come from
+FACE_EXTRA: dict[str, str] = {"guard": "guard", "serve": "serve", "bench": "bench", "watch": "watch"}
+# extra → the modules it installs (import names); a missing one names the extra to install
+_GUARD_MODULES = frozenset({"aiohttp", "redis", "uvloop", "prometheus_client", "pydantic"})
+EXTRA_MODULES: dict[str, frozenset[str]] = {
+    "serve": _GUARD_MODULES,  # --guard-port starts the guard
+    "guard": _GUARD_MODULES,
+    "bench": frozenset({"aiohttp", "matplotlib", "tokenizers", "prometheus_client"}),
+    "watch": frozenset({"aiohttp", "prometheus_client"}),
 }
 
 _err = Console(stderr=True, highlight=False)
@@ -66,15 +77,31 @@ def _command_of(args: list[str]) -> str | None:
     return None
 
 
+def missing_extra(command: str | None, exc: ImportError) -> MissingExtra | None:
+    """The extra to install when ``exc`` is a library of ``command``'s extra that is missing."""
+    module = (exc.name or "").split(".")[0]
+    extra = FACE_EXTRA.get(command or "")
+    if extra is not None and module in EXTRA_MODULES[extra]:
+        return MissingExtra(command or "", extra, module)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print one line and exit with their code, never a traceback."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     if debug:
         args = [a for a in args if a != "--debug"]
+    command = _command_of(args)
     try:
-        app = build_app(_command_of(args))
-        rv = app(args=args, prog_name="oomguard", standalone_mode=False)
+        try:
+            app = build_app(command)
+            rv = app(args=args, prog_name="oomguard", standalone_mode=False)
+        except ImportError as exc:
+            missing = missing_extra(command, exc)
+            if missing is None:
+                raise
+            raise missing from None
         if isinstance(rv, int):
             return rv
     except OomguardError as exc:
