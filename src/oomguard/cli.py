@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from oomguard.errors import MissingExtra, OomguardError
+from oomguard.errors import EXIT_BAD_INPUT, MissingExtra, OomguardError
 
 # command name → module whose ``register(app)`` adds it
 FACES: dict[str, str] = {
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             show()
         else:
             _err.print(f"[bold red]error:[/] {escape(exc.format_message())}", soft_wrap=True)
-        return 2
+        return EXIT_BAD_INPUT
     return 0
 
 
