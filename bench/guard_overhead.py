@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oomguard.engine import start_group, stop_group
+
 ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM = Path(__file__).with_name("_upstream.py")
 MODEL = "bench-model"
@@ -236,7 +238,7 @@ def run_aiohttp(url: str, body: dict[str, object], connections: int, duration_s:
 
 # -- targets ------------------------------------------------------------------------------
 def start_guard(upstream_url: str, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    return start_group(
         [
             sys.executable,
             "-m",
@@ -279,7 +281,7 @@ def start_litellm(
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
         "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
     }
-    return subprocess.Popen(
+    return start_group(
         [
             binary,
             "--config",
@@ -300,12 +302,7 @@ def start_litellm(
 
 def stop(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_group(proc.pid, grace_s=10, leader=proc)
 
 
 DIRECT = "direct (upstream)"
@@ -338,7 +335,7 @@ def _start_targets(
     """Upstream, every guard variant and LiteLLM; returns targets, notes, the redis server."""
     notes: list[str] = []
     up_port = free_port()
-    upstream = subprocess.Popen(
+    upstream = start_group(
         [
             sys.executable,
             str(UPSTREAM),

@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 
+from oomguard.engine import kill_group, start_group  # noqa: E402
 from oomguard.engine.memory import host_rss_bytes, process_tree  # noqa: E402
 
 
@@ -139,7 +140,7 @@ def record_flat_vllm(out: Path, duration_s: float, warm_up_s: float = 0.0) -> No
 
 
 def record_grow(out: Path, duration_s: float, rate_mib_per_min: float) -> None:
-    proc = subprocess.Popen(
+    proc = start_group(
         [sys.executable, str(ROOT / "tests" / "integration" / "grow_memory.py"),
          "--rate-mib-per-min", str(rate_mib_per_min), "--duration-s", str(duration_s + 30)],
         stdout=subprocess.PIPE,
@@ -158,8 +159,7 @@ def record_grow(out: Path, duration_s: float, rate_mib_per_min: float) -> None:
         }
         _record(proc.pid, out, header, duration_s)
     finally:
-        proc.kill()
-        proc.wait()
+        kill_group(proc.pid, leader=proc)
 
 
 def main() -> int:

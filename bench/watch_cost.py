@@ -28,6 +28,8 @@ from pathlib import Path
 
 import psutil
 
+from oomguard.engine import start_group, stop_group
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "tests" / "integration" / "data" / "metrics_vllm_0.32.0_after_burst.txt"
 
@@ -76,12 +78,12 @@ def main() -> int:
     args = parser.parse_args()
     ports = [_free_port() for _ in range(args.servers)]
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import watch_cost; watch_cost.serve_pages({ports!r})"
-    servers = subprocess.Popen([sys.executable, "-c", code])
+    servers = start_group([sys.executable, "-c", code])
     watch_port = _free_port()
     exe = Path(sys.executable).parent / "oomguard"
     argv = [str(exe), "watch", *(f"http://127.0.0.1:{p}" for p in ports), "--interval",
             str(args.interval), "--port", str(watch_port), "--json"]  # fmt: skip
-    watch = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    watch = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         proc = psutil.Process(watch.pid)
         time.sleep(args.warmup)
@@ -111,11 +113,7 @@ def main() -> int:
         print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     finally:
         for p in (watch, servers):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_group(p.pid, grace_s=10, leader=p)
     return 0
 
 

@@ -11,8 +11,9 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from oomguard.errors import OomguardError
+from oomguard.errors import EXIT_BAD_INPUT, MissingExtra, OomguardError
 
 # command name → module whose ``register(app)`` adds it
 FACES: dict[str, str] = {
@@ -25,6 +26,19 @@ FACES: dict[str, str] = {
     "models": "oomguard.facts.cli",
     "gpus": "oomguard.facts.cli",
     "watch": "oomguard.watch.cli",
+}
+
+# command name → the optional extra (pyproject.toml) its libraries come from
+FACE_EXTRA: dict[str, str] = {"guard": "guard", "serve": "serve", "bench": "bench", "watch": "watch"}
+# extra → the modules it installs (import names); a missing one names the extra to install
+_GUARD_MODULES = frozenset(
+    {"aiohttp", "redis", "uvloop", "prometheus_client", "pydantic", "tokenizers", "jinja2"}
+)
+EXTRA_MODULES: dict[str, frozenset[str]] = {
+    "serve": _GUARD_MODULES,  # --guard-port starts the guard
+    "guard": _GUARD_MODULES,
+    "bench": frozenset({"aiohttp", "matplotlib", "tokenizers", "prometheus_client"}),
+    "watch": frozenset({"aiohttp", "prometheus_client"}),
 }
 
 _err = Console(stderr=True, highlight=False)
@@ -65,36 +79,51 @@ def _command_of(args: list[str]) -> str | None:
     return None
 
 
+def missing_extra(command: str | None, exc: ImportError) -> MissingExtra | None:
+    """The extra to install when ``exc`` is a library of ``command``'s extra that is missing."""
+    module = (exc.name or "").split(".")[0]
+    extra = FACE_EXTRA.get(command or "")
+    if extra is not None and module in EXTRA_MODULES[extra]:
+        return MissingExtra(command or "", extra, module)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors print one line and exit with their code, never a traceback."""
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     if debug:
         args = [a for a in args if a != "--debug"]
+    command = _command_of(args)
     try:
-        app = build_app(_command_of(args))
-        rv = app(args=args, prog_name="oomguard", standalone_mode=False)
+        try:
+            app = build_app(command)
+            rv = app(args=args, prog_name="oomguard", standalone_mode=False)
+        except ImportError as exc:
+            missing = missing_extra(command, exc)
+            if missing is None:
+                raise
+            raise missing from None
         if isinstance(rv, int):
             return rv
     except OomguardError as exc:
         if debug:
             raise
-        _err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        _err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         return exc.exit_code
-    except SystemExit as exc:  # typer.Exit raised inside commands
+    except SystemExit as exc:  # raised inside commands with their exit code
         return int(exc.code or 0)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         return 130
-    except Exception as exc:  # usage errors from the argument parser, and its exits
-        name = type(exc).__name__
-        if name == "Exit":
-            return int(getattr(exc, "exit_code", 0))
-        if name == "Abort":
-            return 130
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            return 2
-        raise
+    except typer.Exit as exc:  # raised inside commands; not a SystemExit outside standalone mode
+        return exc.exit_code
+    except typer.TyperException as exc:  # the argument parser rejected the input
+        show = getattr(exc, "show", None)  # usage errors print the usage line with the message
+        if show is not None:
+            show()
+        else:
+            _err.print(f"[bold red]error:[/] {escape(exc.format_message())}", soft_wrap=True)
+        return EXIT_BAD_INPUT
     return 0
 
 

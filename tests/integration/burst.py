@@ -21,7 +21,9 @@ from pathlib import Path
 
 import aiohttp
 from tinymodel import prompt_of_tokens
-from vllm_server import fetch_metrics, free_port, group_pids, http_ok, kill_group, metric_value
+from vllm_server import fetch_metrics, free_port, metric_value
+
+from oomguard.engine import group_pids, http_ok, start_group, stop_group
 
 
 @dataclass(frozen=True)
@@ -387,12 +389,11 @@ class GuardProcess:
     def __enter__(self) -> GuardProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
+            self.proc = start_group(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         deadline = time.monotonic() + 60
@@ -414,7 +415,7 @@ class GuardProcess:
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
-            kill_group(self.proc, grace_s=5)
+            stop_group(self.proc.pid, grace_s=5, leader=self.proc)
 
     def alive(self) -> bool:
         """Whether the guard process still runs."""

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+
+from oomguard.engine import kill_group, start_group, stop_group
 
 
 def redis_server_path() -> str:
@@ -50,7 +51,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
             [
                 self.program,
                 "--port",
@@ -66,7 +67,6 @@ class RedisServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            start_new_session=True,
         )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -83,14 +83,8 @@ class RedisServer:
     def kill(self) -> None:
         """SIGKILL: the server and everything it held are gone."""
         if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            kill_group(self.proc.pid, leader=self.proc)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_group(self.proc.pid, grace_s=5, leader=self.proc)

@@ -8,7 +8,6 @@ if anything survived, killed and reported as a test failure).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomguard.engine import group_pids
+from oomguard.engine import group_pids, signal_group, start_group
 
 Event = dict[str, Any]
 
@@ -61,13 +60,12 @@ class ServeRun:
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> ServeRun:
-        self.proc = subprocess.Popen(
+        self.proc = start_group(
             self.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=self.env,
-            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -77,8 +75,7 @@ class ServeRun:
         self.terminate(timeout_s=120.0)
         left = self.engine_processes_left()
         for pgid in self.engine_groups():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
         assert not left, f"engine processes left after serve ended: {left}"
 
     def _read(self) -> None:
@@ -149,7 +146,7 @@ class ServeRun:
         try:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            signal_group(self.proc.pid, signal.SIGKILL)
             code = self.proc.wait(timeout=30)
         if self._reader is not None:
             self._reader.join(10)

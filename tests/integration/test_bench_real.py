@@ -32,6 +32,8 @@ from vllm_server import (
     running_vllm,
 )
 
+from oomguard.errors import EXIT_ENVIRONMENT
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 PROMPT_TOKENS, MAX_TOKENS = 100, 156
@@ -330,7 +332,7 @@ def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
 def test_an_unreachable_url_is_one_line(oomguard_exe: list[str]) -> None:
     proc = oomguard(oomguard_exe, "bench", f"http://127.0.0.1:{free_port()}", "--prompt-tokens", "10",
                     "--max-tokens", "10")  # fmt: skip
-    assert proc.returncode == 2
+    assert proc.returncode == EXIT_ENVIRONMENT
     assert "cannot reach" in _one_error_line(proc)
 
 

@@ -37,6 +37,8 @@ from record_logs import config_for
 from tinymodel import TinyModel
 from vllm_server import ServeConfig, running_vllm, start_expecting_failure
 
+from oomguard.engine import start_group, stop_group
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 BALLAST_GIB = 0.5
@@ -63,19 +65,17 @@ def ballast(gib: float) -> Iterator[None]:
     if gib < 0.01:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(gib)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = start_group([sys.executable, "-c", _HOLD, str(gib)],
+                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         yield
     finally:
         assert proc.stdin is not None
-        proc.stdin.close()
-        try:
+        proc.stdin.close()  # the holder exits when its input ends; whatever is left is stopped
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_group(proc.pid, grace_s=5, leader=proc)
 
 
 def _cgroup_available_bytes() -> int | None:

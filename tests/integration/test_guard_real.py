@@ -13,7 +13,6 @@ crash test, which kills its own.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -43,6 +42,7 @@ from vllm_server import (
     running_vllm,
 )
 
+from oomguard.engine import signal_group
 from oomguard.guard.shared import backend_keys
 
 QUEUE_600 = ["--queue-timeout", "600"]
@@ -211,7 +211,7 @@ def test_three_replicas_on_redis_share_one_backend(
 
             _wait("requests held by the replica", dead_holds)
             assert g3.proc is not None
-            os.killpg(g3.proc.pid, signal.SIGKILL)
+            signal_group(g3.proc.pid, signal.SIGKILL)
             killed_at = time.monotonic()
             _wait("its entry reclaimed", lambda: dead_entry() is None, timeout_s=lease_s + 10)
             reclaimed_s = time.monotonic() - killed_at

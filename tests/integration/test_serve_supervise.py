@@ -20,6 +20,8 @@ from serve_run import ServeRun
 from tinymodel import ENGINE_ARGS, TinyModel
 from vllm_server import free_port
 
+from oomguard.errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 
@@ -124,7 +126,8 @@ def test_serve_refuses_bad_input_with_one_line(
         for name, (args, words) in cases.items():
             proc = _run_cli(oomguard_exe, args, env)
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            assert proc.returncode == 2, (name, proc.returncode, proc.stderr)
+            expected = EXIT_ENVIRONMENT if name == "missing vLLM" else EXIT_BAD_INPUT
+            assert proc.returncode == expected, (name, proc.returncode, proc.stderr)
             assert len(lines) == 1 and words in lines[0], (name, proc.stderr)
             assert "Traceback" not in proc.stderr + proc.stdout, name
             events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

@@ -16,6 +16,8 @@ import pytest
 from conftest import require_program
 from vllm_server import free_port
 
+from oomguard.engine import start_group, stop_group
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "watch"))
 
@@ -43,7 +45,7 @@ def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(tmp_path: Path,
     with http_server() as (receiver_url, received):
         (tmp_path / "am.yml").write_text(CONFIG.format(url=receiver_url + "/am"))
         port = free_port()
-        am = subprocess.Popen(
+        am = start_group(
             [alertmanager, f"--config.file={tmp_path / 'am.yml'}", f"--storage.path={tmp_path / 'data'}",
              f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / "am.log").open("wb"),
@@ -68,8 +70,7 @@ def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(tmp_path: Path,
             while time.monotonic() < deadline and not any(r["path"] == "/am" for r in received):
                 time.sleep(0.2)
         finally:
-            am.terminate()
-            am.wait(10)
+            stop_group(am.pid, grace_s=10, leader=am)
     from_am = [r["body"] for r in received if r["path"] == "/am"]
     direct = [r["body"] for r in received if r["path"] == "/direct"]
     assert from_am, f"Alertmanager sent nothing: {(tmp_path / 'am.log').read_text()[-2000:]}"

@@ -12,15 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.engine import kill_group, start_group
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 GROW = Path(__file__).parent / "grow_memory.py"
 
 
 def _grower(rate_mib_per_min: float) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, str(GROW), "--rate-mib-per-min", str(rate_mib_per_min),
-                             "--duration-s", "120", "--transient-mib", "8"],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_group([sys.executable, str(GROW), "--rate-mib-per-min", str(rate_mib_per_min),
+                        "--duration-s", "120", "--transient-mib", "8"],
+                       stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -36,8 +38,7 @@ def test_a_growing_process_is_a_leak_and_a_flat_one_is_not(oomguard_exe: list[st
         )  # fmt: skip
     finally:
         for p in (growing, flat):
-            p.kill()
-            p.wait()
+            kill_group(p.pid, leader=p)
     events = [json.loads(line) for line in run.stdout.splitlines()]
     leaks = [e for e in events if e.get("alert") == "OomguardMemoryLeak"]
     assert [(e["server"], e["state"]) for e in leaks] == [(f"pid:{growing.pid}", "firing")], run.stdout + run.stderr

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tinymodel import TinyModel
 from vllm_server import VllmServer, free_port
 
+from oomguard.engine import start_group, stop_group
 from oomguard.watch import sampling
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -90,7 +91,7 @@ def scrapes(
     plan_file.write_text(plan(str(tiny_model.path), gpu_memory_gib=4, allow_hub=False,
                               vllm_version="0.32.0", max_model_len=1024).to_json())  # fmt: skip
     port = free_port()
-    watcher = subprocess.Popen(
+    watcher = start_group(
         [str(Path(sys.executable).parent / "oomguard"), "watch", url, "--interval", "0.5", "--port", str(port),
          "--plan", str(plan_file)],
         stdout=subprocess.DEVNULL, stderr=(logs / "watch.log").open("w"),
@@ -108,8 +109,7 @@ def scrapes(
             except OSError:
                 continue
     finally:
-        watcher.terminate()
-        watcher.wait(30)
+        stop_group(watcher.pid, grace_s=30, leader=watcher)
     assert "oomguard_watch_up{" in watch_text, (logs / "watch.log").read_text()[-2000:]
     return {"vllm": Exposed(vllm_text), "guard": Exposed(guard_text), "watch": Exposed(watch_text)}
 

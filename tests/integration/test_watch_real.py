@@ -11,8 +11,6 @@ the pool is as planned (no ``OomguardKvPoolBelowPlan``), and its ``/metrics`` ca
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -27,6 +25,8 @@ from burst import GuardProcess, make_prompts, run_burst
 from conftest import wait_vllm_idle
 from tinymodel import ENGINE_ARGS, TinyModel
 from vllm_server import VllmServer, free_port
+
+from oomguard.engine import start_group, stop_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -59,8 +59,8 @@ def watching(oomguard_exe: list[str], args: list[str], log: Path) -> Iterator[di
     port = free_port()
     out = log.with_suffix(".jsonl")
     with open(out, "w") as stdout, open(log, "w") as stderr:
-        proc = subprocess.Popen([*oomguard_exe, "watch", *args, "--json", "--port", str(port)],
-                                stdout=stdout, stderr=stderr, start_new_session=True)  # fmt: skip
+        proc = start_group([*oomguard_exe, "watch", *args, "--json", "--port", str(port)],
+                           stdout=stdout, stderr=stderr)
     state: dict[str, Any] = {"url": f"http://127.0.0.1:{port}", "events": []}
     try:
         deadline = time.monotonic() + 60
@@ -77,8 +77,7 @@ def watching(oomguard_exe: list[str], args: list[str], log: Path) -> Iterator[di
             pytest.fail(f"watch did not see the server up: {log.read_text()[-2000:]}")
         yield state
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        stop_group(proc.pid, grace_s=30, leader=proc)
         state["events"] = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
         state["returncode"] = proc.returncode
 

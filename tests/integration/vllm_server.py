@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from tinymodel import ENGINE_ARGS
 
-from oomguard.engine import EngineLeftBehind, EngineProcess, group_pids, http_ok
+from oomguard.engine import EngineLeftBehind, EngineProcess, http_ok
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
@@ -168,32 +167,6 @@ def vllm_env() -> dict[str, str]:
         env.pop(name, None)
     env.update(_ENV_SET)
     return env
-
-
-def kill_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
-    """Stop ``proc``'s whole process group: SIGTERM, then SIGKILL after ``grace_s``.
-
-    Raises AssertionError if any process of the group survives SIGKILL.
-    """
-    pgid = proc.pid
-    if group_pids(pgid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and group_pids(pgid):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.2)
-        if group_pids(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-    deadline = time.monotonic() + 5
-    while group_pids(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = group_pids(pgid)
-    if left:
-        raise AssertionError(f"vLLM processes left after SIGKILL: {left}")
 
 
 class VllmServer:

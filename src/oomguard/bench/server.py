@@ -23,11 +23,11 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, EnvironmentProblem
 from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 
-class ServerUnreachable(BadInput):
+class ServerUnreachable(EnvironmentProblem):
     """The URL does not answer, or does not speak the OpenAI API."""
 
 
@@ -228,7 +228,7 @@ async def preflight(
 ) -> ServerInfo:
     """Find out what the server is and where its figures come from.
 
-    Raises :class:`ServerUnreachable` (exit 2) when the URL does not answer or has no
+    Raises :class:`ServerUnreachable` (exit 5) when the URL does not answer or has no
     OpenAI-compatible ``/v1/models``, and :class:`BadInput` for a model it does not serve.
     """
     url = client.url

@@ -1,7 +1,11 @@
-"""Engine processes (vLLM, llama-server): start in a process group of their own, read their
-output as it comes, wait for health, stop the whole group and check nothing is left.
+"""Engine processes (vLLM, llama-server) and the processes around them.
 
-serve, bench, watch and the integration tests all start and stop engines through this module.
+``engine.process`` owns process groups: every start, stop and kill of an engine or a helper
+process (serve's engines and guard, llama-server, the test and bench servers) goes through
+:func:`start_group`, :func:`stop_group`, :func:`kill_group` or :class:`EngineProcess`, which
+starts the process in a group of its own, reads its output, waits for health and stops the
+whole group, checking that nothing of it is left. ``engine.memory`` reads the device and host
+memory those processes hold; ``engine.vllm`` finds the interpreter that has vLLM.
 """
 
 from oomguard.engine.memory import (
@@ -18,6 +22,10 @@ from oomguard.engine.process import (
     EngineStartError,
     group_pids,
     http_ok,
+    kill_group,
+    signal_group,
+    start_group,
+    stop_group,
 )
 from oomguard.engine.vllm import VllmInstall, VllmNotFound, find_vllm
 
@@ -34,6 +42,10 @@ __all__ = [
     "group_pids",
     "host_rss_bytes",
     "http_ok",
+    "kill_group",
     "process_tree",
+    "signal_group",
+    "start_group",
+    "stop_group",
     "wait_memory_released",
 ]

@@ -4,7 +4,9 @@ An engine is a tree of processes: vLLM's API server starts an engine core, which
 workers; a tensor-parallel run has one worker per GPU. Killing only the first leaves the
 others holding GPU memory. So an engine always runs in a process group of its own
 (``start_new_session``), and every stop acts on the whole group and checks that nothing of it
-is left.
+is left. :func:`start_group`, :func:`stop_group` and :func:`kill_group` do this for any process
+(an engine, a gateway, a test's helper server); :class:`EngineProcess` adds output reading and
+health waiting on top.
 
 Output (stdout and stderr merged, as a terminal shows them) is read by one thread, line by
 line, as it comes: each line goes to the log file (when given), to a bounded tail kept in
@@ -24,20 +26,20 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, EngineFailed
 
 LineCallback = Callable[[str], None]
 
 TAIL_LINES = 400
 
 
-class EngineStartError(BadInput):
+class EngineStartError(EngineFailed):
     """The engine's executable could not be started at all (missing, not executable)."""
 
 
-class EngineLeftBehind(RuntimeError):
+class EngineLeftBehind(EngineFailed):
     """Processes of the engine's group survived SIGKILL (they may still hold GPU memory)."""
 
 
@@ -56,6 +58,68 @@ def group_pids(pgid: int) -> list[int]:
         if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
             pids.append(int(entry.name))
     return pids
+
+
+def start_group(argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
+    """Start ``argv`` in a session and process group of its own (its pid is the group id).
+
+    ``popen`` goes to :class:`subprocess.Popen` as given (stdout, env, cwd, text …).
+    """
+    if "start_new_session" in popen or "preexec_fn" in popen:
+        raise ValueError("start_group always starts a new session")
+    return subprocess.Popen([str(a) for a in argv], start_new_session=True, **popen)
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to every process of group ``pgid``; False when the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _reap(leader: subprocess.Popen[Any] | None, timeout_s: float) -> None:
+    if leader is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            leader.wait(timeout=timeout_s)
+
+
+def stop_group(
+    pgid: int, grace_s: float = 10.0, *, leader: subprocess.Popen[Any] | None = None
+) -> None:
+    """SIGTERM the whole group ``pgid``, SIGKILL what is left after ``grace_s``, and check.
+
+    ``leader``, the process that started the group, is reaped. Raises
+    :class:`EngineLeftBehind` if any process of the group survives SIGKILL.
+    """
+    if group_pids(pgid):
+        signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and group_pids(pgid):
+            if leader is not None:
+                _reap(leader, 0.1)
+            else:
+                time.sleep(0.05)
+    _kill_remaining(pgid, leader)
+
+
+def kill_group(pgid: int, *, leader: subprocess.Popen[Any] | None = None) -> None:
+    """SIGKILL the whole group ``pgid`` at once and check, as :func:`stop_group` does."""
+    signal_group(pgid, signal.SIGKILL)
+    _kill_remaining(pgid, leader)
+
+
+def _kill_remaining(pgid: int, leader: subprocess.Popen[Any] | None) -> None:
+    if group_pids(pgid):
+        signal_group(pgid, signal.SIGKILL)
+    _reap(leader, 5.0)
+    deadline = time.monotonic() + 5.0
+    while group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = group_pids(pgid)
+    if left:
+        raise EngineLeftBehind(f"engine processes left after SIGKILL: {left}")
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -113,14 +177,13 @@ class EngineProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "ab")  # noqa: SIM115 - closed by the reader thread
         try:
-            self.proc = subprocess.Popen(
+            self.proc = start_group(
                 self.argv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 cwd=str(self.cwd) if self.cwd else None,
-                start_new_session=True,
             )
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             if log is not None:
@@ -251,32 +314,20 @@ class EngineProcess:
         """
         if self.proc is None:
             return
-        if self.group_pids():
-            self._signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and self.group_pids():
-                self.wait_exit(0.1)
-        self._kill_remaining()
+        try:
+            stop_group(self.pid, grace_s, leader=self.proc)
+        finally:
+            self._stopped()
 
     def kill(self) -> None:
         """SIGKILL the whole group at once (a crash, or a failure seen in the log)."""
         if self.proc is None:
             return
-        self._signal_group(signal.SIGKILL)
-        self._kill_remaining()
+        try:
+            kill_group(self.pid, leader=self.proc)
+        finally:
+            self._stopped()
 
-    def _signal_group(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, sig)
-
-    def _kill_remaining(self) -> None:
-        if self.group_pids():
-            self._signal_group(signal.SIGKILL)
-        self.wait_exit(5.0)
-        deadline = time.monotonic() + 5.0
-        while self.group_pids() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        left = self.group_pids()
-        if left:
-            raise EngineLeftBehind(f"engine processes left after SIGKILL: {left}")
+    def _stopped(self) -> None:
+        self.wait_exit(0)
         self.wait_output_done(2.0)

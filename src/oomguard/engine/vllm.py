@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.errors import BadInput
+from oomguard.errors import EnvironmentProblem
 
 PYTHON_ENV_VAR = "OOMGUARD_VLLM_PYTHON"
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -41,7 +41,7 @@ else:
 """
 
 
-class VllmNotFound(BadInput):
+class VllmNotFound(EnvironmentProblem):
     """No interpreter with vLLM installed could be found."""
 
 
@@ -112,7 +112,7 @@ def candidate_pythons(explicit: str | Path | None = None) -> list[Path]:
 def find_vllm(explicit_python: str | Path | None = None) -> VllmInstall:
     """The vLLM installation to launch.
 
-    Raises :class:`VllmNotFound` (one line, exit 2) when none of the candidates has vLLM.
+    Raises :class:`VllmNotFound` (one line, exit 5) when none of the candidates has vLLM.
     """
     tried = candidate_pythons(explicit_python)
     for python in tried:

@@ -15,7 +15,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from oomguard.errors import BadInput, UnknownGPU
+from oomguard.errors import BadInput, EnvironmentProblem, UnknownGPU
 from oomguard.facts.nvml import NvmlDevice, NvmlUnavailable, read_devices
 from oomguard.memory.spec import GPUSpec
 from oomguard.units import GIB
@@ -48,7 +48,7 @@ _UNIFIED = frozenset({"GB10", "Jetson AGX Thor", "Jetson AGX Orin 64GB", "Jetson
 _ADA_WS = "NVIDIA RTX Ada workstation data sheet"
 
 
-class NoGPUDetected(BadInput):
+class NoGPUDetected(EnvironmentProblem):
     """``--gpu auto`` was asked for but NVML found no usable NVIDIA GPU."""
 
 

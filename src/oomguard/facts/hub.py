@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from oomguard.errors import MalformedConfig, UnknownModel
+from oomguard.errors import EnvironmentProblem, MalformedConfig, UnknownModel
 from oomguard.facts.config_reader import spec_from_config
 from oomguard.facts.local import read_json
 from oomguard.memory.dtypes import SAFETENSORS_DTYPE_BYTES
@@ -119,7 +119,7 @@ def _no_retry_kwargs(fn: Callable[..., Any]) -> dict[str, Any]:
     )
 
 
-class HubUnreachable(OSError):
+class HubUnreachable(EnvironmentProblem):
     """The hub did not answer the first request (no retries are made) and nothing is cached."""
 
 

@@ -8,7 +8,8 @@ Two forms::
     oomguard serve [options] -- llama-server -m MODEL.gguf --flags…
 
 Exit codes: 0 stopped cleanly (SIGINT/SIGTERM, or ``--dry-run``), 1 could not be made to
-start (or kept crashing), 2 bad input.
+start (or kept crashing), 2 bad input, 5 no vLLM or llama-server, 6 the engine failed
+(docs/exit-codes.md).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class VllmEngine:
 
     @classmethod
     def find(cls, python: str | Path | None = None) -> VllmEngine:
-        """The vLLM to launch (``python`` first; raises ``VllmNotFound``, exit 2)."""
+        """The vLLM to launch (``python`` first; raises ``VllmNotFound``, exit 5)."""
         return cls(find_vllm(python))
 
     def argv(self, command: EngineCommand) -> list[str]:

@@ -23,7 +23,6 @@ probes and what is recorded — are the hooks a subclass implements: vLLM's is
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import signal
@@ -43,6 +42,7 @@ from oomguard.engine import (
     Release,
     gpu_memory,
     http_ok,
+    signal_group,
     wait_memory_released,
 )
 from oomguard.errors import BadInput, OomguardError
@@ -421,8 +421,7 @@ class LaunchLoop(Generic[C, P]):
                 launch.answered += 1
         if news.failure is not None and launch.killed_at is None:
             launch.failure_read_at = read_at
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(launch.process.pid, signal.SIGKILL)
+            signal_group(launch.process.pid, signal.SIGKILL)
             launch.killed_at = time.monotonic()
         if self.line_sink is not None:
             self.line_sink(line)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.engine import EngineProcess
-from oomguard.errors import BadInput
+from oomguard.errors import BadInput, EngineFailed, EnvironmentProblem
 from oomguard.tiering.args import FlagTable, parse_help
 from oomguard.tiering.command import llama_server_argv
 from oomguard.tiering.loadlog import LoadLog
@@ -27,11 +27,11 @@ from oomguard.tiering.settings import LlamaCppSettings
 from oomguard.units import GIB, MIB
 
 
-class LlamaServerNotFound(BadInput):
+class LlamaServerNotFound(EnvironmentProblem):
     """No llama-server binary was found."""
 
 
-class LlamaServerFailed(BadInput):
+class LlamaServerFailed(EngineFailed):
     """llama-server exited or never became healthy while loading."""
 
     def __init__(self, message: str, hint: str, load_log: LoadLog, tail: list[str]) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import http.server
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -10,7 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.engine import EngineProcess, EngineStartError, group_pids, wait_memory_released
+from oomguard.engine import (
+    EngineLeftBehind,
+    EngineProcess,
+    EngineStartError,
+    group_pids,
+    kill_group,
+    signal_group,
+    start_group,
+    stop_group,
+    wait_memory_released,
+)
+from oomguard.errors import EXIT_ENGINE_FAILED
 
 # A parent that starts two children (like vLLM's API server → engine core → worker), prints,
 # and ignores SIGTERM in one child, so only SIGKILL ends it.
@@ -78,7 +92,7 @@ def test_missing_executable_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EngineStartError) as info:
         engine.start()
     assert "no-such-vllm" in info.value.one_line()
-    assert info.value.exit_code == 2
+    assert info.value.exit_code == EXIT_ENGINE_FAILED
 
 
 def test_wait_healthy_sees_health_and_an_early_exit() -> None:
@@ -106,3 +120,35 @@ def test_wait_healthy_sees_health_and_an_early_exit() -> None:
         assert quitter.returncode == 3
     finally:
         server.shutdown()
+
+
+def test_a_helper_started_with_start_group_is_stopped_whole() -> None:
+    proc = start_group([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("started")
+    assert _wait(lambda: len(group_pids(proc.pid)) == 3)
+    stop_group(proc.pid, grace_s=1.0, leader=proc)
+    assert group_pids(proc.pid) == []
+    assert proc.returncode is not None  # the leader was reaped
+    assert signal_group(2**22 + 1, signal.SIGTERM) is False  # above pid_max: no such group
+
+
+def test_kill_group_is_immediate_and_start_group_always_starts_a_new_group() -> None:
+    proc = start_group([sys.executable, "-c", TREE], stdout=subprocess.DEVNULL)
+    assert _wait(lambda: len(group_pids(proc.pid)) == 3)
+    assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
+    t0 = time.monotonic()
+    kill_group(proc.pid, leader=proc)
+    assert group_pids(proc.pid) == [] and proc.returncode == -signal.SIGKILL
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ValueError, match="new session"):
+        start_group([sys.executable, "-c", "pass"], start_new_session=False)
+
+
+def test_a_group_that_outlives_sigkill_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import oomguard.engine.process as process
+
+    monkeypatch.setattr(process, "group_pids", lambda pgid: [pgid])  # a process in D state
+    monkeypatch.setattr(process.time, "sleep", lambda s: None)
+    with pytest.raises(EngineLeftBehind) as info:
+        kill_group(2**22 + 1)
+    assert info.value.exit_code == EXIT_ENGINE_FAILED and "left after SIGKILL" in str(info.value)

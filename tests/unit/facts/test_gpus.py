@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.errors import BadInput, UnknownGPU
+from oomguard.errors import BadInput, EnvironmentProblem, UnknownGPU
 from oomguard.facts.gpus import GPU_CATALOGUE, NoGPUDetected, custom_gpu, detect_gpus, find_gpu
 
 
@@ -91,7 +91,7 @@ def test_detect_without_driver_is_clear_error() -> None:
         gpus = detect_gpus()
     except NoGPUDetected as exc:
         assert "--gpu" in exc.one_line()
-        assert isinstance(exc, BadInput)
+        assert isinstance(exc, EnvironmentProblem)  # no driver: the machine, not the input
     else:  # a machine with a GPU: the numbers must be self-consistent
         for gpu in gpus:
             assert gpu.total_bytes >= gpu.free_bytes and gpu.spec.total_bytes > 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +12,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from oomguard.engine import kill_group, start_group
 
 from .conftest import GuardFactory
 from .fake_vllm import FakeVllm
@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 async def spawn_fake(port: int, *args: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
+    proc = start_group(
         [sys.executable, str(FAKE), "--port", str(port), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -42,13 +42,14 @@ async def spawn_fake(port: int, *args: str) -> subprocess.Popen[bytes]:
             return proc
         except OSError:
             await asyncio.sleep(0.05)
-    proc.kill()
+    kill_group(proc.pid, leader=proc)
     raise RuntimeError("fake server did not start")
 
 
 def kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the fake backend (a crash: no graceful shutdown)."""
     if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid, leader=proc)
     proc.wait()
 
 

@@ -482,9 +482,10 @@ async def test_two_gateways_on_one_redis_do_not_double_book(
 async def test_workers_serve_one_port_as_replicas_of_one_store(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    import os
     import signal
     import subprocess
+
+    from oomguard.engine import signal_group, start_group
 
     from .test_failures import free_port, kill, spawn_fake
 
@@ -492,7 +493,7 @@ async def test_workers_serve_one_port_as_replicas_of_one_store(
     fake = await spawn_fake(fake_port)
     port = free_port()
     log = open(tmp_path / "guard.log", "wb")  # noqa: SIM115
-    guard = subprocess.Popen(
+    guard = start_group(
         [
             sys.executable,
             "-m",
@@ -509,7 +510,6 @@ async def test_workers_serve_one_port_as_replicas_of_one_store(
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     try:
         seen: set[str] = set()
@@ -532,7 +532,7 @@ async def test_workers_serve_one_port_as_replicas_of_one_store(
         assert ok >= 10
     finally:
         if guard.poll() is None:
-            os.killpg(guard.pid, signal.SIGTERM)
+            signal_group(guard.pid, signal.SIGTERM)  # the guard must take its workers with it
         guard.wait(20)
         log.close()
         kill(fake)

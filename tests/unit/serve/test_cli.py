@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cli import main
+from oomguard.errors import EXIT_ENVIRONMENT
 
 
 @pytest.mark.parametrize(
@@ -32,9 +33,12 @@ def test_bad_input_is_one_line_and_exit_2(
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
 
 
-def test_no_vllm_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_vllm_is_one_line_and_an_environment_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     missing = tmp_path / "no-python"
-    assert main(["serve", "--json", "--vllm-python", str(missing), "--", "vllm", "serve", "m"]) == 2
+    code = main(["serve", "--json", "--vllm-python", str(missing), "--", "vllm", "serve", "m"])
+    assert code == EXIT_ENVIRONMENT
     out = capsys.readouterr()
     assert "no vLLM installation found" in out.err and len(out.err.strip().splitlines()) == 1
     assert '"event": "exit"' in out.out and '"event": "launch"' not in out.out
