@@ -201,6 +201,7 @@ class GuardApp:
                 start_allowance_s=config.progress_start_allowance_s,
                 rate_quantile=config.rate_quantile,
                 start_quantile=config.start_latency_quantile,
+                earliest_start_share=config.progress_earliest_start_share,
             ),
         )
         self.chars_per_token = CharsPerTokenLearner(config.estimate_chars_per_token)

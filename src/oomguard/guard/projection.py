@@ -52,12 +52,18 @@ class Footprint:
     sequences: int = 1
     # Tokens added per step (0: a constant term, e.g. prompt blocks shared by n sequences).
     growth: int = 1
+    # Steps that certainly pass before the sequences start (a request still on its way to the
+    # engine holds nothing until then); they then grow from ``hi_tokens``.
+    start_step: int = 0
 
     def blocks_at(self, step: int, block_size: int) -> int:
         """Blocks held ``step`` engine steps from now."""
         if self.remaining_steps is not None and step >= self.remaining_steps:
             return 0
-        tokens = min(self.hi_tokens + self.growth * step, self.final_tokens)
+        if step < self.start_step:
+            return 0
+        grown = self.growth * (step - self.start_step)
+        tokens = min(self.hi_tokens + grown, self.final_tokens)
         return self.sequences * blocks_for_tokens(tokens, block_size)
 
 
@@ -69,7 +75,9 @@ def full_footprint(final_tokens: int, sequences: int) -> Footprint:
 def projected_peak_blocks(footprints: Iterable[Footprint], block_size: int) -> int:
     """The most blocks the footprints hold together at any future step (0 for none).
 
-    Every footprint's use is non-decreasing until it drops to zero, so the sum can only reach a new maximum just before some footprint ends (step
+    Every footprint's use is non-decreasing until it drops to zero (a delayed start only
+    raises it from zero), so the sum can only reach a new maximum just before some footprint
+    ends (step
     ``remaining_steps − 1``) or after all bounded ones ended; only those steps are evaluated
     (O(n·m) for n footprints, m distinct ends).
     """
@@ -131,6 +139,9 @@ class ProgressSettings:
     min_start_s: float = 0.05
     window: int = 64
     min_samples: int = 8
+    # The earliest a request admitted now can start in the engine: this share of the low
+    # (1 − start_quantile) quantile of recent start latencies (0: assume it may start at once).
+    earliest_start_share: float = 0.5
 
 
 def _quantile(values: Iterable[float], q: float) -> float:
@@ -173,6 +184,15 @@ class DecodeRate:
     def start_samples(self) -> int:
         """Start latencies remembered."""
         return len(self._starts)
+
+    def earliest_start_s(self) -> float:
+        """Seconds after sending before which a request certainly has not started (the
+        gateway's and the engine's intake: a low quantile of recent start latencies, halved;
+        0 until ``min_samples`` starts were seen)."""
+        s = self.settings
+        if len(self._starts) < s.min_samples or s.earliest_start_share <= 0:
+            return 0.0
+        return s.earliest_start_share * _quantile(self._starts, 1.0 - s.start_quantile)
 
     def start_deadline_s(self) -> float:
         """Seconds after sending within which a request is assumed to show progress."""
@@ -362,6 +382,13 @@ class RequestProgress:
         )
         latest_start_steps = math.ceil(tps * (deadline_s - waited_s)) + 1
         steps = self.reserved_new_tokens + latest_start_steps
+        # Steps that pass, at the least, before it can have reached the engine.
+        not_before_s = rate.earliest_start_s() - waited_s - s.lag_s
+        low = rate.low_tokens_per_s or 0.0
+        if not_before_s > 0 and low > 0:
+            start = min(math.floor(low * not_before_s), latest_start_steps)
+            first = self.prompt_tokens - self.shared_tokens + s.lag_floor_tokens
+            return Footprint(min(first, final), final, steps, unseen, start_step=start)
         return Footprint(min(hi, final), final, steps, unseen)
 
     def _with_shared(self, fps: list[Footprint], longest: int | None) -> list[Footprint]:
