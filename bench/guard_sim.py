@@ -11,10 +11,10 @@ tests/integration/README.md).
 
 Three ways to run the same burst:
 
-* **direct**: every request reaches vLLM ``preprocess_s`` after the burst starts;
+* **direct**: every request reaches vLLM ``preprocess_s + intake_s`` after the burst starts;
 * **guard**: the real :class:`~oomguard.guard.admission.BackendAdmission`, queue and
   :func:`~oomguard.guard.queue.admit_waiting` decide; an admitted request reaches vLLM after
-  ``forward_s + preprocess_s``; the guard sees every step's progress ``observe_s`` late and polls
+  ``forward_s + preprocess_s + intake_s``; the guard sees every step's progress ``observe_s`` late and polls
   vLLM's metrics every ``poll_s``;
 * **oracle**: a zero-preemption scheduler with perfect knowledge of every request's remaining
   length admits (in any order) what keeps the exact future peak inside the pool.
@@ -74,6 +74,9 @@ class EngineModel:
     prefill_s_per_token: float = 0.19e-3
     token_budget: int = 2048
     preprocess_s: float = 0.004
+    # Added time from a request's send to its arrival in the engine's queue: the API server's
+    # intake when it is busy streaming (0 on an idle server; seconds on a loaded CPU server).
+    intake_s: float = 0.0
     forward_s: float = 0.003  # the guard's own work per request (incl. /tokenize)
     observe_s: float = 0.006  # output processing, network: how late the guard sees a step
     poll_s: float = 0.25
@@ -200,7 +203,7 @@ class Engine:
 def run_direct(shapes: Sequence[RequestShape], m: EngineModel) -> RunResult:
     """Every request straight into vLLM."""
     engine = Engine(m)
-    seqs = [_Seq(i, s, m.preprocess_s) for i, s in enumerate(shapes)]
+    seqs = [_Seq(i, s, m.preprocess_s + m.intake_s) for i, s in enumerate(shapes)]
     return _drive(engine, seqs, m, "direct")
 
 
@@ -226,7 +229,7 @@ def run_oracle(shapes: Sequence[RequestShape], m: EngineModel) -> RunResult:
         return chosen
 
     engine = Engine(m)
-    seqs = [_Seq(i, s, m.preprocess_s) for i, s in enumerate(shapes)]
+    seqs = [_Seq(i, s, m.preprocess_s + m.intake_s) for i, s in enumerate(shapes)]
     return _drive(engine, seqs, m, "oracle", admit)
 
 
@@ -326,7 +329,7 @@ def run_guard(
         if not adm.can_admit(cost, now):
             return False
         handles[seq.index] = adm.reserve(cost, now)
-        push(now + m.forward_s + m.preprocess_s, "arrive", seq)
+        push(now + m.forward_s + m.preprocess_s + m.intake_s, "arrive", seq)
         return True
 
     def feedback() -> None:
@@ -476,7 +479,7 @@ def _drive_replicas(
                 return False
             handles[seq.index] = r.adm.reserve(cost, clock[0])
             r.shared.note_admitted(_BACKEND)
-            push(clock[0] + m.forward_s + m.preprocess_s, "arrive", seq)
+            push(clock[0] + m.forward_s + m.preprocess_s + m.intake_s, "arrive", seq)
             return True
 
         run_now(admit_waiting(r.queue, place, max_head_bypass))
@@ -555,6 +558,9 @@ VARIANTS: dict[str, Callable[[AdmissionSettings], AdmissionSettings]] = {
     "no queue kept inside vLLM": lambda s: replace(s, engine_queue_requests=0),
     "n sequences not sharing prompt blocks": lambda s: replace(s, share_prefix_blocks=False),
     "no progress tracking": lambda s: replace(s, track_mode="off"),
+    "no earliest start (sent requests may start at once)": lambda s: replace(
+        s, progress=replace(s.progress, earliest_start_share=0.0)
+    ),
 }
 
 
@@ -656,6 +662,12 @@ def main() -> int:
     ap.add_argument("--compare", action="store_true", help="also run the admission variants")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
+        "--intake-s",
+        type=float,
+        default=0.0,
+        help="time from send to the engine's queue (a busy API server's intake; default 0)",
+    )
+    ap.add_argument(
         "--replicas",
         type=int,
         default=0,
@@ -663,7 +675,7 @@ def main() -> int:
         "redis-server started here (`redis-server` must be installed)",
     )
     args = ap.parse_args()
-    m = EngineModel()
+    m = replace(EngineModel(), intake_s=args.intake_s)
     names = args.mix or list(MIXES)
     if args.replicas > 0:
         with _redis_server() as url:

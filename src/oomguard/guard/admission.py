@@ -539,7 +539,10 @@ class BackendAdmission:
 
         Only a request that would finish within ``stagger_tokens`` steps of the last request
         admitted under pressure waits (identical requests admitted together end together);
-        requests of other lengths end apart anyway and pass at once.
+        requests of other lengths end apart anyway and pass at once. The last one's progress
+        counts from when it was sent (at the decode rate), not from its first token: on a
+        busy engine the intake before the first token takes many steps, and waiting for it
+        would space admissions by the intake instead of the stagger.
         """
         last = self._last_pressed
         if last is None or last.handle not in self.inflight or not last.tracked:
@@ -549,7 +552,11 @@ class BackendAdmission:
         )
         if done is None and last.started:
             return True
-        remaining = last.reserved_new_tokens - (done or 0)
+        # Both go through the same intake before they start, so their ends lie apart by the
+        # steps since the last one was sent, whether or not it has started yet.
+        tps = self.rate.low_tokens_per_s or 0.0
+        elapsed = math.floor(tps * max(now_s - last.sent_at_s, 0.0))
+        remaining = last.reserved_new_tokens - max(done or 0, elapsed)
         gap = abs(remaining - cost.planned_new_tokens)
         return gap >= self.stagger_tokens(cost, limit_blocks)
 

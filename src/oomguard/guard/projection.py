@@ -188,9 +188,11 @@ class DecodeRate:
     def earliest_start_s(self) -> float:
         """Seconds after sending before which a request certainly has not started (the
         gateway's and the engine's intake: a low quantile of recent start latencies, halved;
-        0 until ``min_samples`` starts were seen)."""
+        0 until ``EARLIEST_START_SAMPLES`` starts were seen)."""
         s = self.settings
-        if len(self._starts) < s.min_samples or s.earliest_start_share <= 0:
+        if len(self._starts) < min(s.min_samples, EARLIEST_START_SAMPLES):
+            return 0.0
+        if s.earliest_start_share <= 0:
             return 0.0
         return s.earliest_start_share * _quantile(self._starts, 1.0 - s.start_quantile)
 
@@ -201,6 +203,9 @@ class DecodeRate:
             return max(s.start_allowance_s, s.start_margin * self.start_latency_s)
         return max(s.min_start_s, s.start_margin * self.start_latency_s)
 
+
+# Starts seen before the earliest start is trusted (it is half the lowest seen, or less).
+EARLIEST_START_SAMPLES = 3
 
 # A rate sample needs this much time and this many tokens behind it: the API server coalesces
 # outputs when it falls behind, so short spans see bursts, not the engine's pace.
