@@ -96,7 +96,7 @@ class GuardConfig(BaseModel):
     rate_quantile: float = Field(default=0.9, gt=0.0, le=1.0)
     start_latency_quantile: float = Field(default=0.95, gt=0.0, le=1.0)
     # A request admitted now starts no sooner than this share of the low start latencies.
-    progress_earliest_start_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    progress_earliest_start_share: float = Field(default=0.0, ge=0.0, le=1.0)
     stagger_admissions: bool = True
     # A request that fits may pass a queue head that does not, at most this many times per head.
     max_head_bypass: int = Field(default=8, ge=0)

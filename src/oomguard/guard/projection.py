@@ -140,8 +140,10 @@ class ProgressSettings:
     window: int = 64
     min_samples: int = 8
     # The earliest a request admitted now can start in the engine: this share of the low
-    # (1 − start_quantile) quantile of recent start latencies (0: assume it may start at once).
-    earliest_start_share: float = 0.5
+    # (1 − start_quantile) quantile of recent start latencies (0, the default: it may start
+    # at once). Not a guarantee: vLLM starts a request as soon as its prompt fits, and an
+    # intake that turns faster than it was lets it start, and grow, before this.
+    earliest_start_share: float = 0.0
 
 
 def _quantile(values: Iterable[float], q: float) -> float:

@@ -53,6 +53,7 @@ def test_earliest_start_is_a_share_of_the_low_start_latencies() -> None:
     rate = _rate([4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0])
     assert rate.earliest_start_s() == 2.0  # half of the lowest
     assert _rate([4.0] * 8, share=0.0).earliest_start_s() == 0.0
+    assert ProgressSettings().earliest_start_share == 0.0  # off unless asked for
     (fp,) = new_request_footprints(180, 300, 1, rate, True)
     # 10 tokens/s, starting no sooner than 2 s (less the lag allowance): ~19 steps of nothing.
     assert 15 <= fp.start_step <= 20
@@ -66,7 +67,12 @@ def test_a_request_is_admitted_while_the_one_ending_makes_room() -> None:
 
     def admission(starts: list[float]) -> tuple[BackendAdmission, object]:
         adm = BackendAdmission(
-            AdmissionSettings(track_mode="always", stagger=False, engine_queue_requests=0)
+            AdmissionSettings(
+                track_mode="always",
+                stagger=False,
+                engine_queue_requests=0,
+                progress=ProgressSettings(earliest_start_share=0.5),
+            )
         )
         adm.set_capacity(6, 128)
         for _ in range(8):
