@@ -558,8 +558,8 @@ VARIANTS: dict[str, Callable[[AdmissionSettings], AdmissionSettings]] = {
     "no queue kept inside vLLM": lambda s: replace(s, engine_queue_requests=0),
     "n sequences not sharing prompt blocks": lambda s: replace(s, share_prefix_blocks=False),
     "no progress tracking": lambda s: replace(s, track_mode="off"),
-    "no earliest start (sent requests may start at once)": lambda s: replace(
-        s, progress=replace(s.progress, earliest_start_share=0.0)
+    "earliest start at half the low start latency": lambda s: replace(
+        s, progress=replace(s.progress, earliest_start_share=0.5)
     ),
 }
 
