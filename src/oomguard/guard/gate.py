@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from oomguard.guard.admission import RequestCost, never_fit_reason, pick_backend
 from oomguard.guard.backends import Backend, BackendPool
+from oomguard.guard.output_lengths import OutputLengths
 from oomguard.guard.projection import RequestProgress
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
 from oomguard.guard.shared import SharedAdmission, wants_for
@@ -36,6 +37,8 @@ class Ticket:
     backend: Backend
     progress: RequestProgress
     released: bool = False
+    # The class its output length is learned in (None: not learned).
+    length_class: tuple[object, ...] | None = None
 
     @property
     def tracked(self) -> bool:
@@ -90,6 +93,7 @@ class Gate:
         on_queue_wait: Callable[[float], None] = lambda _s: None,
         max_head_bypass: int = 8,
         shared: SharedAdmission | None = None,
+        lengths: OutputLengths | None = None,
     ) -> None:
         self.pool = pool
         self.queue = queue
@@ -99,6 +103,8 @@ class Gate:
         self.on_queue_wait = on_queue_wait
         self.max_head_bypass = max_head_bypass
         self.shared = shared
+        self.lengths = lengths
+        self._tightens_seen: dict[str, int] = {}
         self._pumping = False
         self._first_refused: _Pending | None = None
         self._last_progress_pump_s = 0.0
@@ -135,6 +141,7 @@ class Gate:
         if shared is not None:
             for b in cands:
                 b.admission.static_share_blocks = shared.admission_share(b.url)
+        cost = self._planned(cost)
         i = pick_backend([b.admission for b in cands], cost, now)
         if i is None:
             return None
@@ -144,7 +151,42 @@ class Gate:
         self.drain.record(now)
         if shared is not None:
             shared.note_admitted(backend.url)
-        return Ticket(backend, progress)
+        return Ticket(backend, progress, length_class=cost.length_class)
+
+    def _planned(self, cost: RequestCost) -> RequestCost:
+        """``cost`` with the output length learned for its class (what a tracked request is
+        planned for; its max_tokens until the class is known)."""
+        lengths = self.lengths
+        if lengths is None or cost.length_class is None:
+            return cost
+        return replace(cost, length_plan=lengths.plan(cost.length_class, cost.max_new_tokens))
+
+    def _learn(self, ticket: Ticket) -> None:
+        """Record the output lengths of a tracked request's finished sequences."""
+        lengths = self.lengths
+        p = ticket.progress
+        if lengths is None or ticket.length_class is None or not p.tracked:
+            return
+        for generated, finished in zip(p.generated, p.finished, strict=True):
+            if finished:
+                lengths.observe(ticket.length_class, generated, p.max_new_tokens)
+
+    def _follow_feedback(self, now_s: float) -> None:
+        """A backend that tightened (a preemption, usage above what admission allows) tightens
+        the learned output lengths at once; calm relaxes them."""
+        lengths = self.lengths
+        if lengths is None:
+            return
+        tightened = False
+        for b in self.pool.backends:
+            count = b.admission.tighten_count
+            if count > self._tightens_seen.get(b.url, count):
+                tightened = True
+            self._tightens_seen[b.url] = count
+        if tightened:
+            lengths.tighten(now_s)
+        else:
+            lengths.relax(now_s)
 
     def _publish_wants(self) -> None:
         """Tell the shared ledger what the first request that did not fit lacks (or nothing)."""
@@ -232,6 +274,7 @@ class Gate:
         if ticket.released:
             return
         ticket.released = True
+        self._learn(ticket)
         b = ticket.backend
         b.admission.release(ticket.progress, time.monotonic())
         b.in_flight -= 1
@@ -271,6 +314,7 @@ class Gate:
         replica asks the shared ledger for."""
         if self._pumping:
             return
+        self._follow_feedback(time.monotonic())
         self._pumping = True
         self._first_refused = None
         try:

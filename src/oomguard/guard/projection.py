@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from oomguard.guard.output_lengths import LengthPlan
+
 
 def blocks_for_tokens(tokens: int, block_size: int) -> int:
     """Number of KV blocks that ``tokens`` tokens occupy (rounded up to whole blocks)."""
@@ -50,12 +52,18 @@ class Footprint:
     sequences: int = 1
     # Tokens added per step (0: a constant term, e.g. prompt blocks shared by n sequences).
     growth: int = 1
+    # Steps that certainly pass before the sequences start (a request still on its way to the
+    # engine holds nothing until then); they then grow from ``hi_tokens``.
+    start_step: int = 0
 
     def blocks_at(self, step: int, block_size: int) -> int:
         """Blocks held ``step`` engine steps from now."""
         if self.remaining_steps is not None and step >= self.remaining_steps:
             return 0
-        tokens = min(self.hi_tokens + self.growth * step, self.final_tokens)
+        if step < self.start_step:
+            return 0
+        grown = self.growth * (step - self.start_step)
+        tokens = min(self.hi_tokens + grown, self.final_tokens)
         return self.sequences * blocks_for_tokens(tokens, block_size)
 
 
@@ -67,7 +75,9 @@ def full_footprint(final_tokens: int, sequences: int) -> Footprint:
 def projected_peak_blocks(footprints: Iterable[Footprint], block_size: int) -> int:
     """The most blocks the footprints hold together at any future step (0 for none).
 
-    Every footprint's use is non-decreasing until it drops to zero, so the sum can only reach a new maximum just before some footprint ends (step
+    Every footprint's use is non-decreasing until it drops to zero (a delayed start only
+    raises it from zero), so the sum can only reach a new maximum just before some footprint
+    ends (step
     ``remaining_steps − 1``) or after all bounded ones ended; only those steps are evaluated
     (O(n·m) for n footprints, m distinct ends).
     """
@@ -129,6 +139,11 @@ class ProgressSettings:
     min_start_s: float = 0.05
     window: int = 64
     min_samples: int = 8
+    # The earliest a request admitted now can start in the engine: this share of the low
+    # (1 − start_quantile) quantile of recent start latencies (0, the default: it may start
+    # at once). Not a guarantee: vLLM starts a request as soon as its prompt fits, and an
+    # intake that turns faster than it was lets it start, and grow, before this.
+    earliest_start_share: float = 0.0
 
 
 def _quantile(values: Iterable[float], q: float) -> float:
@@ -172,6 +187,17 @@ class DecodeRate:
         """Start latencies remembered."""
         return len(self._starts)
 
+    def earliest_start_s(self) -> float:
+        """Seconds after sending before which a request certainly has not started (the
+        gateway's and the engine's intake: a low quantile of recent start latencies, halved;
+        0 until ``EARLIEST_START_SAMPLES`` starts were seen)."""
+        s = self.settings
+        if len(self._starts) < min(s.min_samples, EARLIEST_START_SAMPLES):
+            return 0.0
+        if s.earliest_start_share <= 0:
+            return 0.0
+        return s.earliest_start_share * _quantile(self._starts, 1.0 - s.start_quantile)
+
     def start_deadline_s(self) -> float:
         """Seconds after sending within which a request is assumed to show progress."""
         s = self.settings
@@ -179,6 +205,9 @@ class DecodeRate:
             return max(s.start_allowance_s, s.start_margin * self.start_latency_s)
         return max(s.min_start_s, s.start_margin * self.start_latency_s)
 
+
+# Starts seen before the earliest start is trusted (it is half the lowest seen, or less).
+EARLIEST_START_SAMPLES = 3
 
 # A rate sample needs this much time and this many tokens behind it: the API server coalesces
 # outputs when it falls behind, so short spans see bursts, not the engine's pace.
@@ -216,6 +245,9 @@ class RequestProgress:
     # Sent ahead of a slot freeing (it waits in vLLM's queue): its start may come this much
     # later than the usual deadline.
     extra_start_s: float = 0.0
+    # How the sequences' output lengths are planned (learned per class; None: max_new_tokens).
+    # A sequence is planned from what it has generated: charged as it streams.
+    plan: LengthPlan | None = None
     _first_seen: list[tuple[float, int] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -229,6 +261,18 @@ class RequestProgress:
     def final_tokens(self) -> int:
         """Tokens of one sequence at its largest (prompt + ``max_new_tokens``)."""
         return self.prompt_tokens + self.max_new_tokens
+
+    @property
+    def reserved_new_tokens(self) -> int:
+        """Output tokens the projection plans an unstarted sequence for (learned, or
+        ``max_new_tokens``)."""
+        return self.planned_new_tokens(0)
+
+    def planned_new_tokens(self, generated: int) -> int:
+        """Output tokens a sequence that has ``generated`` tokens is planned for."""
+        if self.plan is None:
+            return self.max_new_tokens
+        return min(self.plan.planned(generated), self.max_new_tokens)
 
     def observe(
         self,
@@ -300,8 +344,9 @@ class RequestProgress:
             prompt = self.prompt_of[i]
             if prompt is None:
                 prompt = self.prompt_tokens
-            final = prompt + self.max_new_tokens - shared
             lo = prompt + self.generated[i] - shared
+            # Planned from what it may have generated by now (the lag included).
+            final = prompt + self.planned_new_tokens(self.generated[i] + lag) - shared
             out.append(Footprint(min(lo + lag, final), final, max(final - lo, 0)))
         if unseen:
             if waited_s > deadline_s:
@@ -335,7 +380,7 @@ class RequestProgress:
         deadline at the latest (the end)."""
         s = rate.settings
         tps = rate.tokens_per_s or 0.0
-        final = self.final_tokens - self.shared_tokens
+        final = self.prompt_tokens + self.reserved_new_tokens - self.shared_tokens
         hi = (
             self.prompt_tokens
             - self.shared_tokens
@@ -343,7 +388,15 @@ class RequestProgress:
             + math.ceil(tps * (waited_s + s.lag_s))
         )
         latest_start_steps = math.ceil(tps * (deadline_s - waited_s)) + 1
-        return Footprint(min(hi, final), final, self.max_new_tokens + latest_start_steps, unseen)
+        steps = self.reserved_new_tokens + latest_start_steps
+        # Steps that pass, at the least, before it can have reached the engine.
+        not_before_s = rate.earliest_start_s() - waited_s - s.lag_s
+        low = rate.low_tokens_per_s or 0.0
+        if not_before_s > 0 and low > 0:
+            start = min(math.floor(low * not_before_s), latest_start_steps)
+            first = self.prompt_tokens - self.shared_tokens + s.lag_floor_tokens
+            return Footprint(min(first, final), final, steps, unseen, start_step=start)
+        return Footprint(min(hi, final), final, steps, unseen)
 
     def _with_shared(self, fps: list[Footprint], longest: int | None) -> list[Footprint]:
         if self.shared_tokens <= 0:
@@ -359,8 +412,10 @@ def new_request_footprints(
     rate: DecodeRate,
     track: bool,
     shared_tokens: int = 0,
+    plan: LengthPlan | None = None,
 ) -> list[Footprint]:
-    """The envelope of a request about to be sent (``track``: its progress will be read)."""
+    """The envelope of a request about to be sent (``track``: its progress will be read;
+    ``plan``: how its output lengths are planned)."""
     probe = RequestProgress(
         prompt_tokens,
         max_new_tokens,
@@ -368,6 +423,7 @@ def new_request_footprints(
         0.0,
         tracked=track,
         shared_tokens=shared_tokens,
+        plan=plan if track else None,
     )
     return probe.footprints(rate, 0.0)
 
