@@ -1,5 +1,5 @@
 """The text vLLM prints at startup, by release: the KV capacity lines, the fit and
-out-of-memory errors and the auto-fit lines (vllm-memory.md §6, §7). :func:`oomguard.memory.
+out-of-memory errors and the auto-fit lines (docs/memory-model.md §6, §7). :func:`oomguard.memory.
 engine.predict` decides what happened; this module words it the way the release does.
 """
 
