@@ -591,6 +591,25 @@ def _config_pairs(
     return pairs
 
 
+def _merge_config_file(
+    pairs: list[tuple[str, Any]], base_dir: str | Path | None
+) -> tuple[str | None, list[tuple[str, Any]]]:
+    """The ``--config`` file named in ``pairs`` (or None) and the pairs with its flags merged in.
+
+    vLLM inserts the config's flags before the command-line flags: the command line wins.
+    """
+    config_values = [value for name, value in pairs if name == "config"]
+    if len(config_values) > 1:
+        raise BadInput("more than one --config file given", "vLLM reads a single --config file")
+    if not config_values:
+        return None, pairs
+    if not isinstance(config_values[0], str):
+        raise BadInput("--config needs a file name", "write --config FILE.yaml")
+    config_file = config_values[0]
+    base = Path(base_dir) if base_dir is not None else None
+    return config_file, _config_pairs(config_file, base) + [(n, v) for n, v in pairs if n != "config"]
+
+
 def parse_command(
     command: str | Sequence[str], *, base_dir: str | Path | None = None
 ) -> ParsedCommand:
@@ -606,17 +625,7 @@ def parse_command(
     args, positional_model = launcher.args, launcher.positional_model
     positionals, pairs = _split_flags(args)
 
-    config_file: str | None = None
-    config_values = [value for name, value in pairs if name == "config"]
-    if len(config_values) > 1:
-        raise BadInput("more than one --config file given", "vLLM reads a single --config file")
-    if config_values:
-        if not isinstance(config_values[0], str):
-            raise BadInput("--config needs a file name", "write --config FILE.yaml")
-        config_file = config_values[0]
-        base = Path(base_dir) if base_dir is not None else None
-        # vLLM inserts the config's flags before the command-line flags: the command line wins.
-        pairs = _config_pairs(config_file, base) + [(n, v) for n, v in pairs if n != "config"]
+    config_file, pairs = _merge_config_file(pairs, base_dir)
 
     model: str | None = None
     if positional_model and positionals:

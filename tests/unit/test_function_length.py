@@ -10,9 +10,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 LIMIT = 80
-# Command functions whose vLLM flag options are being declared once for plan, serve and the
-# doctor; each entry must still be long (the test below says when to drop it).
-PENDING = {"oomguard/plan/cli.py plan_command", "oomguard/serve/cli.py serve_command"}
 
 
 def _long_functions() -> list[str]:
@@ -32,9 +29,4 @@ def test_the_scan_sees_the_sources() -> None:
 
 
 def test_no_function_over_80_lines() -> None:
-    assert sorted(set(_long_functions()) - PENDING) == []
-
-
-def test_pending_functions_are_still_long() -> None:
-    shortened = PENDING - set(_long_functions())
-    assert not shortened, f"now within {LIMIT} lines, drop from PENDING: {sorted(shortened)}"
+    assert _long_functions() == []

@@ -12,11 +12,13 @@ from oomguard.calibration.store import (
     catalogue_gpu_name,
     default_path,
     lookup,
+    lookup_for,
     make_key,
     model_family,
     normalize_setting,
     observation_from_log,
     record_logs,
+    settings_filters,
 )
 
 __all__ = [
@@ -29,9 +31,11 @@ __all__ = [
     "catalogue_gpu_name",
     "default_path",
     "lookup",
+    "lookup_for",
     "make_key",
     "model_family",
     "normalize_setting",
     "observation_from_log",
     "record_logs",
+    "settings_filters",
 ]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from oomguard.errors import BadInput, MalformedConfig, OomguardError
-from oomguard.memory.engine import MeasuredTerms
+from oomguard.memory.engine import EngineSettings, MeasuredTerms
 from oomguard.units import GIB
 
 if TYPE_CHECKING:  # the log parser is loaded only to record logs: planning reads JSON only
@@ -515,6 +515,33 @@ def record_logs(
             continue
         observations.append(obs)
     return store.add(observations), skipped
+
+
+def settings_filters(settings: EngineSettings) -> dict[str, Any]:
+    """The :func:`lookup` / :func:`terms_from` filters an engine's settings stand for: each one
+    a stored term depends on (``dtype="auto"`` filters as vLLM's default, None). Pipeline
+    parallelism is part of the key, not a filter, so it is not among them."""
+    return {
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "max_num_seqs": settings.max_num_seqs,
+        "enforce_eager": settings.enforce_eager,
+        "quantization": settings.quantization,
+        "dtype": None if settings.dtype in (None, "auto") else settings.dtype,
+    }
+
+
+def lookup_for(
+    gpu_name: str, vllm_version: str, model_name: str, settings: EngineSettings
+) -> MeasuredTerms | None:
+    """:func:`lookup` for an engine's settings: its TP and PP pick the key, the rest filter."""
+    return lookup(
+        gpu_name,
+        vllm_version,
+        model_name,
+        settings.tensor_parallel_size,
+        pp=settings.pipeline_parallel_size,
+        **settings_filters(settings),
+    )
 
 
 def lookup(

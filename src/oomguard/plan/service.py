@@ -102,14 +102,9 @@ class _CalibrationLookup:
     error: str = ""
 
     def __call__(self, settings: EngineSettings) -> MeasuredTerms | None:
-        filters = {
-            "pp": settings.pipeline_parallel_size,
-            "max_num_batched_tokens": settings.max_num_batched_tokens,
-            "max_num_seqs": settings.max_num_seqs,
-            "enforce_eager": settings.enforce_eager,
-            "quantization": settings.quantization,
-            "dtype": None if settings.dtype in (None, "auto") else settings.dtype,
-        }
+        from oomguard.calibration import settings_filters
+
+        filters = {"pp": settings.pipeline_parallel_size, **settings_filters(settings)}
         tp = settings.tensor_parallel_size
         memo_key = (tp, *filters.values())
         if memo_key not in self.memo:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -31,11 +31,73 @@ _COMMAND_START = re.compile(
 )
 
 
+# serve's own options (the vLLM and workload flags come from oomguard.cli_options)
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(help="Model to plan for and serve (or, after --, a pasted vllm serve command)."),
+]
+Host = Annotated[str | None, typer.Option("--host", help="Address the engine binds (MODEL form).")]
+Port = Annotated[
+    int | None, typer.Option("--port", help="Port of the engine (MODEL form; default 8000).")
+]
+MaxAttempts = Annotated[int, typer.Option("--max-attempts", help="Most launches to start it.")]
+Probe = Annotated[
+    bool | None,
+    typer.Option("--probe/--no-probe", help="Probe once ready (default: on with a workload)."),
+]
+Record = Annotated[
+    bool,
+    typer.Option("--record/--no-record", help="Record the observed terms for the next plan."),
+]
+NoCalibration = Annotated[
+    bool, typer.Option("--no-calibration", help="Predict without the calibration store.")
+]
+AllowPrecisionChange = Annotated[
+    bool,
+    typer.Option(
+        "--allow-precision-change",
+        help="Let a heal change --quantization, --kv-cache-dtype or --dtype.",
+    ),
+]
+GuardPort = Annotated[
+    int | None,
+    typer.Option("--guard-port", help="Start oomguard guard on this port in front of the engine."),
+]
+MaxRestarts = Annotated[int, typer.Option("--max-restarts", help="Crash restarts in the window.")]
+RestartWindow = Annotated[float, typer.Option("--restart-window", help="Seconds.")]
+StartupTimeout = Annotated[float, typer.Option("--startup-timeout", help="Seconds.")]
+LogFile = Annotated[
+    Path | None,
+    typer.Option("--log-file", help="Write the engine's log here instead of the terminal."),
+]
+LogDir = Annotated[Path | None, typer.Option("--log-dir", help="Where each launch's log is kept.")]
+VllmPython = Annotated[str | None, typer.Option("--vllm-python", help="Python that has vLLM.")]
+Offline = Annotated[bool, typer.Option("--offline", help="Never contact the Hugging Face hub.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the command and prediction.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="One JSON event per line.")]
+Engine = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="auto (llama.cpp for a .gguf or a llama-server command), vllm or llama.cpp.",
+    ),
+]
+Gguf = Annotated[
+    Path | None, typer.Option("--gguf", help="The GGUF llama.cpp serves (beside a model id).")
+]
+LlamaServer = Annotated[str | None, typer.Option("--llama-server", help="The llama-server binary.")]
+
+# the MODEL form's flags that go to the planner
+_PLAN_FLAGS = (
+    "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "kv_cache_dtype", "kv_cache_memory_bytes", "quantization", "dtype", "tensor_parallel_size",
+    "enforce_eager",
+)  # fmt: skip
+
+
 def serve_command(
     ctx: typer.Context,
-    model: str = typer.Argument(
-        None, help="Model to plan for and serve (or, after --, a pasted vllm serve command)."
-    ),
+    model: ModelArg = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
     gpu_memory_utilization: opt.GpuMemoryUtilization = None,
@@ -48,77 +110,40 @@ def serve_command(
     dtype: opt.Dtype = None,
     tensor_parallel_size: opt.TensorParallelSize = None,
     enforce_eager: opt.EnforceEager = None,
-    host: str = typer.Option(None, "--host", help="Address the engine binds (MODEL form)."),
-    port: int = typer.Option(None, "--port", help="Port of the engine (MODEL form; default 8000)."),
-    max_attempts: int = typer.Option(3, "--max-attempts", help="Most launches to start it."),
-    probe: bool = typer.Option(
-        None, "--probe/--no-probe", help="Probe once ready (default: on with a workload)."
-    ),
-    record: bool = typer.Option(
-        True, "--record/--no-record", help="Record the observed terms for the next plan."
-    ),
-    no_calibration: bool = typer.Option(
-        False, "--no-calibration", help="Predict without the calibration store."
-    ),
-    allow_precision_change: bool = typer.Option(
-        False,
-        "--allow-precision-change",
-        help="Let a heal change --quantization, --kv-cache-dtype or --dtype.",
-    ),
-    guard_port: int = typer.Option(
-        None, "--guard-port", help="Start oomguard guard on this port in front of the engine."
-    ),
-    max_restarts: int = typer.Option(5, "--max-restarts", help="Crash restarts in the window."),
-    restart_window: float = typer.Option(600.0, "--restart-window", help="Seconds."),
-    startup_timeout: float = typer.Option(1800.0, "--startup-timeout", help="Seconds."),
-    log_file: Path = typer.Option(
-        None, "--log-file", help="Write the engine's log here instead of the terminal."
-    ),
-    log_dir: Path = typer.Option(None, "--log-dir", help="Where each launch's log is kept."),
-    vllm_python: str = typer.Option(None, "--vllm-python", help="Python that has vLLM."),
-    offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and prediction."),
-    json_output: bool = typer.Option(False, "--json", help="One JSON event per line."),
-    engine: str = typer.Option(
-        "auto", "--engine", help="auto (llama.cpp for a .gguf or a llama-server command), vllm or llama.cpp."
-    ),
-    gguf: Path = typer.Option(None, "--gguf", help="The GGUF llama.cpp serves (beside a model id)."),
-    llama_server: str = typer.Option(None, "--llama-server", help="The llama-server binary."),
+    host: Host = None,
+    port: Port = None,
+    max_attempts: MaxAttempts = 3,
+    probe: Probe = None,
+    record: Record = True,
+    no_calibration: NoCalibration = False,
+    allow_precision_change: AllowPrecisionChange = False,
+    guard_port: GuardPort = None,
+    max_restarts: MaxRestarts = 5,
+    restart_window: RestartWindow = 600.0,
+    startup_timeout: StartupTimeout = 1800.0,
+    log_file: LogFile = None,
+    log_dir: LogDir = None,
+    vllm_python: VllmPython = None,
+    offline: Offline = False,
+    dry_run: DryRun = False,
+    json_output: JsonOutput = False,
+    engine: Engine = "auto",
+    gguf: Gguf = None,
+    llama_server: LlamaServer = None,
 ) -> None:
     """Launch vLLM (or llama-server), check the prediction against its log, heal a startup OOM, supervise."""
     from oomguard.serve.session import ServeOptions
 
+    given = locals()
+    plan_flags: dict[str, Any] = {name: given[name] for name in _PLAN_FLAGS}
     options = ServeOptions(
-        workload=_workload(p99_tokens, concurrency),
-        max_attempts=max_attempts,
-        probe=probe,
-        calibrate=record,
-        use_calibration=not no_calibration,
-        allow_precision_change=allow_precision_change,
-        guard_port=guard_port,
-        max_restarts=max_restarts,
-        restart_window_s=restart_window,
-        startup_timeout_s=startup_timeout,
-        log_dir=log_dir,
-        vllm_python=vllm_python,
-        allow_hub=not offline,
-        dry_run=dry_run,
-        engine=engine,
-        gguf=gguf,
-        llama_server=llama_server,
-    )
-    plan_flags: dict[str, Any] = {
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_cache_memory_bytes": kv_cache_memory_bytes,
-        "quantization": quantization,
-        "dtype": dtype,
-        "tensor_parallel_size": tensor_parallel_size,
-        "enforce_eager": enforce_eager,
-    }
+        workload=_workload(p99_tokens, concurrency), max_attempts=max_attempts, probe=probe,
+        calibrate=record, use_calibration=not no_calibration,
+        allow_precision_change=allow_precision_change, guard_port=guard_port,
+        max_restarts=max_restarts, restart_window_s=restart_window,
+        startup_timeout_s=startup_timeout, log_dir=log_dir, vllm_python=vllm_python,
+        allow_hub=not offline, dry_run=dry_run, engine=engine, gguf=gguf, llama_server=llama_server,
+    )  # fmt: skip
     _read_form(options, model, list(ctx.args), plan_flags, host, port)
     raise SystemExit(_run(options, json_output=json_output, log_file=log_file))
 

@@ -119,21 +119,10 @@ def _merge(first: MeasuredTerms | None, second: MeasuredTerms) -> tuple[Measured
 def _stored_terms(
     settings: EngineSettings, device: Device, spec: ModelSpec, vllm_version: str
 ) -> MeasuredTerms | None:
-    from oomguard.calibration import lookup
+    from oomguard.calibration import lookup_for
 
     try:
-        return lookup(
-            device.name,
-            vllm_version,
-            spec.name,
-            settings.tensor_parallel_size,
-            pp=settings.pipeline_parallel_size,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            enforce_eager=settings.enforce_eager,
-            quantization=settings.quantization,
-            dtype=None if settings.dtype in (None, "auto") else settings.dtype,
-        )
+        return lookup_for(device.name, vllm_version, spec.name, settings)
     except OomguardError:
         return None  # an unreadable store must not stop a launch
 
@@ -147,7 +136,7 @@ def _session_terms(
     sources: list[str],
 ) -> MeasuredTerms | None:
     """Terms the session's earlier logs measured that hold under ``settings`` (newest first)."""
-    from oomguard.calibration.store import terms_from
+    from oomguard.calibration.store import settings_filters, terms_from
     from oomguard.serve.calibrate import observation_of
 
     observations = []
@@ -158,14 +147,7 @@ def _session_terms(
         )  # fmt: skip
         if obs is not None:
             observations.append(obs)
-    found = terms_from(
-        observations,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        enforce_eager=settings.enforce_eager,
-        quantization=settings.quantization,
-        dtype=None if settings.dtype in (None, "auto") else settings.dtype,
-    )
+    found = terms_from(observations, **settings_filters(settings))
     if found is not None:
         sources.extend(found.source.split("; "))
     return found
