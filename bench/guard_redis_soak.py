@@ -35,7 +35,7 @@ def main() -> int:
     load_before = os.getloadavg()
     started = time.monotonic()
     cmd = [
-        *(sys.executable, "-m", "pytest", "-q", "-p", "pytest_repeat"),
+        *(sys.executable, "-m", "pytest", "-q"),
         *(f"--count={args.runs}", "--repeat-scope=function", f"--junitxml={report}", TEST),
     ]
     print("$", " ".join(cmd), flush=True)
