@@ -9,6 +9,7 @@ the loaded model and its KV cache configuration are read directly. One line per 
 
 - ``params_bytes``, ``buffers_bytes``: bytes of the loaded model's parameters and buffers (the
   CPU worker prints no "Model loading took" line, so the model itself is measured);
+- ``tensor_bytes``: those bytes by tensor name, layer numbers replaced by ``*``;
 - ``num_blocks``, ``block_size``, ``bytes_per_block`` (the sum over every KV cache tensor
   divided by the block count), ``page_sizes`` (one per KV cache group);
 - ``kv_cache_tokens``, ``max_concurrency`` (formatted as vLLM prints it), ``max_model_len``: the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 BASE_KWARGS = {
@@ -43,12 +45,17 @@ def _probe(job: dict[str, object]) -> dict[str, object]:
         model = core.model_executor.driver_worker.worker.model_runner.model
         params = sum(t.numel() * t.element_size() for t in model.parameters())
         buffers = sum(t.numel() * t.element_size() for t in model.buffers())
+        groups: dict[str, int] = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            key = re.sub(r"\.\d+\.", ".*.", name)
+            groups[key] = groups.get(key, 0) + t.numel() * t.element_size()
         kv_config = core.scheduler.kv_cache_config
         cache = llm.llm_engine.vllm_config.cache_config
         total = sum(t.size for t in kv_config.kv_cache_tensors)
         return {
             "params_bytes": params,
             "buffers_bytes": buffers,
+            "tensor_bytes": groups,
             "num_blocks": kv_config.num_blocks,
             "block_size": cache.block_size,
             "bytes_per_block": total // max(kv_config.num_blocks, 1),

