@@ -35,7 +35,7 @@ from vllm_server import vllm_env, vllm_venv  # noqa: E402
 from oomguard.facts.catalogue import CatalogueEntry, list_entries  # noqa: E402
 from oomguard.facts.config_reader import spec_from_config  # noqa: E402
 
-KV_CACHE_BYTES = 64 * 2**20
+KV_CACHE_BYTES = 256 * 2**20  # a hybrid model's state pages need more than 64 MiB
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 4
 WEIGHTS_TOLERANCE = 0.01  # relative; the KV figures must be equal
@@ -117,6 +117,19 @@ def planner_figures(model_dir: Path) -> dict[str, Any]:
     }
 
 
+def vllm_kv_figures(vllm: dict[str, Any]) -> tuple[int, int]:
+    """vLLM's KV bytes per block and per token, in the planner's terms.
+
+    Per block: one page of every layer of a KV cache group (groups share one page size), the
+    memory one block id stands for. Per token: the attention groups' pages over all their
+    layers, divided by the block size (a Mamba state is per request, not per token).
+    """
+    groups = vllm["kv_groups"]
+    block = max(g["page"] for g in groups) * max(g["layers"] for g in groups)
+    attention = sum(g["page"] * g["layers"] for g in groups if g["attention"])
+    return block, attention // max(vllm["block_size"], 1)
+
+
 def compare(planner: dict[str, Any], vllm: dict[str, Any]) -> list[str]:
     """The figures on which the planner and vLLM differ (empty: they match)."""
     diffs = []
@@ -127,10 +140,10 @@ def compare(planner: dict[str, Any], vllm: dict[str, Any]) -> list[str]:
             f"weights {planner['weights_bytes']:,} vs {weights:,} B ({err:+.1%}; "
             f"params {vllm['params_bytes']:,}, buffers {vllm['buffers_bytes']:,})"
         )
-    vllm_per_token = vllm["bytes_per_block"] // max(vllm["block_size"], 1)
+    block, per_token = vllm_kv_figures(vllm)
     pairs = (
-        ("bytes/block", planner["bytes_per_block"], vllm["bytes_per_block"]),
-        ("bytes/token", planner["kv_bytes_per_token"], vllm_per_token),
+        ("bytes/block", planner["bytes_per_block"], block),
+        ("bytes/token", planner["kv_bytes_per_token"], per_token),
         ("blocks", planner["num_blocks"], vllm["num_blocks"]),
         ("block size", planner["block_size"], vllm["block_size"]),
         ("tokens", planner["kv_cache_tokens"], vllm["kv_cache_tokens"]),
@@ -174,12 +187,17 @@ def build_jobs(
 def parse_probe_log(log: Path, results: dict[str, Any]) -> str | None:
     """Add the probe outputs of ``log`` to ``results``; the job it died in, if any."""
     started = None
+    cause = ""
     text = log.read_text(errors="replace")
     for line in text.splitlines():
         if line.startswith("ARCH_START "):
-            started = line.split(" ", 1)[1]
+            started, cause = line.split(" ", 1)[1], ""
+        elif "ModuleNotFoundError:" in line:
+            cause = line[line.index("ModuleNotFoundError:") :]
         elif line.startswith("ARCH_PROBE "):
             out = json.loads(line.split(" ", 1)[1])
+            if "error" in out and "failed to be inspected" in out["error"] and cause:
+                out["error"] = f"{cause} (vLLM could not inspect the model class)"
             results[out["name"]] = out
             started = None
     if started is not None:  # the process died (or timed out) inside this job
@@ -201,6 +219,8 @@ def run_probe(
         for old in sorted(work.glob("probe-*.log")):
             parse_probe_log(old, results)
             attempt += 1
+        # a run that was stopped is retried, not recorded
+        results = {k: v for k, v in results.items() if "process died" not in v.get("error", "")}
     pending = [j for j in jobs if j["name"] not in results]
     python = vllm_venv() / "bin" / "python"
     while pending:
@@ -255,8 +275,9 @@ def render(rows: list[Row], header: str) -> str:
         figures = r.detail
         if r.verdict == "match" and r.vllm:
             v = r.vllm
+            block, per_token = vllm_kv_figures(v)
             figures = (f"weights {v['params_bytes'] + v['buffers_bytes']:,} B, "
-                       f"{v['bytes_per_block']:,} B/block, {v['num_blocks']} blocks, "
+                       f"{block:,} B/block, {per_token:,} B/token, {v['num_blocks']} blocks, "
                        f"{v['kv_cache_tokens']:,} tokens, {v['max_concurrency']}x")  # fmt: skip
         lines.append(f"| {r.arch} | {r.model} | {r.cut} | {r.verdict} | {figures} |")
     counts: dict[str, int] = {}

@@ -47,4 +47,6 @@ def test_planner_matches_vllm_for_architecture(
     planner: dict[str, Any] = row.planner or {}
     assert planner["num_blocks"] == vllm["num_blocks"] > 0
     assert planner["kv_cache_tokens"] == vllm["kv_cache_tokens"]
-    assert planner["bytes_per_block"] == vllm["bytes_per_block"]
+    block, per_token = arch_table.vllm_kv_figures(vllm)
+    assert planner["bytes_per_block"] == block
+    assert planner["kv_bytes_per_token"] == per_token
