@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{KV_CACHE_BYTES} --max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`; "
         f"weights must agree within {WEIGHTS_TOLERANCE:.0%}, every KV figure exactly."
     )
-    table = render(rows, header)
+    table = render(rows, header).replace(str(work), "WORK")
     print(table)
     if args.out:
         args.out.write_text(table)
