@@ -3,7 +3,8 @@
 Exit codes (doctor LOG): 0 a cause was found, 2 bad input, 3 the log shows no out-of-memory
 failure (a failure that is not memory, such as an illegal instruction, is named with what to
 do), 4 an out-of-memory failure whose cause the log does not settle (the doctor abstained
-and says which lines or facts would). Linting (--command): 0 nothing to fix, 1 problems found,
+and says which lines or facts would). Linting (--command): 0 no problems (tips, which are
+worth changing but not wrong, do not fail it), 1 problems found,
 2 bad input (an unreadable command, a flag vLLM does not have).
 """
 
@@ -54,7 +55,7 @@ def doctor_command(
 
     Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log (a failure that is not memory is named, with what to do), 4 the log does not settle the cause (the doctor says what would), 2 bad input.
 
-    Linting (--command): 0 no problems, 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
+    Linting (--command): 0 no problems (tips alone do not fail), 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
     """
     from oomguard.doctor.diagnose import diagnose_file
     from oomguard.doctor.lint import lint_command
@@ -86,8 +87,7 @@ def doctor_command(
         else:
             if report.findings:
                 render_findings(console, list(report.findings), "Before launch")
-            if not report.problems:
-                console.print("No problems found in this command.")
+            console.print(lint_verdict(len(report.problems), len(report.findings)))
             for note in report.notes:
                 console.print(f"note: {note}", soft_wrap=True)
         raise typer.Exit(1 if report.problems else 0)
@@ -98,6 +98,16 @@ def doctor_command(
     else:
         render_diagnosis(console, diagnosis)
     raise typer.Exit(exit_code(diagnosis))
+
+
+def lint_verdict(problems: int, findings: int) -> str:
+    """The lint's closing line: problems (exit 1), tips only (exit 0), or nothing found."""
+    if problems:
+        return f"{problems} problem{'s' * (problems != 1)} found in this command."
+    if findings:
+        return (f"{findings} tip{'s' * (findings != 1)}, no problem: the command can run "
+                "as it is.")
+    return "No problems found in this command."
 
 
 def exit_code(diagnosis: Any) -> int:

@@ -17,6 +17,8 @@ def _head(rank: int, finding: Finding) -> Text:
         tier = f"sure: {finding.mechanism}, right {finding.confidence:.0%} of the time"
     else:
         tier = f"probability {finding.confidence:.0%}"
+    if getattr(finding, "severity", None) == "tip":
+        tier = f"tip, {tier}"
     head.append(f"  [{finding.cause}, {tier}]", style="dim")
     return head
 

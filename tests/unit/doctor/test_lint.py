@@ -101,3 +101,24 @@ def test_cli_exit_codes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     # a tip does not fail the command
     assert main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --enable-prefix-caching"]) == 0
     assert "prefix caching" in capsys.readouterr().out
+
+
+def test_tips_are_labelled_and_never_followed_by_no_problems_found(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # two tips (max_num_seqs above what the pool serves at the P99, max_model_len far above it)
+    code = main(["doctor", "--command", QWEN_32B, "--gpu", "A100 80GB", "--p99-tokens", "8192"])
+    out = capsys.readouterr().out
+    assert code == 0  # tips are worth changing, not wrong
+    assert "No problems found" not in out
+    assert out.count("[concurrency_or_batch, tip,") == 1
+    assert out.count("[max_model_len_above_p99, tip,") == 1
+    assert "2 tips, no problem" in out
+    # a problem says how many were found and fails the command
+    assert main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0"]) == 1
+    out = capsys.readouterr().out
+    assert "1 problem found in this command." in out and "No problems found" not in out
+    # nothing to say is still said plainly
+    assert main(["doctor", "--gpu", "H100", "--", "vllm", "serve",
+                 "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "16384"]) == 0
+    assert "No problems found in this command." in capsys.readouterr().out
