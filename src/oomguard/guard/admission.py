@@ -335,14 +335,7 @@ class BackendAdmission:
         if track and not self._stagger_ok(cost, proj_limit, now_s):
             return None
         current = self.footprints(now_s)
-        extra = new_request_footprints(
-            cost.prompt_tokens,
-            cost.max_new_tokens,
-            cost.num_sequences,
-            self.rate,
-            track,
-            cost.shared_tokens(self.block_size, self.sharing),
-        )
+        extra = self._new_footprints(cost, track)
         fps = [*current, *extra]
         bs = self.block_size
         unknown = unknown_blocks(fps, bs) + self._external
@@ -366,6 +359,18 @@ class BackendAdmission:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _new_footprints(self, cost: RequestCost, track: bool) -> list[Footprint]:
+        """Envelopes of ``cost`` if admitted here now (``track``: its progress will be read)."""
+        assert self.block_size is not None
+        return new_request_footprints(
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            self.rate,
+            track,
+            cost.shared_tokens(self.block_size, self.sharing),
+        )
 
     def _early_margin(
         self, cost: RequestCost, extra: list[Footprint], proj_limit: float, now_s: float
@@ -439,9 +444,13 @@ class BackendAdmission:
         replica may not give away)."""
         if self.block_size is None:
             return 0
-        s = self.settings
-        fps = self.footprints(now_s)
-        bs = self.block_size
+        return self._share_holding(self.footprints(now_s))
+
+    def _share_holding(self, fps: list[Footprint]) -> int:
+        """The least share that keeps ``fps`` within the watermarks: their unknown-progress
+        blocks within the high one, their projected peak within the projected one."""
+        assert self.block_size is not None
+        s, bs = self.settings, self.block_size
         return max(
             self._share_for(unknown_blocks(fps, bs), s.high_watermark),
             self._share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
@@ -459,23 +468,8 @@ class BackendAdmission:
             return idle
         plain = share_for(self.reserved_blocks + need, s.high_watermark)
         track = cost.trackable and s.track_mode != "off"
-        fps = [
-            *self.footprints(now_s),
-            *new_request_footprints(
-                cost.prompt_tokens,
-                cost.max_new_tokens,
-                cost.num_sequences,
-                self.rate,
-                track,
-                cost.shared_tokens(self.block_size, self.sharing),
-            ),
-        ]
-        bs = self.block_size
-        projected = max(
-            share_for(unknown_blocks(fps, bs), s.high_watermark),
-            share_for(projected_peak_blocks(fps, bs), s.projected_watermark),
-        )
-        return max(idle, min(plain, projected))
+        fps = [*self.footprints(now_s), *self._new_footprints(cost, track)]
+        return max(idle, min(plain, self._share_holding(fps)))
 
     def recent_release_blocks(self, now_s: float) -> int:
         """Blocks that requests released within ``RELEASE_GRACE_S`` held (a poll may still
