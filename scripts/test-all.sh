@@ -16,6 +16,8 @@ echo "== ruff"
 "$VENV/bin/ruff" check src tests bench deploy
 echo "== mypy"
 "$VENV/bin/mypy"
+echo "== import layering (import-linter contracts in pyproject.toml)"
+"$VENV/bin/lint-imports" --no-cache
 echo "== docs (mkdocs, strict)"
 site_dir="$(mktemp -d)"
 "$VENV/bin/mkdocs" build --strict --quiet -d "$site_dir"

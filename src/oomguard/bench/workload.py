@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from oomguard.documents import parse_document, read_document
 from oomguard.errors import BadInput, MalformedConfig
 
 
@@ -283,21 +284,12 @@ def load_workload(path: Path, *, default_max_tokens: int | None, seed: int = 0) 
 
     Raises :class:`MalformedConfig` naming the line or field that is wrong.
     """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise BadInput(f"cannot read workload {path}: {exc.strerror}", "check the path") from None
+    text = read_document(path, "workload", "check the path")
     if path.suffix.lower() == ".jsonl":
         return _replay_from_jsonl(text, str(path), default_max_tokens)
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise MalformedConfig(
-            f"workload {path} is not valid YAML/JSON: {str(exc).splitlines()[0]}",
-            "fix the syntax (see `oomguard bench --help`)",
-        ) from None
+    data = parse_document(
+        text, f"workload {path}", "fix the syntax (see `oomguard bench --help`)", yaml=True
+    )
     if not isinstance(data, dict) or "prompt_tokens" not in data:
         raise MalformedConfig(
             f"workload {path} must be a mapping with prompt_tokens and max_tokens",

@@ -21,7 +21,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from oomguard.errors import BadInput, MalformedConfig, OomguardError
+from oomguard.documents import load_document
+from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms
 from oomguard.units import GIB
 
@@ -315,22 +316,14 @@ class Store:
         self.path = path or default_path()
 
     def load(self) -> dict[str, list[dict[str, Any]]]:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
+        if not self.path.exists():
             return {}
-        except OSError as exc:
-            raise BadInput(
-                f"cannot read the calibration store {self.path}: {exc.strerror}",
-                "check its permissions or set OOMGUARD_HOME",
-            ) from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise MalformedConfig(
-                f"calibration store {self.path} is not valid JSON ({exc.msg})",
-                "delete it or fix it; it is rebuilt by `oomguard calibrate`",
-            ) from exc
+        data = load_document(
+            self.path,
+            "the calibration store",
+            read_hint="check its permissions or set OOMGUARD_HOME",
+            parse_hint="delete it or fix it; it is rebuilt by `oomguard calibrate`",
+        )
         entries = data.get("entries", {}) if isinstance(data, dict) else {}
         return entries if isinstance(entries, dict) else {}
 

@@ -352,15 +352,7 @@ class BackendAdmission:
         if track and not self._stagger_ok(cost, proj_limit, now_s):
             return None
         current = self.footprints(now_s)
-        extra = new_request_footprints(
-            cost.prompt_tokens,
-            cost.max_new_tokens,
-            cost.num_sequences,
-            self.rate,
-            track,
-            cost.shared_tokens(self.block_size, self.sharing),
-            cost.length_plan,
-        )
+        extra = self._new_footprints(cost, track)
         fps = [*current, *extra]
         bs = self.block_size
         unknown = unknown_blocks(fps, bs) + self._external
@@ -396,6 +388,19 @@ class BackendAdmission:
         if learned:
             return min(s.projected_watermark, s.learned_watermark)
         return s.projected_watermark
+
+    def _new_footprints(self, cost: RequestCost, track: bool) -> list[Footprint]:
+        """Envelopes of ``cost`` if admitted here now (``track``: its progress will be read)."""
+        assert self.block_size is not None
+        return new_request_footprints(
+            cost.prompt_tokens,
+            cost.max_new_tokens,
+            cost.num_sequences,
+            self.rate,
+            track,
+            cost.shared_tokens(self.block_size, self.sharing),
+            cost.length_plan,
+        )
 
     def _early_margin(
         self, cost: RequestCost, extra: list[Footprint], proj_limit: float, now_s: float
@@ -469,12 +474,16 @@ class BackendAdmission:
         replica may not give away)."""
         if self.block_size is None:
             return 0
-        s = self.settings
-        fps = self.footprints(now_s)
-        bs = self.block_size
+        return self._share_holding(self.footprints(now_s), self._projected_limit(None))
+
+    def _share_holding(self, fps: list[Footprint], projected_limit: float) -> int:
+        """The least share that keeps ``fps`` within the watermarks: their unknown-progress
+        blocks within the high one, their projected peak within ``projected_limit``."""
+        assert self.block_size is not None
+        s, bs = self.settings, self.block_size
         return max(
             self._share_for(unknown_blocks(fps, bs), s.high_watermark),
-            self._share_for(projected_peak_blocks(fps, bs), self._projected_limit(None)),
+            self._share_for(projected_peak_blocks(fps, bs), projected_limit),
         )
 
     def share_needed(self, cost: RequestCost, now_s: float) -> int:
@@ -489,24 +498,8 @@ class BackendAdmission:
             return idle
         plain = share_for(self.reserved_blocks + need, s.high_watermark)
         track = cost.trackable and s.track_mode != "off"
-        fps = [
-            *self.footprints(now_s),
-            *new_request_footprints(
-                cost.prompt_tokens,
-                cost.max_new_tokens,
-                cost.num_sequences,
-                self.rate,
-                track,
-                cost.shared_tokens(self.block_size, self.sharing),
-                cost.length_plan,
-            ),
-        ]
-        bs = self.block_size
-        projected = max(
-            share_for(unknown_blocks(fps, bs), s.high_watermark),
-            share_for(projected_peak_blocks(fps, bs), self._projected_limit(cost)),
-        )
-        return max(idle, min(plain, projected))
+        fps = [*self.footprints(now_s), *self._new_footprints(cost, track)]
+        return max(idle, min(plain, self._share_holding(fps, self._projected_limit(cost))))
 
     def recent_release_blocks(self, now_s: float) -> int:
         """Blocks that requests released within ``RELEASE_GRACE_S`` held (a poll may still

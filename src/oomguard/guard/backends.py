@@ -10,7 +10,6 @@ once when a connection to it is refused.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -25,6 +24,7 @@ from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
 from oomguard.guard.llama_backend import SlotLayout
 from oomguard.guard.shared import SharedAdmission
+from oomguard.guard.tasks import cancel_and_wait
 from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 log = logging.getLogger("oomguard.guard")
@@ -204,11 +204,7 @@ class BackendPool:
 
     async def stop(self) -> None:
         """Stop polling and close the session."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if self._session is not None:
             await self._session.close()

@@ -48,6 +48,7 @@ from typing import Any
 from oomguard.guard.admission import BackendAdmission, RequestCost
 from oomguard.guard.projection import blocks_now
 from oomguard.guard.shared_lua import SNAPSHOT, SYNC
+from oomguard.guard.tasks import cancel_and_wait
 
 log = logging.getLogger("oomguard.guard")
 
@@ -454,11 +455,7 @@ class SharedAdmission:
     async def stop(self) -> None:
         """Stop the background work and close the connections (a lease period later the
         ledger gives this replica's capacity to the others)."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         with contextlib.suppress(Exception):
             await self.redis.aclose()

@@ -256,7 +256,7 @@ def comparison_rows(memory: LlamaCppMemory, reader: LlamaLogReader) -> list[dict
 _Launch = Launch[LlamaCommand, LlamaPrediction]
 
 
-class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction]):
+class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
     """Serves a GGUF with llama-server (see the module docstring); :meth:`run` returns the exit code.
 
     ``options.command`` is a pasted llama-server command (its words after the binary, in a
@@ -269,19 +269,14 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction]):
                  line_sink: LineSink | None = None, engine: LlamaEngine | None = None,
                  stop_event: threading.Event | None = None) -> None:  # fmt: skip
         pasted = options.command
-        super().__init__(options, handlers=handlers, line_sink=line_sink, stop_event=stop_event)
+        super().__init__(
+            options, handlers=handlers, line_sink=line_sink, engine=engine, stop_event=stop_event
+        )
         self.pasted: PastedLlamaCommand | None = pasted if isinstance(pasted, PastedLlamaCommand) else None
         self.command = None
-        self.engine = engine
         self.model: GGUFModel | None = None
         self.devices: list[LlamaDevice] = []
         self._read: LlamaArgs | None = None
-
-    @property
-    def kind(self) -> LlamaEngine:
-        """The llama-server binary being served."""
-        assert self.engine is not None
-        return self.engine
 
     # --- preparation -------------------------------------------------------------------------
     def _prepare(self) -> None:

@@ -144,6 +144,9 @@ class EngineKind(Protocol[C_contra]):
         ...
 
 
+K = TypeVar("K", bound="EngineKind[Any]")
+
+
 @dataclass
 class ServeOptions:
     """How to serve: the command (or the model to plan for), the workload, the limits."""
@@ -234,11 +237,11 @@ class Launch(Generic[C, P]):
         return wait_memory_released(pids, timeout_s=60.0, used_before_start=self.used_before)
 
 
-class LaunchLoop(Generic[C, P]):
+class LaunchLoop(Generic[C, P, K]):
     """Runs one serve (see the module docstring); :meth:`run` returns the exit code.
 
-    Subclasses set :attr:`engine` (in :meth:`_prepare` at the latest) and implement the hooks
-    below the line ``engine-specific hooks``.
+    ``engine`` is the engine to serve with, or None for :meth:`_prepare` to find; subclasses
+    set it there at the latest and implement the hooks below the line ``engine-specific hooks``.
     """
 
     phase_labels: dict[Phase, str] = {}
@@ -249,10 +252,12 @@ class LaunchLoop(Generic[C, P]):
         *,
         handlers: list[EventHandler] | None = None,
         line_sink: LineSink | None = None,
+        engine: K | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
         options.validate()
         self.options = options
+        self.engine: K | None = engine
         self.events = EventLog(handlers)
         self.line_sink = line_sink
         self.command: C | None = options.command
@@ -265,9 +270,10 @@ class LaunchLoop(Generic[C, P]):
         self._probed: set[str] = set()
 
     @property
-    def kind(self) -> EngineKind[C]:
+    def kind(self) -> K:
         """The engine being served (set by :meth:`_prepare`)."""
-        raise NotImplementedError
+        assert self.engine is not None
+        return self.engine
 
     # --- engine-specific hooks ------------------------------------------------------------
     def _prepare(self) -> None:

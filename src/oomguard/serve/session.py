@@ -47,7 +47,7 @@ _CONTEXT_FIELDS = ("gpu_total_gib", "startup_free_gib", "requested_gib", "gpu_bl
 _Launch = Launch[EngineCommand, Prediction]
 
 
-class ServeSession(LaunchLoop[EngineCommand, Prediction]):
+class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
     """Serves a vLLM command (see the module docstring); :meth:`run` returns the exit code."""
 
     phase_labels = PHASE_LABELS
@@ -61,16 +61,11 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction]):
         engine: VllmEngine | None = None,
         stop_event: threading.Event | None = None,
     ) -> None:
-        super().__init__(options, handlers=handlers, line_sink=line_sink, stop_event=stop_event)
-        self.engine: VllmEngine | None = engine
+        super().__init__(
+            options, handlers=handlers, line_sink=line_sink, engine=engine, stop_event=stop_event
+        )
         self.device: Device | None = None
         self.spec: ModelSpec | None = None
-
-    @property
-    def kind(self) -> VllmEngine:
-        """The vLLM installation being served."""
-        assert self.engine is not None
-        return self.engine
 
     # --- preparation ---------------------------------------------------------------------
     def _prepare(self) -> None:
