@@ -215,6 +215,7 @@ def _add_mla(acc: Acc, c: Cfg, hidden: int, heads: int) -> LayerSpec:
     acc.add("attn_qo", hidden * (kv_lora + rope) + kv_lora * heads * (nope + v_dim))
     acc.add("attn_qo", heads * v_dim * hidden)
     acc.add("norm", kv_lora)
+    acc.rope_head = rope  # get_rope(qk_rope_head_dim, ...) (vllm models/deepseek_v2.py)
     return LayerSpec(kind=AttentionKind.MLA, num_kv_heads=1, head_size=kv_lora + rope)
 
 
@@ -309,6 +310,8 @@ def _add_v32_indexer(acc: Acc, c: Cfg, hidden: int) -> LayerSpec:
     acc.add("router", hidden * head + hidden * n_heads)
     acc.add("norm", 2 * head)
     cache_bytes = head + head // V32_INDEXER_QUANT_BLOCK * 4
+    # the indexer's rope differs from the attention's in is_neox_style: a second instance
+    acc.rope_instances = 2
     return LayerSpec(kind=AttentionKind.MLA, num_kv_heads=1, head_size=cache_bytes, indexer=True)
 
 
@@ -334,6 +337,7 @@ def read_gpt_oss(c: Cfg, acc: Acc) -> None:
         acc.add("norm", 2 * hidden)
     acc.add("norm", hidden)
     acc.moe = MoESpec(n_exp, topk, inter, num_moe_layers=n_layers)
+    acc.rope_dtype = "float32"  # get_rope(..., dtype=torch.float32) (vllm models/gpt_oss.py)
     if c.get("layer_types") is None:
         raise UnsupportedArchitecture(
             f"{c.arch}: gpt-oss config lacks layer_types", "use the model's original config.json"
@@ -517,6 +521,7 @@ def read_jamba(c: Cfg, acc: Acc) -> None:
     """Jamba: Mamba1 layers with attention every ``attn_layer_period`` (at ``attn_layer_offset``)
     and MoE every ``expert_layer_period`` (at ``expert_layer_offset``)."""
     hidden, n_layers, heads, kv_heads, hd = dense_core(c)
+    acc.rope_instances = 0  # Jamba's attention has no positional embedding (vllm models/jamba.py)
     a_period, a_off, e_period, e_off = (
         int(v)
         for v in c.req(
@@ -586,6 +591,7 @@ def read_nemotron_h(c: Cfg, acc: Acc) -> None:
     (M = Mamba2, * = attention, - = MLP, E = MoE), each with one RMSNorm."""
     (pattern,) = c.req("hybrid_override_pattern")
     acc.num_layers = len(str(pattern))
+    acc.rope_instances = 0  # no rotary embedding in vllm models/nemotron_h.py
     hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
     kv_heads = c.int("num_key_value_heads", heads)
     hd = head_dim_of(c, hidden, heads) if c.get("head_dim") is None else c.int("head_dim")

@@ -102,6 +102,12 @@ class Acc:
     embed_cols: int | None = None
     num_layers: int | None = None
     extra_vocab_rows: int = 0
+    # rotary embeddings where they differ from one per distinct rope parameters at the
+    # attention head size: the head size get_rope is given (MLA: qk_rope_head_dim), instances
+    # per parameter set (0: no RoPE; DeepSeek-V3.2's indexer adds one), a dtype of their own
+    rope_head: int | None = None
+    rope_instances: int = 1
+    rope_dtype: str | None = None
 
     def add(self, group: str, n: int) -> None:
         if n:

@@ -22,6 +22,7 @@ from oomguard.memory.spec import (
     ModelSpec,
     ParamGroup,
     ParamSharding,
+    RopeCache,
 )
 
 # Keys vLLM reads for the default max_model_len (docs/memory-model.md §3.5).
@@ -169,6 +170,67 @@ def derive_max_model_len(text: Mapping[str, Any], model_type: str) -> int:
         if original:
             return int(original)
     return int(derived)
+
+
+def _rope_positions(rp: Mapping[str, Any], max_position: int, top_original: Any) -> int:
+    """Rows of one rope's cos/sin cache for its type (vllm/model_executor/layers/rotary_embedding/).
+
+    YaRN and DeepSeek scaling build ``original_max_position_embeddings × factor`` rows
+    (yarn_scaling_rope.py, deepseek_scaling_rope.py), linear scaling ``max_position × factor``
+    (linear_scaling_rope.py), LongRoPE its short and long caches stacked (``original +
+    max_position``, phi3_long_rope_scaled_rope.py); the others ``max_position`` (base.py).
+    ``original_max_position_embeddings`` may sit beside the rope parameters (Phi-3).
+    """
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    factor = rp.get("factor")
+    original = rp.get("original_max_position_embeddings") or top_original
+    if rope_type in ("yarn", "deepseek_yarn", "deepseek_llama_scaling") and factor and original:
+        return int(int(original) * float(factor))
+    if rope_type == "linear" and isinstance(factor, (int, float)):
+        return int(max_position * float(factor))
+    if rope_type in ("longrope", "su") and original:
+        return int(original) + max_position
+    return max_position
+
+
+def rope_caches(
+    text: Mapping[str, Any], acc: Acc, head_size: int, default_len: int
+) -> tuple[RopeCache, ...]:
+    """The rotary embeddings vLLM 0.32 instantiates for a text config, one per parameter set.
+
+    ``get_rope`` keys its instances on (head size, rotary dim, positions, parameters, dtype), so
+    layers with the same parameters share one (rotary_embedding/__init__.py). The rotary dim is
+    ``rope_dim`` else ``head_size × partial_rotary_factor`` (also read as ``rotary_pct`` /
+    ``rotary_emb_fraction``, vllm/transformers_utils/config.py ``patch_rope_parameters``).
+    Gemma 3's sliding layers use their own base (``rope_local_base_freq``, models/gemma3.py).
+    """
+    if acc.rope_instances == 0 or text.get("position_embedding_type") == "nope":
+        return ()
+    max_position = text.get("max_position_embeddings")
+    positions = int(max_position) if isinstance(max_position, (int, float)) else default_len
+    params = _rope_params(text) or [{}]
+    if text.get("rope_local_base_freq") is not None and len(params) == 1:
+        params = [{"rope_theta": text["rope_local_base_freq"]}, params[0]]
+    head = acc.rope_head or head_size
+    partial = next(
+        (
+            text[k]
+            for k in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+            if isinstance(text.get(k), (int, float))
+        ),
+        1.0,
+    )
+    seen: list[Mapping[str, Any]] = []
+    caches: list[RopeCache] = []
+    for rp in params:
+        if rp in seen:
+            continue
+        seen.append(rp)
+        dim = rp.get("rope_dim") or int(head * float(rp.get("partial_rotary_factor", partial)))
+        rows = _rope_positions(rp, positions, text.get("original_max_position_embeddings"))
+        cache = RopeCache(rows, int(dim), acc.rope_dtype)
+        caches.extend([cache] * acc.rope_instances)
+    return tuple(caches)
 
 
 def _text_config(config: Mapping[str, Any]) -> tuple[Mapping[str, Any], bool]:
@@ -335,6 +397,12 @@ def assemble_spec(
         vocab_size=c.int("vocab_size"),
         tie_word_embeddings=tie,
         derived_max_model_len=derive_max_model_len(text, tc.text_type),
+        rope_caches=rope_caches(
+            text,
+            acc,
+            first_attn.head_size if first_attn else 0,
+            derive_max_model_len(text, tc.text_type),
+        ),
         layers=tuple(acc.layers),
         params=param_groups(c, acc),
         quant=detect_quant(config, name),

@@ -274,20 +274,20 @@ SHIPPED_BANDS = TermBands(
     },
     non_torch_gib={
         "v0/one": Band(1.675, 11, 11),
-        "v0/tp": Band(3.186, 49, 15, "all"),
+        "v0/tp": Band(3.029, 49, 15, "all"),
         "v1/one": Band(0.14, 6, 1),
-        "v1/tp": Band(3.186, 49, 15, "all"),
+        "v1/tp": Band(3.029, 49, 15, "all"),
         "late/one": Band(0.738, 30, 1),
-        "late/tp": Band(3.186, 49, 15, "all"),
+        "late/tp": Band(3.029, 49, 15, "all"),
     },
     graph_gib={
         "one": Band(0.7, 30, 1),
         "tp": Band(0.923, 11, 1),
     },
     weights={
-        "dense": Band(0.0343, 47, 17),
-        "quantized": Band(0.0225, 15, 7),
-        "dense/mm": Band(0.0629, 8, 3),
-        "quantized/mm": Band(0.0629, 9, 3, "mm"),
+        "dense": Band(0.0781, 47, 17),
+        "quantized": Band(0.0223, 15, 7),
+        "dense/mm": Band(0.0053, 8, 3),
+        "quantized/mm": Band(0.0053, 9, 3, "mm"),
     },
 )

@@ -232,10 +232,13 @@ class Mamba(KVLayerSpec):
 
     ``state_bytes`` is the unpadded per-rank state; ``cache_mode`` is vLLM's
     ``mamba_cache_mode``: "none" (one state per request), "align" (two) or "all" (one per block).
+    ``checkpoint_blocks``: prefill checkpoint blocks a request holds in align mode on top of its
+    two (vLLM ``MambaSpec.max_memory_usage_bytes``, v1/kv_cache_interface.py).
     """
 
     state_bytes: int = 0
     cache_mode: str = "none"
+    checkpoint_blocks: int = 0
 
     @property
     def raw_page_size_bytes(self) -> int:
@@ -245,7 +248,7 @@ class Mamba(KVLayerSpec):
         if self.cache_mode == "all":
             return cdiv(bound.max_model_len, self.block_size) + bound.num_speculative_blocks
         if self.cache_mode == "align":
-            return 2 + bound.num_speculative_blocks
+            return 2 + bound.num_speculative_blocks + self.checkpoint_blocks
         return 1 + bound.num_speculative_blocks
 
 
@@ -478,8 +481,15 @@ def build_layer_specs(
         elif layer.kind is AttentionKind.MAMBA:
             # Mamba groups use max_model_len as block size with mode none; the block count per
             # request does not depend on it, so the attention block size is kept for 'all'.
+            mamba = layer.mamba
+            ckpt = int(mamba is not None and mamba.variant in era.mamba_checkpoint_variants)
             specs.append(
-                Mamba(block_size=bs, state_bytes=mamba_bytes[i], cache_mode=mamba_cache_mode)
+                Mamba(
+                    block_size=bs,
+                    state_bytes=mamba_bytes[i],
+                    cache_mode=mamba_cache_mode,
+                    checkpoint_blocks=ckpt,
+                )
             )
         else:
             specs.append(attention_spec(layer, bs, fmt))

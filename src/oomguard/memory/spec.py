@@ -145,6 +145,20 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class RopeCache:
+    """One rotary embedding vLLM instantiates: its cos/sin cache is positions × rotary_dim.
+
+    vLLM's ``get_rope`` shares one instance among all layers with the same parameters
+    (vllm/model_executor/layers/rotary_embedding/__init__.py, ``_ROPE_DICT``), and each holds a
+    ``cos_sin_cache`` buffer of ``[positions, rotary_dim]`` (…/rotary_embedding/base.py).
+    """
+
+    positions: int
+    rotary_dim: int
+    dtype: str | None = None  # None: the model's dtype (vLLM's default dtype while loading)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the memory model needs to know about one model checkpoint."""
 
@@ -178,6 +192,9 @@ class ModelSpec:
     # what the user must know about how the facts were obtained (generic reader, a sibling's
     # config standing in for this repo's); shown with the plan
     caveats: tuple[str, ...] = field(default=(), hash=False, compare=False)
+    # the rotary embeddings vLLM builds (one cos/sin cache each; () for a model without RoPE);
+    # None: not read from a config, priced as one cache of derived_max_model_len × head_size
+    rope_caches: tuple[RopeCache, ...] | None = None
 
     @property
     def total_params(self) -> int:

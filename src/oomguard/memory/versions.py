@@ -90,6 +90,11 @@ class VllmEra:
     rocm_cudagraph_profiled: bool = True  # §2.6: ROCm graph memory subtracted from 0.26
     mxfp4_pad_intermediate: bool = True  # §8: mxfp4 MoE intermediate rounded to 128 from 0.13
     full_attention_page_padding: bool = False  # §5.1: attention pages padded to Mamba's, 0.30+
+    # §4.6: Mamba variants whose layers keep one prefill checkpoint block per request in align
+    # mode (MambaSpec.num_prefill_checkpoint_blocks, set by MambaMixer2.get_kv_cache_spec in
+    # model_executor/layers/mamba/mamba_mixer2.py): Mamba2 from 0.32; none before (0.31 has no
+    # such field in v1/kv_cache_interface.py)
+    mamba_checkpoint_variants: frozenset[str] = frozenset()
 
     @property
     def version(self) -> str:
@@ -152,6 +157,7 @@ def _era_for_minor(minor: int) -> VllmEra:
         rocm_cudagraph_profiled=m >= 26,
         mxfp4_pad_intermediate=m >= 13,
         full_attention_page_padding=m >= 30,
+        mamba_checkpoint_variants=frozenset({"mamba2"}) if m >= 32 else frozenset(),
     )
 
 

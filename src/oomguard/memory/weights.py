@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from oomguard.errors import BadInput
 from oomguard.memory.dtypes import SAFETENSORS_DTYPE_BYTES, dtype_bytes
-from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec
+from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec, RopeCache
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
 
@@ -257,6 +257,19 @@ def _checkpoint_ratio(model: ModelSpec, quant: QuantSpec) -> float | None:
     return ckpt_elems / model.total_params
 
 
+def rope_cache_bytes(model: ModelSpec, model_dtype: str) -> int:
+    """Bytes of vLLM's rotary cos/sin caches on one rank: positions × rotary dim per instance.
+
+    Each cache is a buffer of ``[positions, rotary_dim]`` in the dtype the rope was built with,
+    the model dtype unless the model asks for another
+    (vllm/model_executor/layers/rotary_embedding/base.py, ``cos_sin_cache``).
+    """
+    caches = model.rope_caches
+    if caches is None:
+        caches = (RopeCache(model.derived_max_model_len, model.head_size),)
+    return sum(c.positions * c.rotary_dim * dtype_bytes(c.dtype or model_dtype) for c in caches)
+
+
 def weight_bytes_per_stage(
     model: ModelSpec,
     *,
@@ -301,8 +314,7 @@ def weight_bytes_per_stage(
                 elems *= expert_pad
             total += elems * (q_bytes if quantized else float(mbytes))
         if first or last:
-            # rotary cos/sin cache: max positions × head size in model dtype, once per rank
-            total += model.derived_max_model_len * model.head_size * mbytes
+            total += rope_cache_bytes(model, model_dtype)
         per_stage.append(max(0, int(total) - cpu_offload_bytes))
     basis = "parameters by group"
     if quant.method:
