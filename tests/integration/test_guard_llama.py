@@ -240,7 +240,7 @@ def test_serve_starts_llama_server_and_it_answers_through_the_guard(
     llama_server_binary: Path,  # noqa: F811
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     args = [
         "--engine",
@@ -278,7 +278,7 @@ def test_guard_waits_while_llama_server_loads(
     llama_server_binary: Path,  # noqa: F811
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """The guard is up before llama-server: ``/health`` answers 503 while the model loads, the
     backend is not routed to (the guard is not ready), then it is, and requests pass."""

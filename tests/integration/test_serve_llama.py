@@ -119,7 +119,7 @@ def test_serve_heals_a_device_allocation_failure_by_lowering_the_split(
     small_device: str,
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     command = [
         "llama-server",
@@ -172,7 +172,7 @@ def test_serve_restarts_a_killed_llama_server_and_stops_cleanly(
     llama_server_binary: Path,  # noqa: F811
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     args = [str(gguf), "--p99-tokens", "256", "--concurrency", "2", "--port", str(free_port())]
     with _serve(oomguard_exe, args, tmp_path, llama_server_binary) as run:
@@ -205,7 +205,7 @@ def test_serve_refuses_bad_llama_server_input_with_one_line(
     llama_server_binary: Path,  # noqa: F811
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     env = dict(
         os.environ,
@@ -247,7 +247,7 @@ def test_serve_follows_the_chain_to_llama_cpp(
     gguf: Path,
     oomguard_exe: list[str],
     vllm_venv_path: Path,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """A model vLLM cannot hold on this machine, with its GGUF: plan's chain picks llama.cpp; a
     model vLLM holds stays with vLLM; without vLLM the GGUF is served by llama.cpp."""
@@ -304,7 +304,7 @@ def test_serve_stops_on_a_host_allocation_failure_and_shows_what_would_serve(
     llama_server_binary: Path,  # noqa: F811
     gguf: Path,
     oomguard_exe: list[str],
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """llama-server under an address-space limit its KV cache does not fit in: a host buffer has
     no split to lower, so serve exits 1 after showing the alternatives, each priced."""

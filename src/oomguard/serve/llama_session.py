@@ -313,7 +313,9 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         stop_event: threading.Event | None = None,
     ) -> None:
         pasted = options.command
-        super().__init__(options, handlers=handlers, line_sink=line_sink, stop_event=stop_event)
+        super().__init__(
+            options, handlers=handlers, line_sink=line_sink, engine=engine, stop_event=stop_event
+        )
         self.pasted: PastedLlamaCommand | None = (
             pasted if isinstance(pasted, PastedLlamaCommand) else None
         )
