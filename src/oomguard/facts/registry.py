@@ -79,19 +79,8 @@ Reader = Callable[[Cfg, Acc, str], None]
 
 
 def _readers() -> dict[str, Reader]:
-    llama_like = (
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-        "granite",
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "phi3",
-        "olmo2",
-    )
+    llama_like = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
+                  "olmo2")  # fmt: skip
     table: dict[str, Reader] = {t: read_llama_like for t in llama_like}
     table.update(
         {
@@ -164,7 +153,7 @@ def pick_reader(
         caveats = config_generic.generic_caveats(text, config, arch, text_type)
     except UnsupportedArchitecture as exc:
         raise UnsupportedArchitecture(
-            exc.message,
-            f"{exc.hint}; model types with their own reader: {', '.join(supported_model_types())}",
-        ) from None
+            exc.message, f"{exc.hint}; model types with their own reader: "
+            f"{', '.join(supported_model_types())}",
+        ) from None  # fmt: skip
     return config_generic.read_generic, caveats

@@ -15,7 +15,6 @@ from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
 
-
 def resolve_model_dtype(model: ModelSpec, dtype: str, compute_capability: str = "") -> str:
     """The dtype vLLM loads the model in: ``auto`` keeps bf16/fp16, turns fp32 into bf16.
 
@@ -293,7 +292,9 @@ def weight_bytes_per_stage(
     mbytes = dtype_bytes(model_dtype)
     quant = _served_quant(model, quantization)
     q_bytes = (
-        quantized_bytes_per_element(quant, model.hidden_size) if quant.method else float(mbytes)
+        quantized_bytes_per_element(quant, model.hidden_size)
+        if quant.method
+        else float(mbytes)
     )
     expert_pad = _expert_padding(model, quant, tp, ep, pad_intermediate)
     has_lm_head = any(g.name == "lm_head" for g in model.params)

@@ -49,13 +49,8 @@ class LlamaCommand:
 
     # --- reading -------------------------------------------------------------------------
     @classmethod
-    def from_args(
-        cls,
-        args: Sequence[str],
-        table: FlagTable,
-        env: Mapping[str, str] | None = None,
-        base_dir: Path | None = None,
-    ) -> tuple[LlamaCommand, LlamaArgs]:
+    def from_args(cls, args: Sequence[str], table: FlagTable, env: Mapping[str, str] | None = None,
+                  base_dir: Path | None = None) -> tuple[LlamaCommand, LlamaArgs]:  # fmt: skip
         """Read llama-server's arguments (without the binary); raises :class:`BadInput` for a
         flag this binary does not have, a missing model, or a model file that does not exist."""
         read = read_args(args, table, env)
@@ -63,9 +58,7 @@ class LlamaCommand:
         if not model.is_absolute() and base_dir is not None:
             model = base_dir / model
         if not model.is_file():
-            raise BadInput(
-                f"model file does not exist: {model}", "pass --model PATH to a local .gguf file"
-            )
+            raise BadInput(f"model file does not exist: {model}", "pass --model PATH to a local .gguf file")
         memory = {table.canonical(f) for f in MEMORY_FLAGS}
         extra: list[str] = []
         for written, value in split_args(args, table):
@@ -76,28 +69,11 @@ class LlamaCommand:
         port_text = read.values.get(table.canonical("--port")) or str(DEFAULT_PORT)
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise BadInput(f"--port {port_text} is not a port number", "pass 1-65535")
-        explicit = any(
-            table.canonical(f) in read.values
-            for f in (
-                "--n-gpu-layers",
-                "--n-cpu-moe",
-                "--cpu-moe",
-                "--override-tensor",
-                "--tensor-split",
-            )
-        )
+        explicit = any(table.canonical(f) in read.values for f in ("--n-gpu-layers", "--n-cpu-moe", "--cpu-moe",
+                                                                   "--override-tensor", "--tensor-split"))  # fmt: skip
         settings = read.llama_settings(0)
-        command = cls(
-            str(model),
-            settings,
-            host,
-            int(port_text),
-            tuple(extra),
-            dict(env or {}),
-            read.rpc,
-            read.devices,
-            explicit,
-        )
+        command = cls(str(model), settings, host, int(port_text), tuple(extra), dict(env or {}), read.rpc,
+                      read.devices, explicit)  # fmt: skip
         return command, read
 
     # --- what the loop needs ---------------------------------------------------------------
@@ -114,14 +90,8 @@ class LlamaCommand:
 
     def argv(self, binary: str) -> list[str]:
         """The process to start."""
-        return llama_server_argv(
-            self.model,
-            self.settings,
-            binary=binary,
-            host=self.host,
-            port=self.port,
-            extra=self.extra,
-        )
+        return llama_server_argv(self.model, self.settings, binary=binary, host=self.host, port=self.port,
+                                 extra=self.extra)  # fmt: skip
 
     def key(self) -> str:
         """What makes two commands the same configuration (not where it listens)."""
