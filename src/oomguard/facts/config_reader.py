@@ -214,11 +214,8 @@ def rope_caches(
         params = [{"rope_theta": text["rope_local_base_freq"]}, params[0]]
     head = acc.rope_head or head_size
     partial = next(
-        (
-            text[k]
-            for k in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
-            if isinstance(text.get(k), (int, float))
-        ),
+        (text[k] for k in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+         if isinstance(text.get(k), (int, float))),
         1.0,
     )
     seen: list[Mapping[str, Any]] = []
@@ -375,9 +372,7 @@ def assemble_spec(
         tie_word_embeddings=tie,
         derived_max_model_len=derive_max_model_len(text, tc.text_type),
         rope_caches=rope_caches(
-            text,
-            acc,
-            first_attn.head_size if first_attn else 0,
+            text, acc, first_attn.head_size if first_attn else 0,
             derive_max_model_len(text, tc.text_type),
         ),
         layers=tuple(acc.layers),

@@ -266,7 +266,9 @@ def rope_cache_bytes(model: ModelSpec, model_dtype: str) -> int:
     caches = model.rope_caches
     if caches is None:
         caches = (RopeCache(model.derived_max_model_len, model.head_size),)
-    return sum(c.positions * c.rotary_dim * dtype_bytes(c.dtype or model_dtype) for c in caches)
+    return sum(
+        c.positions * c.rotary_dim * dtype_bytes(c.dtype or model_dtype) for c in caches
+    )
 
 
 def weight_bytes_per_stage(
