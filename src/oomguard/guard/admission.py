@@ -532,10 +532,7 @@ class BackendAdmission:
 
         Only a request that would finish within ``stagger_tokens`` steps of the last request
         admitted under pressure waits (identical requests admitted together end together);
-        requests of other lengths end apart anyway and pass at once. The last one's progress
-        counts from when it was sent (at the decode rate), not from its first token: on a
-        busy engine the intake before the first token takes many steps, and waiting for it
-        would space admissions by the intake instead of the stagger.
+        requests of other lengths end apart anyway and pass at once.
         """
         last = self._last_pressed
         if last is None or last.handle not in self.inflight or not last.tracked:
@@ -545,11 +542,10 @@ class BackendAdmission:
         )
         if done is None and last.started:
             return True
-        # Both go through the same intake before they start, so their ends lie apart by the
-        # steps since the last one was sent, whether or not it has started yet.
-        tps = self.rate.low_tokens_per_s or 0.0
-        elapsed = math.floor(tps * max(now_s - last.sent_at_s, 0.0))
-        remaining = last.reserved_new_tokens - max(done or 0, elapsed)
+        # Progress counts from the last one's first token, not from when it was sent: vLLM can
+        # take two waiting requests into the same step, so time spent waiting to start does
+        # not set their ends apart (counting it let a three-replica burst preempt once).
+        remaining = last.reserved_new_tokens - (done or 0)
         gap = abs(remaining - cost.planned_new_tokens)
         return gap >= self.stagger_tokens(cost, limit_blocks)
 
