@@ -55,7 +55,9 @@ def plan_command(
     headroom_gib: opt.HeadroomGib = 0.0,
     margin: opt.Margin = DEFAULT_MARGIN,
     host_memory_gib: float = typer.Option(
-        None, "--host-memory-gib", help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
+        None,
+        "--host-memory-gib",
+        help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's).",
     ),
     offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
     no_calibration: bool = typer.Option(
@@ -80,11 +82,21 @@ def plan_command(
         )
     flags = {name: value for name, value in locals().items() if name in _ENGINE_FLAGS}
     result = plan(
-        model, gpu, gpu_count=gpu_count, gpu_memory_gib=gpu_memory_gib, p99_tokens=p99_tokens,
-        concurrency=concurrency, shared_prefix=shared_prefix, headroom_gib=headroom_gib,
-        margin=margin, host_memory_gib=host_memory_gib, command=command,
-        allow_hub=not offline, use_calibration=not no_calibration, **settings_from_flags(flags),
-    )  # fmt: skip
+        model,
+        gpu,
+        gpu_count=gpu_count,
+        gpu_memory_gib=gpu_memory_gib,
+        p99_tokens=p99_tokens,
+        concurrency=concurrency,
+        shared_prefix=shared_prefix,
+        headroom_gib=headroom_gib,
+        margin=margin,
+        host_memory_gib=host_memory_gib,
+        command=command,
+        allow_hub=not offline,
+        use_calibration=not no_calibration,
+        **settings_from_flags(flags),
+    )
     if json_output:
         typer.echo(result.to_json())
     else:
