@@ -99,6 +99,19 @@ def vllm_command(
     return shlex.join(parts)
 
 
+def _guard_config(
+    capacity: Capacity, high: float, low: float, backend_url: str, max_model_len: int | None
+) -> dict[str, Any]:
+    """The guard's config for one backend with the recommended watermarks."""
+    backend: dict[str, Any] = {"url": backend_url}
+    if capacity.num_gpu_blocks:
+        backend["num_gpu_blocks"] = capacity.num_gpu_blocks
+    backend["block_size"] = capacity.block_size
+    if max_model_len:
+        backend["max_model_len"] = max_model_len
+    return {"backends": [backend], "high_watermark": high, "low_watermark": low}
+
+
 def recommend(
     *,
     max_safe: int | None,
@@ -168,15 +181,9 @@ def recommend(
         if kv_peak_at_safe is not None:
             measured_tokens = round(kv_peak_at_safe * capacity.usable_tokens / seqs, 1)
     command = vllm_command(model, seqs, max_model_len=max_model_len, capacity=capacity)
-    guard: dict[str, Any] | None = None
+    guard = None
     if capacity is not None and high is not None and low is not None:
-        backend: dict[str, Any] = {"url": backend_url}
-        if capacity.num_gpu_blocks:
-            backend["num_gpu_blocks"] = capacity.num_gpu_blocks
-        backend["block_size"] = capacity.block_size
-        if max_model_len:
-            backend["max_model_len"] = max_model_len
-        guard = {"backends": [backend], "high_watermark": high, "low_watermark": low}
+        guard = _guard_config(capacity, high, low, backend_url, max_model_len)
     return BenchRecommendation(
         seqs, high, low, kv_per_token, source, blocks, measured_tokens, command, guard, notes
     )

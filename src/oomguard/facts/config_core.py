@@ -601,33 +601,14 @@ def read_nemotron_h(c: Cfg, acc: Acc) -> None:
     m_inter = m_heads * m_hd
     inter = c.int("intermediate_size", 0)
     mlp_bias = bool(c.get("mlp_bias", False))
+    biases = bool(c.get("use_conv_bias", True)), bool(c.get("use_bias", False))
+    ssm = c.get("mamba_ssm_cache_dtype") or "float32"
     n_moe = 0
     for ch in str(pattern):
         if ch == "M":
-            acc.add(
-                "mamba",
-                _mamba2_params(
-                    hidden,
-                    m_inter,
-                    n_groups,
-                    d_state,
-                    m_heads,
-                    conv_k,
-                    bool(c.get("use_conv_bias", True)),
-                    bool(c.get("use_bias", False)),
-                ),
-            )
-            acc.layers.append(
-                _mamba2_state(
-                    m_inter,
-                    n_groups,
-                    d_state,
-                    m_heads,
-                    m_hd,
-                    conv_k,
-                    c.get("mamba_ssm_cache_dtype") or "float32",
-                )
-            )
+            params = _mamba2_params(hidden, m_inter, n_groups, d_state, m_heads, conv_k, *biases)
+            acc.add("mamba", params)
+            acc.layers.append(_mamba2_state(m_inter, n_groups, d_state, m_heads, m_hd, conv_k, ssm))
         elif ch == "*":
             b = bool(c.get("attention_bias", False))
             add_full_attention(
@@ -797,6 +778,14 @@ def _gdn_params(hidden: int, nk: int, dk: int, nv: int, dv: int, conv_k: int) ->
     return hidden * qkvz + hidden * 2 * nv + conv_dim * conv_k + 2 * nv + dv + nv * dv * hidden
 
 
+_GDN_HEAD_KEYS = (
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+)
+
+
 def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     """Qwen3-Next and Qwen3.5: Gated DeltaNet layers with gated full attention every
     ``full_attention_interval`` (or per ``layer_types``); MoE with a gated shared expert
@@ -806,15 +795,7 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     Qwen3_5ForConditionalGenerationConfig)."""
     dense = model_type == "qwen3_5_text"
     hidden, n_layers, heads, kv_heads, hd = dense_core(c)
-    nk, dk, nv, dv = (
-        int(v)
-        for v in c.req(
-            "linear_num_key_heads",
-            "linear_key_head_dim",
-            "linear_num_value_heads",
-            "linear_value_head_dim",
-        )
-    )
+    nk, dk, nv, dv = (int(v) for v in c.req(*_GDN_HEAD_KEYS))
     conv_k = c.int("linear_conv_kernel_dim", 4)
     layer_types = _qwen3_next_layer_types(c, n_layers)
     if dense:

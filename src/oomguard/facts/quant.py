@@ -191,6 +191,27 @@ def _modelopt(qc: Mapping[str, Any]) -> QuantSpec:
     )
 
 
+def _fp8(qc: Mapping[str, Any], method: str) -> QuantSpec:
+    """FP8 weights: block-, channel- (fbgemm) or tensor-scaled."""
+    block = qc.get("weight_block_size")
+    ignored = _groups_for_modules(
+        qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+    )
+    if block:
+        gran = "block"
+    elif method == "fbgemm-fp8":
+        gran = "channel"
+    else:
+        gran = "tensor"
+    return QuantSpec(
+        method="fp8",
+        weight_bits=8,
+        scale_granularity=gran,
+        group_size=int(block[0]) if block else None,
+        unquantized_groups=_merge(DEFAULT_UNQUANTIZED, ignored),
+    )
+
+
 def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
     """QuantSpec for one ``quantization_config`` dict (as found in config.json).
 
@@ -231,23 +252,7 @@ def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
             unquantized_groups=unq,
         )
     if method in ("fp8", "fbgemm-fp8"):
-        block = qc.get("weight_block_size")
-        ignored = _groups_for_modules(
-            qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
-        )
-        if block:
-            gran = "block"
-        elif method == "fbgemm-fp8":
-            gran = "channel"
-        else:
-            gran = "tensor"
-        return QuantSpec(
-            method="fp8",
-            weight_bits=8,
-            scale_granularity=gran,
-            group_size=int(block[0]) if block else None,
-            unquantized_groups=_merge(DEFAULT_UNQUANTIZED, ignored),
-        )
+        return _fp8(qc, method)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "bitsandbytes":

@@ -416,6 +416,55 @@ class _BudgetInputs:
     block_size: int
 
 
+def _stage_weights(
+    b: _BudgetInputs, weights_bytes: int, weights_basis: str, measured_names: list[str]
+) -> Estimate:
+    """One stage's weights: the computed count with its band, or the measured figure."""
+    settings, measured = b.settings, b.measured
+    # parameters × bytes per format; the band is what such counts missed by on real logs
+    quantized = bool(b.model.quant.method or settings.quantization)
+    half = b.coef.bands.weights[weights_group(quantized, b.model.vision is not None)].half_width
+    if not b.model.verified:
+        # read by the generic reader: modules it does not know may add or remove weights
+        half = max(half, UNVERIFIED_WEIGHTS_BAND)
+    w_est = Estimate(
+        weights_bytes,
+        int(weights_bytes * (1 - half)),
+        int(weights_bytes * (1 + half)),
+        f"computed: {weights_basis}",
+    )
+    if measured and measured.weights_bytes is not None:
+        w_est = Estimate.measured(measured.weights_bytes, measured.source)
+        _note(measured_names, "weights")
+    return w_est
+
+
+def _stage_blocks(
+    b: _BudgetInputs, stage_layout: kvm.KVLayout, stage_state_entries: int
+) -> tuple[int, Callable[[int], int]]:
+    """One stage's bytes per KV block, and how many blocks a number of bytes holds."""
+    settings = b.settings
+    if b.era.engine == "v0":
+        bpb = kvm.v0_cache_block_bytes(
+            b.model,
+            tp=b.tp,
+            model_dtype=b.model_dtype,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            block_size=b.block_size,
+            num_layers=stage_state_entries,
+        )
+
+        def blocks_of(avail: int) -> int:
+            return max(0, int(avail // bpb)) if avail > 0 else 0
+    else:
+        bpb = stage_layout.bytes_per_block
+
+        def blocks_of(avail: int) -> int:
+            return kvm.num_blocks(avail, stage_layout, None)
+
+    return bpb, blocks_of
+
+
 def _stage_memory(
     b: _BudgetInputs,
     idx: int,
@@ -435,21 +484,7 @@ def _stage_memory(
     """
     settings, era, measured = b.settings, b.era, b.measured
     pp = settings.pipeline_parallel_size
-    # parameters × bytes per format; the band is what such counts missed by on real logs
-    quantized = bool(b.model.quant.method or settings.quantization)
-    half = b.coef.bands.weights[weights_group(quantized, b.model.vision is not None)].half_width
-    if not b.model.verified:
-        # read by the generic reader: modules it does not know may add or remove weights
-        half = max(half, UNVERIFIED_WEIGHTS_BAND)
-    w_est = Estimate(
-        weights_bytes,
-        int(weights_bytes * (1 - half)),
-        int(weights_bytes * (1 + half)),
-        f"computed: {weights_basis}",
-    )
-    if measured and measured.weights_bytes is not None:
-        w_est = Estimate.measured(measured.weights_bytes, measured.source)
-        _note(measured_names, "weights")
+    w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names)
     a_est = activation_peak(
         b.model,
         era=era,
@@ -482,24 +517,7 @@ def _stage_memory(
         g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
         _note(measured_names, "cudagraph")
     available, low, high = _available_kv(b, w_est, a_est, nt, g_est)
-    if era.engine == "v0":
-        bpb = kvm.v0_cache_block_bytes(
-            b.model,
-            tp=b.tp,
-            model_dtype=b.model_dtype,
-            kv_cache_dtype=settings.kv_cache_dtype,
-            block_size=b.block_size,
-            num_layers=stage_state_entries,
-        )
-
-        def blocks_of(avail: int) -> int:
-            return max(0, int(avail // bpb)) if avail > 0 else 0
-    else:
-        bpb = stage_layout.bytes_per_block
-
-        def blocks_of(avail: int) -> int:
-            return kvm.num_blocks(avail, stage_layout, None)
-
+    bpb, blocks_of = _stage_blocks(b, stage_layout, stage_state_entries)
     stage = StageMemory(
         idx,
         len(layers),
@@ -805,6 +823,31 @@ def _stage_layout(kv: KVPlan, era: VllmEra, idx: int) -> kvm.KVLayout:
     return kv.layout
 
 
+def _non_torch_term(
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    measured: MeasuredTerms | None,
+    measured_names: list[str],
+) -> Estimate:
+    """The memory outside torch's allocator on each GPU: estimated, or the measured figure."""
+    nt = non_torch(
+        r.era,
+        tp=r.tp,
+        pp=settings.pipeline_parallel_size,
+        platform=settings.platform,
+        nvlink=gpu.nvlink,
+        nvls=gpu.nvls,
+        coef=r.coef,
+    )
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
+        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
+        measured_names.append("non_torch")
+    return nt
+
+
 def budget_stages(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -827,20 +870,7 @@ def budget_stages(
         load_mtp="mtp" in (settings.speculative_method or "").lower(),
     )
     measured_names: list[str] = []
-    nt = non_torch(
-        era,
-        tp=r.tp,
-        pp=pp,
-        platform=settings.platform,
-        nvlink=gpu.nvlink,
-        nvls=gpu.nvls,
-        coef=r.coef,
-    )
-    if measured and measured.non_torch_bytes is not None:
-        # on the CPU backend the term is the worker's runtime outside weights and activations
-        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
-        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
-        measured_names.append("non_torch")
+    nt = _non_torch_term(gpu, settings, r, measured, measured_names)
     budget = _BudgetInputs(
         model=model,
         gpu=gpu,
@@ -1199,6 +1229,30 @@ class _StartupContext:
     measured_names: list[str]
 
 
+# problems that stop vLLM's startup: the prediction does not fit
+_BLOCKING_CODES = frozenset(
+    {
+        "no_kv_memory",
+        "max_len_exceeds_kv",
+        "free_memory_below_requested",
+        "weights_exceed_gpu",
+        "tp_not_divisible",
+        "max_len_exceeds_derived",
+        *CPU_STARTUP_ERRORS,
+    }
+)
+# log lines vLLM prints only after the weights have loaded
+_AFTER_LOAD_LINES = (
+    "Available KV cache memory",
+    "No available memory",
+    "To serve at least",
+    "Auto-fit",
+    "Add ",
+    "Overriding num_gpu_blocks",
+    "Cannot auto-fit",
+)
+
+
 def _finish(
     ctx: _StartupContext,
     *,
@@ -1224,28 +1278,11 @@ def _finish(
         block_size=ctx.block_size,
         enable_prefix_caching=ctx.prefix_caching,
     )
-    blocking = {
-        "no_kv_memory",
-        "max_len_exceeds_kv",
-        "free_memory_below_requested",
-        "weights_exceed_gpu",
-        "tp_not_divisible",
-        "max_len_exceeds_derived",
-        *CPU_STARTUP_ERRORS,
-    }
-    fits = not any(p.code in blocking for p in problems)
+    fits = not any(p.code in _BLOCKING_CODES for p in problems)
     if any(p.code == "weights_exceed_gpu" for p in problems):
         # vLLM stops in load_model: nothing after the weights is ever computed or printed
         problems = [p for p in problems if p.code not in {"no_kv_memory", "max_len_exceeds_kv"}]
-        after_load = (
-            "Available KV cache memory",
-            "No available memory",
-            "To serve at least",
-            "Auto-fit",
-            "Add ",
-            "Overriding num_gpu_blocks",
-            "Cannot auto-fit",
-        )
+        after_load = _AFTER_LOAD_LINES
         logs = [
             line for line in logs if not line.startswith(after_load) and "KV cache size" not in line
         ]

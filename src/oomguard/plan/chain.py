@@ -87,6 +87,47 @@ def _vllm_price(alt: Alternative, ref_s: float | None) -> dict[str, Any]:
     }
 
 
+def _llama_cpp_caveats(
+    plan: SplitPlan, kind: str, numbers: dict[str, Any], kv_q8: SplitPlan | None
+) -> list[str]:
+    """What a llama.cpp alternative's reader should know: placement, engine, host memory, speed."""
+    s = plan.settings
+    model = plan.memory.model
+    caveats: list[str] = []
+    if kind == "llama_cpp":
+        on_gpu = plan.memory.placement.gpu_layers()
+        where = (
+            f"{on_gpu} of {model.n_layer} layers on the GPU"
+            if not s.n_cpu_moe
+            else f"attention of all layers on the GPU, the experts of the first {s.n_cpu_moe} on the CPU"
+        )
+        caveats.append(
+            f"{where}; predicted GPU {numbers['gpu_gib_per_device']} GiB of a "
+            f"{numbers['gpu_budget_gib']} GiB budget (1 GiB margin and the CUDA context kept free)"
+        )
+        if kv_q8 is not None and kv_q8.settings.n_gpu_layers > s.n_gpu_layers:
+            caveats.append(
+                f"with --cache-type-k q8_0 --cache-type-v q8_0 the KV cache halves and -ngl "
+                f"{kv_q8.settings.n_gpu_layers} fits"
+            )
+    caveats.append(
+        "a different engine: llama-server slots (--parallel) each hold a fixed context; "
+        "no PagedAttention, modest batching"
+    )
+    if plan.fits_host is False:
+        caveats.append(
+            f"host memory: needs {numbers['host_gib']} GiB, the host has {numbers['host_budget_gib']} GiB usable"
+        )
+    elif plan.fits_host is None:
+        caveats.append(
+            f"needs {numbers['host_gib']} GiB of host RAM (host memory not checked: pass --host-memory-gib)"
+        )
+    caveats.append(
+        f"speeds are memory-bandwidth bounds (host RAM {HOST_RAM_GBPS:.0f} GB/s), estimates"
+    )
+    return caveats
+
+
 def _llama_cpp_tier(
     space: SearchSpace,
     plan: SplitPlan,
@@ -132,38 +173,7 @@ def _llama_cpp_tier(
         ],
         "model_source": model.source,
     }
-    caveats = []
-    if kind == "llama_cpp":
-        on_gpu = plan.memory.placement.gpu_layers()
-        where = (
-            f"{on_gpu} of {model.n_layer} layers on the GPU"
-            if not s.n_cpu_moe
-            else f"attention of all layers on the GPU, the experts of the first {s.n_cpu_moe} on the CPU"
-        )
-        caveats.append(
-            f"{where}; predicted GPU {numbers['gpu_gib_per_device']} GiB of a "
-            f"{numbers['gpu_budget_gib']} GiB budget (1 GiB margin and the CUDA context kept free)"
-        )
-        if kv_q8 is not None and kv_q8.settings.n_gpu_layers > s.n_gpu_layers:
-            caveats.append(
-                f"with --cache-type-k q8_0 --cache-type-v q8_0 the KV cache halves and -ngl "
-                f"{kv_q8.settings.n_gpu_layers} fits"
-            )
-    caveats.append(
-        "a different engine: llama-server slots (--parallel) each hold a fixed context; "
-        "no PagedAttention, modest batching"
-    )
-    if plan.fits_host is False:
-        caveats.append(
-            f"host memory: needs {numbers['host_gib']} GiB, the host has {numbers['host_budget_gib']} GiB usable"
-        )
-    elif plan.fits_host is None:
-        caveats.append(
-            f"needs {numbers['host_gib']} GiB of host RAM (host memory not checked: pass --host-memory-gib)"
-        )
-    caveats.append(
-        f"speeds are memory-bandwidth bounds (host RAM {HOST_RAM_GBPS:.0f} GB/s), estimates"
-    )
+    caveats = _llama_cpp_caveats(plan, kind, numbers, kv_q8)
     title = (
         f"llama.cpp {model.file_type} GGUF, -ngl {s.n_gpu_layers}"
         if kind == "llama_cpp"

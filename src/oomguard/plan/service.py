@@ -439,17 +439,8 @@ def plan(
     version = resolve_era(req.base.vllm_version, req.base.engine).label
     catalogue = list_gpus()
     if target.gpu is None:
-        return _sizing_plan(
-            model_ref,
-            spec,
-            req.base,
-            req.fixed,
-            workload,
-            catalogue,
-            notes,
-            req.other_flags,
-            started,
-        )
+        args = (model_ref, spec, req.base, req.fixed, workload, catalogue, notes)
+        return _sizing_plan(*args, req.other_flags, started)
     measured = _CalibrationLookup(target.gpu, version, spec.name) if use_calibration else None
     space = SearchSpace(
         model_ref=model_ref,

@@ -49,6 +49,33 @@ def _layer_types(recipe: str, spec: ModelSpec, i: int) -> dict[str, str]:
     return {"q": base, "k": k, "v": v, "o": o, "gate": base, "up": base, "down": down}
 
 
+def _ffn_tensors(spec: ModelSpec, i: int, t: dict[str, str], b: str) -> list[GGUFTensor]:
+    """Layer ``i``'s feed-forward tensors: routed (and shared) experts, or a dense MLP."""
+    e, moe = spec.hidden_size, spec.moe
+    if moe is not None and (moe.num_moe_layers == 0 or i >= spec.num_layers - moe.num_moe_layers):
+        ff, n_exp = moe.expert_intermediate_size, moe.num_experts
+        tensors = [
+            GGUFTensor(b + "ffn_gate_inp.weight", "F32", (e, n_exp)),
+            GGUFTensor(b + "ffn_gate_exps.weight", _fit(t["gate"], e), (e, ff, n_exp)),
+            GGUFTensor(b + "ffn_up_exps.weight", _fit(t["up"], e), (e, ff, n_exp)),
+            GGUFTensor(b + "ffn_down_exps.weight", _fit(t["down"], ff), (ff, e, n_exp)),
+        ]
+        if moe.shared_expert_intermediate_size:
+            sff = moe.shared_expert_intermediate_size * max(1, moe.num_shared_experts)
+            tensors += [
+                GGUFTensor(b + "ffn_gate_shexp.weight", _fit(t["gate"], e), (e, sff)),
+                GGUFTensor(b + "ffn_up_shexp.weight", _fit(t["up"], e), (e, sff)),
+                GGUFTensor(b + "ffn_down_shexp.weight", _fit(t["down"], sff), (sff, e)),
+            ]
+        return tensors
+    ff = spec.intermediate_size
+    return [
+        GGUFTensor(b + "ffn_gate.weight", _fit(t["gate"], e), (e, ff)),
+        GGUFTensor(b + "ffn_up.weight", _fit(t["up"], e), (e, ff)),
+        GGUFTensor(b + "ffn_down.weight", _fit(t["down"], ff), (ff, e)),
+    ]
+
+
 def synthesize_gguf(spec: ModelSpec, recipe: str = "Q4_K_M") -> GGUFModel:
     """A :class:`GGUFModel` for ``spec`` quantized with ``recipe`` (no file: offsets unknown).
 
@@ -92,30 +119,7 @@ def synthesize_gguf(spec: ModelSpec, recipe: str = "Q4_K_M") -> GGUFModel:
             GGUFTensor(b + "attn_output.weight", _fit(t["o"], q_dim), (q_dim, e)),
             GGUFTensor(b + "ffn_norm.weight", "F32", (e,)),
         ]
-        if moe is not None and (
-            moe.num_moe_layers == 0 or i >= spec.num_layers - moe.num_moe_layers
-        ):
-            ff, n_exp = moe.expert_intermediate_size, moe.num_experts
-            tensors += [
-                GGUFTensor(b + "ffn_gate_inp.weight", "F32", (e, n_exp)),
-                GGUFTensor(b + "ffn_gate_exps.weight", _fit(t["gate"], e), (e, ff, n_exp)),
-                GGUFTensor(b + "ffn_up_exps.weight", _fit(t["up"], e), (e, ff, n_exp)),
-                GGUFTensor(b + "ffn_down_exps.weight", _fit(t["down"], ff), (ff, e, n_exp)),
-            ]
-            if moe.shared_expert_intermediate_size:
-                sff = moe.shared_expert_intermediate_size * max(1, moe.num_shared_experts)
-                tensors += [
-                    GGUFTensor(b + "ffn_gate_shexp.weight", _fit(t["gate"], e), (e, sff)),
-                    GGUFTensor(b + "ffn_up_shexp.weight", _fit(t["up"], e), (e, sff)),
-                    GGUFTensor(b + "ffn_down_shexp.weight", _fit(t["down"], sff), (sff, e)),
-                ]
-        else:
-            ff = spec.intermediate_size
-            tensors += [
-                GGUFTensor(b + "ffn_gate.weight", _fit(t["gate"], e), (e, ff)),
-                GGUFTensor(b + "ffn_up.weight", _fit(t["up"], e), (e, ff)),
-                GGUFTensor(b + "ffn_down.weight", _fit(t["down"], ff), (ff, e)),
-            ]
+        tensors += _ffn_tensors(spec, i, t, b)
     tensors.append(GGUFTensor("output_norm.weight", "F32", (e,)))
     if not spec.tie_word_embeddings:
         tensors.append(GGUFTensor("output.weight", _fit(out_type, e), (e, n_vocab)))
