@@ -121,13 +121,21 @@ def planner_figures(model_dir: Path) -> dict[str, Any]:
     from oomguard.memory.spec import GPUSpec
 
     model = resolve_model(str(model_dir), allow_hub=False)
-    node = GPUSpec(name="CPU NUMA node 0", total_bytes=NODE_TOTAL_BYTES,
-                   marketing_gb=round(NODE_TOTAL_BYTES / 1e9, 1), vendor="cpu")  # fmt: skip
+    node = GPUSpec(
+        name="CPU NUMA node 0",
+        total_bytes=NODE_TOTAL_BYTES,
+        marketing_gb=round(NODE_TOTAL_BYTES / 1e9, 1),
+        vendor="cpu",
+    )
     settings = EngineSettings(
-        platform="cpu", vllm_version="0.32.0", dtype="float32", enforce_eager=True,
-        kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+        platform="cpu",
+        vllm_version="0.32.0",
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
-    )  # fmt: skip
+    )
     p = predict(model, node, settings)
     return {
         "weights_bytes": p.weights.value_bytes,
@@ -199,9 +207,11 @@ def build_jobs(
             row.verdict = "not loadable on CPU"  # the planner knows vLLM dropped it; so does vLLM
             continue
         kwargs: dict[str, Any] = {
-            "model": str(model_dir), "kv_cache_memory_bytes": KV_CACHE_BYTES,
-            "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
-        }  # fmt: skip
+            "model": str(model_dir),
+            "kv_cache_memory_bytes": KV_CACHE_BYTES,
+            "max_model_len": MAX_MODEL_LEN,
+            "max_num_seqs": MAX_NUM_SEQS,
+        }
         if isinstance(entry.config.get("vision_config"), dict):
             kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
         jobs.append({"name": arch, "kwargs": kwargs})
@@ -254,9 +264,15 @@ def run_probe(
         log = work / f"probe-{attempt}.log"
         with log.open("w") as fh:
             try:
-                subprocess.run([str(python), str(ROOT / "bench" / "arch_probe.py"),
-                                str(jobs_file)], stdout=fh, stderr=subprocess.STDOUT,
-                               env=vllm_env(), cwd=work, timeout=timeout_s, check=False)  # fmt: skip
+                subprocess.run(
+                    [str(python), str(ROOT / "bench" / "arch_probe.py"), str(jobs_file)],
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    env=vllm_env(),
+                    cwd=work,
+                    timeout=timeout_s,
+                    check=False,
+                )
             except subprocess.TimeoutExpired:
                 pass
         started = parse_probe_log(log, results)
@@ -293,16 +309,22 @@ def _short_error(text: str) -> str:
 
 def render(rows: list[Row], header: str) -> str:
     """The table as Markdown."""
-    lines = [header, "", "| architecture | model cut from | cut | result | figures / why |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        header,
+        "",
+        "| architecture | model cut from | cut | result | figures / why |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         figures = r.detail
         if r.verdict == "match" and r.vllm:
             v = r.vllm
             block, per_token = vllm_kv_figures(v)
-            figures = (f"weights {v['params_bytes'] + v['buffers_bytes']:,} B, "
-                       f"{block:,} B/block, {per_token:,} B/token, {v['num_blocks']} blocks, "
-                       f"{v['kv_cache_tokens']:,} tokens, {v['max_concurrency']}x")  # fmt: skip
+            figures = (
+                f"weights {v['params_bytes'] + v['buffers_bytes']:,} B, "
+                f"{block:,} B/block, {per_token:,} B/token, {v['num_blocks']} blocks, "
+                f"{v['kv_cache_tokens']:,} tokens, {v['max_concurrency']}x"
+            )
         lines.append(f"| {r.arch} | {r.model} | {r.cut} | {r.verdict} | {figures} |")
     counts: dict[str, int] = {}
     for r in rows:

@@ -81,11 +81,15 @@ def search(url: str, p: int, m: int, start: int | None) -> tuple[BenchResult, fl
     """One search; the result and its wall time."""
     wait_idle(url)
     t0 = time.monotonic()
-    result = run_bench(BenchSettings(url=url, workload=FixedWorkload(p, m), start_concurrency=start))
+    result = run_bench(
+        BenchSettings(url=url, workload=FixedWorkload(p, m), start_concurrency=start)
+    )
     return result, time.monotonic() - t0
 
 
-def sweep(server: VllmServer, model_dir: Path, p: int, m: int, top: int) -> dict[int, dict[str, Any]]:
+def sweep(
+    server: VllmServer, model_dir: Path, p: int, m: int, top: int
+) -> dict[int, dict[str, Any]]:
     """Every concurrency 1..top: one wave of distinct requests at once, preemptions counted."""
     out = {}
     for c in range(1, top + 1):
@@ -96,7 +100,9 @@ def sweep(server: VllmServer, model_dir: Path, p: int, m: int, top: int) -> dict
     return out
 
 
-def stops(url: str, model_dir: Path, p: int, m: int, concurrency: int, repeat: int) -> dict[str, list[dict[str, Any]]]:
+def stops(
+    url: str, model_dir: Path, p: int, m: int, concurrency: int, repeat: int
+) -> dict[str, list[dict[str, Any]]]:
     """``repeat`` over-capacity stages with generated prompts and with replayed texts."""
     out: dict[str, list[dict[str, Any]]] = {"generated prompts": [], "replayed prompt texts": []}
     for i in range(repeat):
@@ -104,48 +110,74 @@ def stops(url: str, model_dir: Path, p: int, m: int, concurrency: int, repeat: i
             if kind == "generated prompts":
                 workload: Any = FixedWorkload(p, m)
             else:
-                texts = [prompt_of_tokens(model_dir, p, seed=1_000_000 + 1000 * i + k) for k in range(3 * concurrency)]
-                workload = ReplayWorkload(tuple(RequestShape(0, m, t) for t in texts), "replay.jsonl")
+                texts = [
+                    prompt_of_tokens(model_dir, p, seed=1_000_000 + 1000 * i + k)
+                    for k in range(3 * concurrency)
+                ]
+                workload = ReplayWorkload(
+                    tuple(RequestShape(0, m, t) for t in texts), "replay.jsonl"
+                )
             wait_idle(url)
             result = run_bench(BenchSettings(url=url, workload=workload, concurrency=concurrency))
             st = result.stages[0]
-            out[kind].append({
-                "stop_reason": st.stop_reason, "preemptions": st.preemptions,
-                "stop_latency_s": st.stop_latency_s, "stop_bound_s": st.stop_bound_s,
-                "server_quiet_s": st.server_quiet_s,
-                "cancelled": sum(1 for r in st.records if r.cancelled),
-            })  # fmt: skip
+            out[kind].append(
+                {
+                    "stop_reason": st.stop_reason,
+                    "preemptions": st.preemptions,
+                    "stop_latency_s": st.stop_latency_s,
+                    "stop_bound_s": st.stop_bound_s,
+                    "server_quiet_s": st.server_quiet_s,
+                    "cancelled": sum(1 for r in st.records if r.cancelled),
+                }
+            )
     return out
 
 
 def counters(url: str) -> dict[str, float]:
     text = fetch_metrics(url)
-    return {"requests": metric_value(text, "vllm:request_success_total"),
-            "prompt": metric_value(text, "vllm:prompt_tokens_total"),
-            "generation": metric_value(text, "vllm:generation_tokens_total")}  # fmt: skip
+    return {
+        "requests": metric_value(text, "vllm:request_success_total"),
+        "prompt": metric_value(text, "vllm:prompt_tokens_total"),
+        "generation": metric_value(text, "vllm:generation_tokens_total"),
+    }
 
 
-def compare_rounds(url: str, model_dir: Path, p: int, m: int, c: int, n: int, out_dir: Path,
-                   rounds: int) -> list[dict[str, Any]]:  # fmt: skip
+def compare_rounds(
+    url: str, model_dir: Path, p: int, m: int, c: int, n: int, out_dir: Path, rounds: int
+) -> list[dict[str, Any]]:
     """``rounds`` alternations of the two tools: a shared machine's load drifts, so each pair
     runs back to back and the spread across pairs shows how much of a difference is drift."""
     return [compare(url, model_dir, p, m, c, n, out_dir) for _ in range(rounds)]
 
 
-def compare(url: str, model_dir: Path, p: int, m: int, c: int, n: int, out_dir: Path) -> dict[str, Any]:
+def compare(
+    url: str, model_dir: Path, p: int, m: int, c: int, n: int, out_dir: Path
+) -> dict[str, Any]:
     """vllm bench serve, then oomguard bench, at concurrency ``c`` with ``n`` requests."""
     wait_idle(url)
     before = counters(url)
-    theirs = vllm_bench_serve(vllm_venv(), url, str(model_dir), input_len=p, output_len=m,
-                              num_prompts=n, max_concurrency=c, out_dir=out_dir)  # fmt: skip
+    theirs = vllm_bench_serve(
+        vllm_venv(),
+        url,
+        str(model_dir),
+        input_len=p,
+        output_len=m,
+        num_prompts=n,
+        max_concurrency=c,
+        out_dir=out_dir,
+    )
     wait_idle(url)
     between = counters(url)
-    result = run_bench(BenchSettings(url=url, workload=FixedWorkload(p, m), concurrency=c, requests=n))
+    result = run_bench(
+        BenchSettings(url=url, workload=FixedWorkload(p, m), concurrency=c, requests=n)
+    )
     ours = result.stages[0].summary()
     return {
         "vllm_bench_serve": {
-            "requests": theirs["completed"], "failed": theirs["failed"],
-            "prompt_tokens": theirs["total_input_tokens"], "output_tokens": theirs["total_output_tokens"],
+            "requests": theirs["completed"],
+            "failed": theirs["failed"],
+            "prompt_tokens": theirs["total_input_tokens"],
+            "output_tokens": theirs["total_output_tokens"],
             "server_counted": {k: between[k] - before[k] for k in before},
             "ttft_ms": (theirs["median_ttft_ms"], theirs["p99_ttft_ms"]),
             "tpot_ms": (theirs["median_tpot_ms"], theirs["p99_tpot_ms"]),
@@ -154,16 +186,20 @@ def compare(url: str, model_dir: Path, p: int, m: int, c: int, n: int, out_dir: 
             "output_tokens_per_s": theirs["output_throughput"],
         },
         "oomguard_bench": {
-            "requests": ours["requests"]["ok"], "failed": ours["requests"]["errors"],
-            "prompt_tokens": ours["prompt_tokens"], "output_tokens": ours["output_tokens"],
+            "requests": ours["requests"]["ok"],
+            "failed": ours["requests"]["errors"],
+            "prompt_tokens": ours["prompt_tokens"],
+            "output_tokens": ours["output_tokens"],
             "server_counted": ours["server_counters"],
-            **{f"{k}_ms": (ours[f"{k}_s"]["p50"] * 1000, ours[f"{k}_s"]["p99"] * 1000)
-               for k in ("ttft", "tpot", "itl", "e2e")},
+            **{
+                f"{k}_ms": (ours[f"{k}_s"]["p50"] * 1000, ours[f"{k}_s"]["p99"] * 1000)
+                for k in ("ttft", "tpot", "itl", "e2e")
+            },
             "output_tokens_per_s": ours["output_tokens_per_s"],
             "client_delay_ms_p99": (ours["client_delay_s"]["p99"] or 0) * 1000,
             "loop_lag_ms_p99": (ours["loop_lag_s"]["p99"] or 0) * 1000,
         },
-    }  # fmt: skip
+    }
 
 
 def screenshot(report_dir: Path) -> str:
@@ -173,12 +209,26 @@ def screenshot(report_dir: Path) -> str:
     shot = report_dir / "report-screenshot.png"
     with tempfile.TemporaryDirectory() as profile:
         proc = subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run",
-             f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-             "--window-size=1200,2600", f"--screenshot={shot}", (report_dir / "report.html").as_uri()],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                f"--user-data-dir={profile}",
+                "--enable-logging=stderr",
+                "--v=0",
+                "--window-size=1200,2600",
+                f"--screenshot={shot}",
+                (report_dir / "report.html").as_uri(),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
     return f"{shot} ({len(console)} console messages{': ' + console[0] if console else ''})"
 
@@ -207,8 +257,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_dir = Path(tmp)
         model = create_tiny_model(tmp_dir / shape.name, shape)
-        config = ServeConfig(model_dir=model.path, kv_cache_memory_bytes=POOL_BLOCKS * model.kv_bytes_per_block,
-                             max_model_len=MAX_MODEL_LEN)  # fmt: skip
+        config = ServeConfig(
+            model_dir=model.path,
+            kv_cache_memory_bytes=POOL_BLOCKS * model.kv_bytes_per_block,
+            max_model_len=MAX_MODEL_LEN,
+        )
         with running_vllm(config, tmp_dir / "vllm.log") as server:
             url = server.base_url
             guessed, guessed_s = search(url, p, m, None)
@@ -216,8 +269,16 @@ def main() -> int:
             swept = sweep(server, model.path, p, m, args.sweep_max)
             safe = guessed.max_safe_concurrency or 1
             stopped = stops(url, model.path, p, m, safe + 1, args.repeat)
-            compared = compare_rounds(url, model.path, p, m, args.compare_concurrency, args.compare_requests,
-                                      tmp_dir, args.compare_rounds)  # fmt: skip
+            compared = compare_rounds(
+                url,
+                model.path,
+                p,
+                m,
+                args.compare_concurrency,
+                args.compare_requests,
+                tmp_dir,
+                args.compare_rounds,
+            )
             if args.report is not None:
                 data = result_dict(guessed)
                 write_report(data, args.report)
@@ -225,23 +286,39 @@ def main() -> int:
                 out["report"] = screenshot(args.report)
         sweep_limit = 0
         for c in range(1, args.sweep_max + 1):
-            if swept[c]["preemptions"] or swept[c]["ok"] < c or c * -(-(p + m - 1) // 128) / (POOL_BLOCKS - 1) > 0.95:
+            if (
+                swept[c]["preemptions"]
+                or swept[c]["ok"] < c
+                or c * -(-(p + m - 1) // 128) / (POOL_BLOCKS - 1) > 0.95
+            ):
                 break
             sweep_limit = c
-    out.update({
-        "conditions": {"model": args.model, "pool": f"{POOL_BLOCKS} blocks of 128 tokens",
-                       "load": f"{p} + {m} tokens", "cpus": os.cpu_count(),
-                       "load_average_before": [round(x, 2) for x in load_before],
-                       "load_average_after": [round(x, 2) for x in os.getloadavg()],
-                       "vllm_version": guessed.server.vllm_version},
-        "search_from_the_pool": {"max_safe": guessed.max_safe_concurrency, "stages": [
-            (s.concurrency, s.safe) for s in guessed.stages], "wall_s": round(guessed_s, 1)},
-        "search_from_1": {"max_safe": grown.max_safe_concurrency, "stages": [
-            (s.concurrency, s.safe) for s in grown.stages], "wall_s": round(grown_s, 1)},
-        "sweep": {"limit": sweep_limit, "by_concurrency": swept},
-        "stops": stopped,
-        "compare": compared,
-    })  # fmt: skip
+    out.update(
+        {
+            "conditions": {
+                "model": args.model,
+                "pool": f"{POOL_BLOCKS} blocks of 128 tokens",
+                "load": f"{p} + {m} tokens",
+                "cpus": os.cpu_count(),
+                "load_average_before": [round(x, 2) for x in load_before],
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "vllm_version": guessed.server.vllm_version,
+            },
+            "search_from_the_pool": {
+                "max_safe": guessed.max_safe_concurrency,
+                "stages": [(s.concurrency, s.safe) for s in guessed.stages],
+                "wall_s": round(guessed_s, 1),
+            },
+            "search_from_1": {
+                "max_safe": grown.max_safe_concurrency,
+                "stages": [(s.concurrency, s.safe) for s in grown.stages],
+                "wall_s": round(grown_s, 1),
+            },
+            "sweep": {"limit": sweep_limit, "by_concurrency": swept},
+            "stops": stopped,
+            "compare": compared,
+        }
+    )
     if args.json:
         print(json.dumps(out, indent=1, default=str))
     else:
@@ -254,22 +331,33 @@ def print_figures(out: dict[str, Any]) -> None:
     print(f"conditions: {cond}")
     for name in ("search_from_the_pool", "search_from_1"):
         s = out[name]
-        print(f"{name}: max safe {s['max_safe']} in {len(s['stages'])} stages {s['stages']} ({s['wall_s']} s)")
+        print(
+            f"{name}: max safe {s['max_safe']} in {len(s['stages'])} stages {s['stages']} ({s['wall_s']} s)"
+        )
     sw = out["sweep"]
-    print(f"sweep: limit {sw['limit']}; " + ", ".join(
-        f"c={c}: {v['ok']} ok, {v['preemptions']:g} preempted" for c, v in sw["by_concurrency"].items()))  # fmt: skip
+    print(
+        f"sweep: limit {sw['limit']}; "
+        + ", ".join(
+            f"c={c}: {v['ok']} ok, {v['preemptions']:g} preempted"
+            for c, v in sw["by_concurrency"].items()
+        )
+    )
     for kind, runs in out["stops"].items():
         lat = [r["stop_latency_s"] for r in runs if r["stop_latency_s"] is not None]
         bound = [r["stop_bound_s"] for r in runs if r["stop_bound_s"] is not None]
-        print(f"stops ({kind}): reasons {[r['stop_reason'] for r in runs]}, preemptions "
-              f"{[r['preemptions'] for r in runs]}, after the sign max {max(lat, default=0) * 1000:.0f} ms, "
-              f"bound max {max(bound, default=0) * 1000:.0f} ms (median "
-              f"{statistics.median(bound) * 1000 if bound else 0:.0f} ms), server quiet "
-              f"{[round(r['server_quiet_s'] or 0, 2) for r in runs]} s")  # fmt: skip
+        print(
+            f"stops ({kind}): reasons {[r['stop_reason'] for r in runs]}, preemptions "
+            f"{[r['preemptions'] for r in runs]}, after the sign max {max(lat, default=0) * 1000:.0f} ms, "
+            f"bound max {max(bound, default=0) * 1000:.0f} ms (median "
+            f"{statistics.median(bound) * 1000 if bound else 0:.0f} ms), server quiet "
+            f"{[round(r['server_quiet_s'] or 0, 2) for r in runs]} s"
+        )
     for i, c in enumerate(out["compare"], start=1):
         print(f"compare, round {i} (vllm bench serve | oomguard bench, back to back):")
         for key in c["vllm_bench_serve"]:
-            print(f"  {key:22} {_fmt(c['vllm_bench_serve'][key])} | {_fmt(c['oomguard_bench'].get(key))}")
+            print(
+                f"  {key:22} {_fmt(c['vllm_bench_serve'][key])} | {_fmt(c['oomguard_bench'].get(key))}"
+            )
         for key in ("client_delay_ms_p99", "loop_lag_ms_p99"):
             print(f"  {key:22} - | {c['oomguard_bench'][key]:.1f}")
     if "report" in out:

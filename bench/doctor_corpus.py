@@ -37,7 +37,9 @@ from oomguard.doctor.findings import CAUSES  # the labels the doctor ranks
 CORPUS = Path(__file__).resolve().parent / "data" / "oom-cases-corpus.jsonl"
 CONFIDENCES = ("high", "medium", "low")
 REQUIRED = ("source", "log", "label", "confidence")
-_GITHUB = re.compile(r"^https?://(?:www\.)?github\.com/([^/]+)/([^/#?]+)/(?:issues|pull|discussions)/(\d+)")
+_GITHUB = re.compile(
+    r"^https?://(?:www\.)?github\.com/([^/]+)/([^/#?]+)/(?:issues|pull|discussions)/(\d+)"
+)
 _DISCOURSE = re.compile(r"^https?://(?:www\.)?([^/]+)/t/(?:[^/]+/)?(\d+)")
 
 
@@ -93,7 +95,9 @@ def read_corpus(path: Path = CORPUS) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def merge(existing: list[dict[str, Any]], new_rows: list[dict[str, Any]], set_name: str) -> list[dict[str, Any]]:
+def merge(
+    existing: list[dict[str, Any]], new_rows: list[dict[str, Any]], set_name: str
+) -> list[dict[str, Any]]:
     """``existing`` plus the rows of a new set: exact duplicates dropped, threads assigned."""
     arrival = 1 + max((r["arrival"] for r in existing), default=-1)
     seen_ids = {r["id"] for r in existing}
@@ -141,7 +145,10 @@ def show(rows: list[dict[str, Any]]) -> None:
     shared = {t: n for t, n in threads.items() if n > 1}
     print(f"threads with several cases: {len(shared)} ({sum(shared.values())} cases)")
     print("by set:    " + ", ".join(f"{s} {n}" for s, n in Counter(r["set"] for r in rows).items()))
-    print("by label:  " + ", ".join(f"{k} {n}" for k, n in Counter(r["label"] for r in rows).most_common()))
+    print(
+        "by label:  "
+        + ", ".join(f"{k} {n}" for k, n in Counter(r["label"] for r in rows).most_common())
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -80,7 +80,9 @@ def _context(row: dict[str, Any]) -> Any:
     from oomguard.doctor.situation import Context
 
     settings = row.get("settings")
-    args = {k: v for k, v in settings.items() if v is not None} if isinstance(settings, dict) else {}
+    args = (
+        {k: v for k, v in settings.items() if v is not None} if isinstance(settings, dict) else {}
+    )
     return Context(model=row.get("model"), gpu=row.get("gpu"), args=args)
 
 
@@ -159,8 +161,16 @@ def baseline(src: Path, corpus: Path, modes: Sequence[str]) -> list[Outcome]:
     with tempfile.TemporaryDirectory() as tmp:
         out_path = Path(tmp) / "outcomes.json"
         env = dict(os.environ, PYTHONPATH=str(src / "src"))
-        cmd = [sys.executable, __file__, "--predict-only", str(out_path), "--corpus", str(corpus),
-               "--modes", ",".join(modes)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--predict-only",
+            str(out_path),
+            "--corpus",
+            str(corpus),
+            "--modes",
+            ",".join(modes),
+        ]
         subprocess.run(cmd, env=env, check=True)
         data = json.loads(out_path.read_text())
     print(f"baseline doctor: {data['module']}")
@@ -195,7 +205,11 @@ def expected_calibration_error(outcomes: Sequence[Outcome], bins: int = 10) -> f
     error = 0.0
     for b in range(bins):
         low, high = b / bins, (b + 1) / bins
-        inside = [o for o in outcomes if low <= o.confidence < high or (b == bins - 1 and o.confidence == 1.0)]
+        inside = [
+            o
+            for o in outcomes
+            if low <= o.confidence < high or (b == bins - 1 and o.confidence == 1.0)
+        ]
         if inside:
             accuracy = sum(o.correct for o in inside) / len(inside)
             mean = sum(o.confidence for o in inside) / len(inside)
@@ -233,12 +247,18 @@ def reliability(outcomes: Sequence[Outcome]) -> list[str]:
     """One line per confidence bin: cases, mean stated confidence, how often right."""
     lines = []
     for low, high in zip(BINS, BINS[1:], strict=False):
-        inside = [o for o in outcomes if low <= o.confidence < high or (high == 1.0 and o.confidence == 1.0)]
+        inside = [
+            o
+            for o in outcomes
+            if low <= o.confidence < high or (high == 1.0 and o.confidence == 1.0)
+        ]
         if inside:
             mean = sum(o.confidence for o in inside) / len(inside)
             right = sum(o.correct for o in inside)
-            lines.append(f"  {low:.1f}–{high:.1f}: {len(inside):4d} cases, stated {mean:.2f}, "
-                         f"right {right / len(inside):.2f}")
+            lines.append(
+                f"  {low:.1f}–{high:.1f}: {len(inside):4d} cases, stated {mean:.2f}, "
+                f"right {right / len(inside):.2f}"
+            )
     return lines
 
 
@@ -265,8 +285,9 @@ def _predict_only(path: Path, corpus: Path, modes: Sequence[str]) -> int:
     import oomguard.doctor.diagnose as module
 
     outcomes = as_is(read_corpus(corpus), modes)
-    path.write_text(json.dumps({"module": module.__file__,
-                                "outcomes": [asdict(o) for o in outcomes]}))
+    path.write_text(
+        json.dumps({"module": module.__file__, "outcomes": [asdict(o) for o in outcomes]})
+    )
     return 0
 
 
@@ -278,30 +299,52 @@ def _score_new(path: Path, modes: Sequence[str]) -> int:
     known = {row["id"] for row in read_corpus(CORPUS)}
     again = [case_id(row) for row in rows if case_id(row) in known]
     if again:
-        raise accuracy_page.PageError(f"{len(again)} cases of {path} are already in {CORPUS.name} "
-                                      f"(first: {again[0]}): they have no first sight")  # fmt: skip
+        raise accuracy_page.PageError(
+            f"{len(again)} cases of {path} are already in {CORPUS.name} "
+            f"(first: {again[0]}): they have no first sight"
+        )
     outcomes = as_is(rows, modes)
     print(f"first score of {path} ({len(rows)} cases) by the shipped doctor")
     print_columns("new set, scored once before it is used", {"shipped doctor": outcomes}, modes)
     for o in outcomes:
         if not o.correct and o.mode == "log":
-            print(f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  {rows[o.case]['source']}")
-    cases = [{"id": case_id(rows[o.case]), "label": o.label, "got": o.got,
-              "confidence": round(o.confidence, 3), "correct": o.correct}
-             for o in outcomes if o.mode == modes[0]]  # fmt: skip
+            print(
+                f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  {rows[o.case]['source']}"
+            )
+    cases = [
+        {
+            "id": case_id(rows[o.case]),
+            "label": o.label,
+            "got": o.got,
+            "confidence": round(o.confidence, 3),
+            "correct": o.correct,
+        }
+        for o in outcomes
+        if o.mode == modes[0]
+    ]
     sha = accuracy_page.content_sha256([path])
-    row = accuracy_page.append_row({
-        "face": "doctor", "set": path.stem, "files": [str(path)], "sha256": sha,
-        "date": accuracy_page.today(), "commit": accuracy_page.commit(),
-        "recorded_in": accuracy_page.commit(),
-        "command": f"python bench/doctor_eval.py --new {path}",
-        "summary": accuracy_page.doctor_summary(cases), "cases": cases, "pooled": modes[0] == "log",
-        "note": f"top-1 from the {modes[0]} by the shipped doctor; scored once as it arrived",
-    })  # fmt: skip
+    row = accuracy_page.append_row(
+        {
+            "face": "doctor",
+            "set": path.stem,
+            "files": [str(path)],
+            "sha256": sha,
+            "date": accuracy_page.today(),
+            "commit": accuracy_page.commit(),
+            "recorded_in": accuracy_page.commit(),
+            "command": f"python bench/doctor_eval.py --new {path}",
+            "summary": accuracy_page.doctor_summary(cases),
+            "cases": cases,
+            "pooled": modes[0] == "log",
+            "note": f"top-1 from the {modes[0]} by the shipped doctor; scored once as it arrived",
+        }
+    )
     accuracy_page.write_headline()
-    print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
-          f"{accuracy_page.PAGE} is refreshed. The set may now be merged: "
-          f"python bench/doctor_corpus.py add {path}")  # fmt: skip
+    print(
+        f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
+        f"{accuracy_page.PAGE} is refreshed. The set may now be merged: "
+        f"python bench/doctor_corpus.py add {path}"
+    )
     return 0
 
 
@@ -314,22 +357,30 @@ def doctor_markdown(
     columns: dict[str, Sequence[Outcome]], modes: Sequence[str], cases: int, threads: int
 ) -> tuple[str, dict[str, float]]:
     """The doctor section of the accuracy page, and the figures the headline reads from it."""
-    kinds = {"grouped CV": "out of sample (grouped by thread)",
-             "shipped, in sample": "in sample (the shipped model's training cases)",
-             "by arrival": "by arrival (a model trained on the sets before)"}  # fmt: skip
+    kinds = {
+        "grouped CV": "out of sample (grouped by thread)",
+        "shipped, in sample": "in sample (the shipped model's training cases)",
+        "by arrival": "by arrival (a model trained on the sets before)",
+    }
     heads = [(h, m) for h in columns for m in modes if h in kinds]
     tables = {(h, m): figures([o for o in columns[h] if o.mode == m]) for h, m in heads}
     label = {"log": "log only", "context": "log + reported model/GPU/settings"}
-    lines = [f"{cases} cases from {threads} threads (`bench/data/oom-cases-corpus.jsonl`).", "",
-             "| figure | " + " | ".join(f"{kinds[h]}, {label.get(m, m)}" for h, m in heads) + " |",
-             "|---|" + "---|" * len(heads)]  # fmt: skip
+    lines = [
+        f"{cases} cases from {threads} threads (`bench/data/oom-cases-corpus.jsonl`).",
+        "",
+        "| figure | " + " | ".join(f"{kinds[h]}, {label.get(m, m)}" for h, m in heads) + " |",
+        "|---|" + "---|" * len(heads),
+    ]
     for key in next(iter(tables.values())):
         cells = [" ".join(tables[hm][key].split()) for hm in heads]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     lines += ["", "Rates pool the repeats; the interval (95 %, Wilson) is that of one repeat."]
     log = modes[0]
-    figures_out = {"n": cases, "grouped_top1": _top1(columns["grouped CV"], log),
-                   "in_sample_top1": _top1(columns["shipped, in sample"], log)}  # fmt: skip
+    figures_out = {
+        "n": cases,
+        "grouped_top1": _top1(columns["grouped CV"], log),
+        "in_sample_top1": _top1(columns["shipped, in sample"], log),
+    }
     if "by arrival" in columns:
         figures_out["arrival_top1"] = _top1(columns["by arrival"], log)
     return "\n".join(lines), figures_out
@@ -359,8 +410,10 @@ def main(argv: list[str]) -> int:
             return 2
     rows = read_corpus(args.corpus)
     started = time.perf_counter()
-    print(f"{len(rows)} cases from {len({r['thread'] for r in rows})} threads ({args.corpus}); "
-          f"{args.folds}-fold cross-validation grouped by thread, {args.repeats} repeat(s)")
+    print(
+        f"{len(rows)} cases from {len({r['thread'] for r in rows})} threads ({args.corpus}); "
+        f"{args.folds}-fold cross-validation grouped by thread, {args.repeats} repeat(s)"
+    )
     columns: dict[str, list[Outcome]] = defaultdict(list)
     spread: list[float] = []
     for seed in range(args.repeats):
@@ -373,8 +426,11 @@ def main(argv: list[str]) -> int:
         columns["baseline (as is)"] = baseline(args.baseline_src, args.corpus, modes)
     print_columns("cross-validation grouped by thread (out of sample)", columns, modes)
     columns["shipped, in sample"] = as_is(rows, modes)
-    print_columns("shipped model on its own training cases (in sample)",
-                  {"shipped, in sample": columns["shipped, in sample"]}, modes)
+    print_columns(
+        "shipped model on its own training cases (in sample)",
+        {"shipped, in sample": columns["shipped, in sample"]},
+        modes,
+    )
     if args.by_arrival or args.write_docs:
         sets = by_arrival(rows, modes)
         print("\n== each set scored by a model trained on the sets before it ==")
@@ -382,14 +438,20 @@ def main(argv: list[str]) -> int:
             logs = [o for o in outcomes if o.mode == modes[0]]
             print(f"  {name:12} {_rate(sum(o.correct for o in logs), len(logs))}")
         pooled = [o for outcomes in sets.values() for o in outcomes]
-        print_columns("all sets, each by the model of the sets before it", {"by arrival": pooled}, modes)
+        print_columns(
+            "all sets, each by the model of the sets before it", {"by arrival": pooled}, modes
+        )
         columns["by arrival"] = pooled
-    print(f"\n{time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\n{time.perf_counter() - started:.0f} s; python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     if args.write_docs:
         body, numbers = doctor_markdown(columns, modes, len(rows), len({r["thread"] for r in rows}))
-        command = (f"python bench/doctor_eval.py --folds {args.folds} --repeats {args.repeats} "
-                   "--write-docs")  # fmt: skip
+        command = (
+            f"python bench/doctor_eval.py --folds {args.folds} --repeats {args.repeats} "
+            "--write-docs"
+        )
         accuracy_page.write_section("doctor", body, command, numbers)
     return 0
 

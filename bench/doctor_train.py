@@ -49,8 +49,9 @@ def main(argv: list[str]) -> int:
     examples = training.examples_of(rows)
     model = training.train(examples)
     meta = dict(model.meta, corpus=args.corpus.name)
-    model = CauseModel(model.classes, model.features, model.coef, model.intercept,
-                       model.temperature, meta)
+    model = CauseModel(
+        model.classes, model.features, model.coef, model.intercept, model.temperature, meta
+    )
     print(
         f"trained on {meta['cases']} cases ({meta['examples']} examples, {meta['threads']} "
         f"threads): C={meta['C']}, temperature {model.temperature:.3f}, "

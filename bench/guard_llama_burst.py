@@ -39,7 +39,9 @@ from oomguard.tiering.server import find_llama_server, running_llama_server  # n
 from oomguard.tiering.settings import LlamaCppSettings  # noqa: E402
 
 
-def one_burst(label: str, url: str, llama_url: str, requests: int, max_tokens: int) -> dict[str, object]:
+def one_burst(
+    label: str, url: str, llama_url: str, requests: int, max_tokens: int
+) -> dict[str, object]:
     """Send the burst to ``url`` while sampling llama-server at ``llama_url``."""
     started = time.monotonic()
     with SlotWatch(llama_url) as watch:
@@ -47,10 +49,16 @@ def one_burst(label: str, url: str, llama_url: str, requests: int, max_tokens: i
     wall_s = time.monotonic() - started
     ok = [a for status, a, _ in answers if status == 200]
     tokens = sum(int(a["usage"]["completion_tokens"]) for a in ok)  # type: ignore[index,call-overload]
-    return {"label": label, "requests": requests, "succeeded": len(ok), "max_busy_slots": watch.max_busy,
-            "samples": watch.samples,
-            "max_deferred": watch.max_deferred, "wall_s": round(wall_s, 2),
-            "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0}  # fmt: skip
+    return {
+        "label": label,
+        "requests": requests,
+        "succeeded": len(ok),
+        "max_busy_slots": watch.max_busy,
+        "samples": watch.samples,
+        "max_deferred": watch.max_deferred,
+        "wall_s": round(wall_s, 2),
+        "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
+    }
 
 
 def main() -> int:
@@ -71,22 +79,40 @@ def main() -> int:
         settings = LlamaCppSettings(ctx_size=args.slots * args.ctx_per_slot, parallel=args.slots)
         with running_llama_server(gguf, settings, binary=binary, extra=HTTP_THREADS) as server:
             config = root / "guard.yaml"
-            config.write_text(yaml.safe_dump({"backends": [{"url": server.url, "kv_unified": False}]}))
+            config.write_text(
+                yaml.safe_dump({"backends": [{"url": server.url, "kv_unified": False}]})
+            )
             for _ in range(args.rounds):
-                rows.append(one_burst("direct", server.url, server.url, args.requests, args.max_tokens))
+                rows.append(
+                    one_burst("direct", server.url, server.url, args.requests, args.max_tokens)
+                )
                 with GuardProcess([], root / "guard.log", ["--config", str(config)]) as guard:
-                    rows.append(one_burst("through guard", guard.url, server.url, args.requests, args.max_tokens))
-    conditions = {"llama_server": str(binary), "slots": args.slots, "ctx_per_slot": args.ctx_per_slot,
-                  "prompt_chars": len(PROMPT), "max_tokens": args.max_tokens, "cpus": os.cpu_count(),
-                  "load_average": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+                    rows.append(
+                        one_burst(
+                            "through guard", guard.url, server.url, args.requests, args.max_tokens
+                        )
+                    )
+    conditions = {
+        "llama_server": str(binary),
+        "slots": args.slots,
+        "ctx_per_slot": args.ctx_per_slot,
+        "prompt_chars": len(PROMPT),
+        "max_tokens": args.max_tokens,
+        "cpus": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
     if args.json:
         print(json.dumps({"conditions": conditions, "bursts": rows}))
         return 0
     print("conditions:", json.dumps(conditions))
-    print(f"{'burst':<14} {'ok':>7} {'busy max':>9} {'deferred max':>13} {'wall s':>7} {'tok/s':>7}")
+    print(
+        f"{'burst':<14} {'ok':>7} {'busy max':>9} {'deferred max':>13} {'wall s':>7} {'tok/s':>7}"
+    )
     for r in rows:
-        print(f"{r['label']:<14} {r['succeeded']!s:>3}/{r['requests']!s:<3} {r['max_busy_slots']!s:>9} "
-              f"{r['max_deferred']!s:>13} {r['wall_s']!s:>7} {r['tokens_per_s']!s:>7}")  # fmt: skip
+        print(
+            f"{r['label']:<14} {r['succeeded']!s:>3}/{r['requests']!s:<3} {r['max_busy_slots']!s:>9} "
+            f"{r['max_deferred']!s:>13} {r['wall_s']!s:>7} {r['tokens_per_s']!s:>7}"
+        )
     return 0
 
 

@@ -30,11 +30,28 @@ from oomguard.tiering.settings import LlamaCppSettings  # noqa: E402
 
 # Shapes and settings the compute estimate was not developed on (scored once, 2026-11-25)
 HOLDOUT_SHAPES = {
-    "h1": GGUFShape("h1-q8_0", "Q8_0", n_embd=512, n_ff=1408, n_layer=3, n_head=8, n_head_kv=4, n_vocab=3000),
-    "h2": GGUFShape("h2-q4_k", "Q4_K", n_embd=512, n_ff=1536, n_layer=2, n_head=8, n_head_kv=8, n_vocab=2048),
-    "h3": GGUFShape("h3-q4_0", "Q4_0", n_embd=384, n_ff=1024, n_layer=2, n_head=6, n_head_kv=2, n_vocab=5000),
-    "h4": GGUFShape("h4-moe-q8_0", "Q8_0", n_embd=256, n_ff=256, n_layer=2, n_expert=8, n_expert_used=2, n_vocab=1000),
-    "h5": GGUFShape("h5-q6_k", "Q6_K", n_embd=256, n_ff=768, n_layer=2, n_vocab=1024, n_ctx_train=16384),
+    "h1": GGUFShape(
+        "h1-q8_0", "Q8_0", n_embd=512, n_ff=1408, n_layer=3, n_head=8, n_head_kv=4, n_vocab=3000
+    ),
+    "h2": GGUFShape(
+        "h2-q4_k", "Q4_K", n_embd=512, n_ff=1536, n_layer=2, n_head=8, n_head_kv=8, n_vocab=2048
+    ),
+    "h3": GGUFShape(
+        "h3-q4_0", "Q4_0", n_embd=384, n_ff=1024, n_layer=2, n_head=6, n_head_kv=2, n_vocab=5000
+    ),
+    "h4": GGUFShape(
+        "h4-moe-q8_0",
+        "Q8_0",
+        n_embd=256,
+        n_ff=256,
+        n_layer=2,
+        n_expert=8,
+        n_expert_used=2,
+        n_vocab=1000,
+    ),
+    "h5": GGUFShape(
+        "h5-q6_k", "Q6_K", n_embd=256, n_ff=768, n_layer=2, n_vocab=1024, n_ctx_train=16384
+    ),
 }
 HOLDOUT_CASES = [
     ("h1", dict(ctx_size=5000, parallel=2, ubatch_size=256)),
@@ -46,9 +63,15 @@ HOLDOUT_CASES = [
 
 # A second set, made after the first had been looked at and the range reworked (scored once)
 HOLDOUT2_SHAPES = {
-    "g1": GGUFShape("g1-q5_0", "Q5_0", n_embd=640, n_ff=1728, n_layer=2, n_head=10, n_head_kv=2, n_vocab=4000),
-    "g2": GGUFShape("g2-moe-q4_k", "Q4_K", n_embd=256, n_ff=512, n_layer=2, n_expert=6, n_expert_used=3),
-    "g3": GGUFShape("g3-q8_0", "Q8_0", n_embd=768, n_ff=2048, n_layer=2, n_head=12, n_head_kv=4, n_vocab=8000),
+    "g1": GGUFShape(
+        "g1-q5_0", "Q5_0", n_embd=640, n_ff=1728, n_layer=2, n_head=10, n_head_kv=2, n_vocab=4000
+    ),
+    "g2": GGUFShape(
+        "g2-moe-q4_k", "Q4_K", n_embd=256, n_ff=512, n_layer=2, n_expert=6, n_expert_used=3
+    ),
+    "g3": GGUFShape(
+        "g3-q8_0", "Q8_0", n_embd=768, n_ff=2048, n_layer=2, n_head=12, n_head_kv=4, n_vocab=8000
+    ),
     "g4": GGUFShape("g4-bf16", "BF16", n_embd=256, n_ff=640, n_layer=2, n_vocab=1500),
 }
 HOLDOUT2_CASES = [
@@ -63,10 +86,12 @@ def main() -> int:
     binary = find_llama_server()
     args = sys.argv[1:]
     shapes, cases = (
-        (HOLDOUT2_SHAPES, HOLDOUT2_CASES) if "--holdout2" in args
-        else (HOLDOUT_SHAPES, HOLDOUT_CASES) if "--holdout" in args
+        (HOLDOUT2_SHAPES, HOLDOUT2_CASES)
+        if "--holdout2" in args
+        else (HOLDOUT_SHAPES, HOLDOUT_CASES)
+        if "--holdout" in args
         else (SHAPES, CASES)
-    )  # fmt: skip
+    )
     exact_ok = exact_n = compute_ok = compute_n = 0
     with tempfile.TemporaryDirectory() as tmp:
         for name, kw in cases:
@@ -86,8 +111,12 @@ def main() -> int:
                 else:
                     exact_n += 1
                     exact_ok += check.agrees
-    print(f"\nexact buffers equal to the print: {exact_ok}/{exact_n}; compute buffers in range: {compute_ok}/{compute_n}")
-    print(f"conditions: llama-server {binary}, CPU only, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nexact buffers equal to the print: {exact_ok}/{exact_n}; compute buffers in range: {compute_ok}/{compute_n}"
+    )
+    print(
+        f"conditions: llama-server {binary}, CPU only, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     return 0 if exact_ok == exact_n and compute_ok == compute_n else 1
 
 

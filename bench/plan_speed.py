@@ -76,13 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"runs (CPU, user + system): {', '.join(f'{c:.3f}' for _, c in runs)} s")
     best = min(times)
     verdict = "met" if best < args.target else "NOT met"
-    print(f"best of {args.runs}: {best:.3f} s wall (target < {args.target} s: {verdict}); "
-          f"best CPU time {min(c for _, c in runs):.3f} s")  # fmt: skip
-    print(f"conditions: {os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after; Python {sys.version.split()[0]}")  # fmt: skip
+    print(
+        f"best of {args.runs}: {best:.3f} s wall (target < {args.target} s: {verdict}); "
+        f"best CPU time {min(c for _, c in runs):.3f} s"
+    )
+    print(
+        f"conditions: {os.cpu_count()} CPUs, load average {load_before[0]:.2f} before, "
+        f"{load_after[0]:.2f} after; Python {sys.version.split()[0]}"
+    )
     if load_before[0] > (os.cpu_count() or 1):
-        print("the machine was loaded (load average above its CPU count): the wall time "
-              "includes waiting for a core; measure on a quiet machine for the target")
+        print(
+            "the machine was loaded (load average above its CPU count): the wall time "
+            "includes waiting for a core; measure on a quiet machine for the target"
+        )
     if args.write_docs:
         body = speed_markdown(runs, args.target, load_before[0], load_after[0])
         accuracy_page.write_section("plan-speed", body, "python bench/plan_speed.py --write-docs")
@@ -95,18 +101,24 @@ def speed_markdown(
     """The plan-speed section of the accuracy page."""
     best, cpu = min(wall for wall, _ in runs), min(c for _, c in runs)
     loaded = before > (os.cpu_count() or 1)
-    return "\n".join([
-        f"`oomguard {shlex.join(COMMAND)}` from a cold interpreter (70B does not fit, so the",
-        "search, the alternatives and llama.cpp's split are all computed), offline, with an empty",
-        "calibration store:",
-        "",
-        f"- best of {len(runs)}: **{best:.3f} s wall** (target under {target} s: "
-        f"{'met' if best < target else 'NOT met'}), {cpu:.3f} s of CPU time",
-        f"- every run (wall): {', '.join(f'{w:.3f}' for w, _ in runs)} s",
-        f"- load average {before:.1f} before, {after:.1f} after, on {os.cpu_count()} CPUs"
-        + ("; the machine was loaded, so the wall time includes waiting for a core and the CPU "
-           "time is what a run costs on an idle one" if loaded else ""),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"`oomguard {shlex.join(COMMAND)}` from a cold interpreter (70B does not fit, so the",
+            "search, the alternatives and llama.cpp's split are all computed), offline, with an empty",
+            "calibration store:",
+            "",
+            f"- best of {len(runs)}: **{best:.3f} s wall** (target under {target} s: "
+            f"{'met' if best < target else 'NOT met'}), {cpu:.3f} s of CPU time",
+            f"- every run (wall): {', '.join(f'{w:.3f}' for w, _ in runs)} s",
+            f"- load average {before:.1f} before, {after:.1f} after, on {os.cpu_count()} CPUs"
+            + (
+                "; the machine was loaded, so the wall time includes waiting for a core and the CPU "
+                "time is what a run costs on an idle one"
+                if loaded
+                else ""
+            ),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,10 @@ def _line(label: str, cases: list[Case]) -> str:
     n_med, n_p90 = stats(naive)
     cover = 100 * sum(c.covered for c in kv) / len(kv)
     half = statistics.median(c.half_width_pct for c in kv)
-    return (f"  {label:34s} n={len(kv):3d}  median {med:5.2f}%  p90 {p90:6.2f}%   naive {n_med:5.2f}% "
-            f"/ {n_p90:6.2f}%   in range {cover:5.1f}%  half-width {half:4.2f}%")  # fmt: skip
+    return (
+        f"  {label:34s} n={len(kv):3d}  median {med:5.2f}%  p90 {p90:6.2f}%   naive {n_med:5.2f}% "
+        f"/ {n_p90:6.2f}%   in range {cover:5.1f}%  half-width {half:4.2f}%"
+    )
 
 
 def print_headline(oos: list[Case]) -> int:
@@ -104,16 +106,24 @@ def print_headline(oos: list[Case]) -> int:
     checks = [
         (f"KV GiB median |rel err| {med:.2f}% (target ≤ {TARGET_MEDIAN}%)", med <= TARGET_MEDIAN),
         (f"KV GiB p90 |rel err| {p90:.2f}% (target ≤ {TARGET_P90}%)", p90 <= TARGET_P90),
-        (f"naive util × total − weights − 1 GiB on the same {len(kv)} cases: median {n_med:.2f}%, "
-         f"p90 {n_p90:.2f}%; oomguard/naive median = {ratio:.2f}× (target ≤ {TARGET_RATIO}×)",
-         ratio <= TARGET_RATIO),
-        (f"observed KV inside the stated range: {cover:.1f}% (target ≥ {TARGET_COVERAGE:.0f}%)",
-         cover >= TARGET_COVERAGE),
-        (f"median half-width of the range: {half:.2f}% (target ≤ {TARGET_HALF_WIDTH}%)",
-         half <= TARGET_HALF_WIDTH),
-    ]  # fmt: skip
-    print(f"OUT OF SAMPLE — leave-one-source-out over the development logs and every held-out "
-          f"set, n={len(kv)} KV cases:")  # fmt: skip
+        (
+            f"naive util × total − weights − 1 GiB on the same {len(kv)} cases: median {n_med:.2f}%, "
+            f"p90 {n_p90:.2f}%; oomguard/naive median = {ratio:.2f}× (target ≤ {TARGET_RATIO}×)",
+            ratio <= TARGET_RATIO,
+        ),
+        (
+            f"observed KV inside the stated range: {cover:.1f}% (target ≥ {TARGET_COVERAGE:.0f}%)",
+            cover >= TARGET_COVERAGE,
+        ),
+        (
+            f"median half-width of the range: {half:.2f}% (target ≤ {TARGET_HALF_WIDTH}%)",
+            half <= TARGET_HALF_WIDTH,
+        ),
+    ]
+    print(
+        f"OUT OF SAMPLE — leave-one-source-out over the development logs and every held-out "
+        f"set, n={len(kv)} KV cases:"
+    )
     for text, ok in checks:
         print(f"  [{'met' if ok else 'NOT met'}] {text}")
     return 0 if all(ok for _, ok in checks) else 1
@@ -134,31 +144,41 @@ def print_breakdown(oos: list[Case]) -> None:
 def print_cases(cases: list[Case], verbose: bool, worst: int = 8) -> None:
     """The worst cases (every case with ``verbose``), a "!" marking those outside the range."""
     kv = sorted((c for c in cases if c.metric == "kv_cache_gib"), key=lambda c: -c.rel_err_pct)
-    print(f"\n{'all' if verbose else f'{worst} worst'} out-of-sample KV cases "
-          "(obs, pred [range], naive):")  # fmt: skip
+    print(
+        f"\n{'all' if verbose else f'{worst} worst'} out-of-sample KV cases "
+        "(obs, pred [range], naive):"
+    )
     for c in kv if verbose else kv[:worst]:
         mark = " " if c.covered else "!"
         naive = f"{c.naive:7.2f}" if c.naive is not None else "      -"
-        print(f" {mark}{c.dataset[:8]:8s} {c.row:2d} {c.model[:36]:36s} {c.version:9s} obs {c.observed:7.2f} "
-              f"pred {c.predicted:7.2f} [{c.low:6.2f},{c.high:6.2f}] ({c.rel_err_pct:5.1f}%) naive {naive}  "
-              f"{c.why}")  # fmt: skip
+        print(
+            f" {mark}{c.dataset[:8]:8s} {c.row:2d} {c.model[:36]:36s} {c.version:9s} obs {c.observed:7.2f} "
+            f"pred {c.predicted:7.2f} [{c.low:6.2f},{c.high:6.2f}] ({c.rel_err_pct:5.1f}%) naive {naive}  "
+            f"{c.why}"
+        )
 
 
 def print_weights(cases: list[Case]) -> None:
     """The weights figure, which no fitted constant touches."""
     w = [c for c in cases if c.metric == "weights_gib"]
     med, p90 = stats(c.rel_err_pct for c in w)
-    print(f"\nweights GiB (no fitted constant): n={len(w)}  median |rel err| {med:.2f}%  "
-          f"p90 {p90:.2f}%")  # fmt: skip
+    print(
+        f"\nweights GiB (no fitted constant): n={len(w)}  median |rel err| {med:.2f}%  "
+        f"p90 {p90:.2f}%"
+    )
     for c in sorted(w, key=lambda c: -c.rel_err_pct)[:4]:
-        print(f"   {c.dataset[:8]:8s} {c.row:2d} {c.model[:40]:40s} obs {c.observed:6.2f} "
-              f"pred {c.predicted:6.2f} ({c.rel_err_pct:4.1f}%)")  # fmt: skip
+        print(
+            f"   {c.dataset[:8]:8s} {c.row:2d} {c.model[:40]:40s} obs {c.observed:6.2f} "
+            f"pred {c.predicted:6.2f} ({c.rel_err_pct:4.1f}%)"
+        )
 
 
 def print_terms(checks: list[TermCheck], verbose: bool) -> None:
     """How often each held-out term lies inside the band derived without its source."""
-    print("\neach term's observed value inside its band, the band derived without the log's "
-          "source (nested):")  # fmt: skip
+    print(
+        "\neach term's observed value inside its band, the band derived without the log's "
+        "source (nested):"
+    )
     for term in ("activation", "non_torch", "graph", "weights"):
         mine = [c for c in checks if c.residual.term == term]
         for group in dict.fromkeys(c.residual.residual.group for c in mine):
@@ -166,14 +186,18 @@ def print_terms(checks: list[TermCheck], verbose: bool) -> None:
             values = sorted(c.residual.residual.value for c in rows)
             relative = term in ("activation", "weights")
             unit, scale, sign = ("", 100, "%") if relative else (" GiB", 1, "")
-            print(f"  {term:10s} {group:9s} n={len(rows):3d}  in band {sum(c.covered for c in rows):3d}"
-                  f"/{len(rows):3d}   error {values[0] * scale:+7.2f}{sign} … "
-                  f"{values[-1] * scale:+7.2f}{sign}{unit}")  # fmt: skip
+            print(
+                f"  {term:10s} {group:9s} n={len(rows):3d}  in band {sum(c.covered for c in rows):3d}"
+                f"/{len(rows):3d}   error {values[0] * scale:+7.2f}{sign} … "
+                f"{values[-1] * scale:+7.2f}{sign}{unit}"
+            )
             for c in rows if verbose else []:
                 if not c.covered:
                     r = c.residual
-                    print(f"      outside: {r.label:44s} obs {r.observed:6.2f} est {r.estimate:6.2f} "
-                          f"band ±{c.band.half_width:.3f}")  # fmt: skip
+                    print(
+                        f"      outside: {r.label:44s} obs {r.observed:6.2f} est {r.estimate:6.2f} "
+                        f"band ±{c.band.half_width:.3f}"
+                    )
     inside = sum(c.covered for c in checks)
     print(f"  all terms: {inside}/{len(checks)} inside")
 
@@ -182,13 +206,17 @@ def print_bands(derived: FoldBands, show: bool) -> bool:
     """Whether the shipped table is what the procedure gives on every log; the table itself
     with ``show``."""
     same = rounded(derived.bands) == rounded(SHIPPED_BANDS)
-    print("\nshipped bands (oomguard.memory.bands.SHIPPED_BANDS) = the procedure on every log: "
-          f"{'yes' if same else 'NO — regenerate with --bands'}")  # fmt: skip
+    print(
+        "\nshipped bands (oomguard.memory.bands.SHIPPED_BANDS) = the procedure on every log: "
+        f"{'yes' if same else 'NO — regenerate with --bands'}"
+    )
     scale = derived.kv_scale()
-    print(f"  KV check: stretching the KV ranges by {scale:.2f}× would make them hold "
-          f"{TERM_COVERAGE:.0%} of the out-of-sample KV figures of {len(derived.kv_ratios)} logs "
-          "(split conformal over sources; near 1: the summed term bands are calibrated as they "
-          "are)")  # fmt: skip
+    print(
+        f"  KV check: stretching the KV ranges by {scale:.2f}× would make them hold "
+        f"{TERM_COVERAGE:.0%} of the out-of-sample KV figures of {len(derived.kv_ratios)} logs "
+        "(split conformal over sources; near 1: the summed term bands are calibrated as they "
+        "are)"
+    )
     if show or not same:
         print(bands_literal(derived.bands))
     return same
@@ -206,8 +234,10 @@ def print_leaked(result: NestedResult) -> None:
     """The rows kept out of the headline, and why."""
     if not result.leaked:
         return
-    print("\nNOT OUT OF SAMPLE (kept out of the headline) — rows whose prediction uses a "
-          "constant no other source informs, so it keeps the value fitted with them:")  # fmt: skip
+    print(
+        "\nNOT OUT OF SAMPLE (kept out of the headline) — rows whose prediction uses a "
+        "constant no other source informs, so it keeps the value fitted with them:"
+    )
     for line in result.notes:
         print(f"  {line}")
     print(_line("leaked rows", result.leaked))
@@ -225,10 +255,15 @@ def kv_figures(cases: list[Case]) -> dict[str, float]:
     med, p90 = stats(c.rel_err_pct for c in kv)
     n_med, n_p90 = stats(c.naive_err_pct for c in kv if c.naive_err_pct is not None)
     nan = float("nan")
-    return {"n": len(kv), "median": med, "p90": p90, "naive_median": n_med, "naive_p90": n_p90,
-            "in_range": 100 * sum(c.covered for c in kv) / len(kv) if kv else nan,
-            "half_width": statistics.median(c.half_width_pct for c in kv) if kv else nan,
-            }  # fmt: skip
+    return {
+        "n": len(kv),
+        "median": med,
+        "p90": p90,
+        "naive_median": n_med,
+        "naive_p90": n_p90,
+        "in_range": 100 * sum(c.covered for c in kv) / len(kv) if kv else nan,
+        "half_width": statistics.median(c.half_width_pct for c in kv) if kv else nan,
+    }
 
 
 def _row(what: str, kind: str, f: dict[str, float], ranges: bool = True) -> str:
@@ -257,24 +292,38 @@ def planner_markdown(
         "| KV cache GiB | kind | logs | median / p90 \\|relative error\\| | inside the range / "
         "median half-width |",
         "|---|---|---|---|---|",
-        _row("leave-one-source-out, nested: the development logs and every held-out set, each "
-             "source predicted with the constants refitted and the bands derived on the other "
-             "sources", "secondary (leave-one-source-out)", oos),
+        _row(
+            "leave-one-source-out, nested: the development logs and every held-out set, each "
+            "source predicted with the constants refitted and the bands derived on the other "
+            "sources",
+            "secondary (leave-one-source-out)",
+            oos,
+        ),
         f"| the naive `util × total − weights − 1 GiB`, same cases | out of sample | {oos['n']} | "
         f"{oos['naive_median']:.2f} % / {oos['naive_p90']:.2f} % (oomguard's median "
         f"{ratio:.2f}× the naive one; target ≤ {TARGET_RATIO}×) | — |",
-    ]  # fmt: skip
+    ]
     for name in sorted({c.dataset for c in result.clean}):
-        lines.append(_row(f"of which `{name}`", "out of sample",
-                          kv_figures([c for c in result.clean if c.dataset == name])))  # fmt: skip
+        lines.append(
+            _row(
+                f"of which `{name}`",
+                "out of sample",
+                kv_figures([c for c in result.clean if c.dataset == name]),
+            )
+        )
     for era in ERA_ORDER:
         mine = [c for c in result.clean if c.era == era]
         if mine:
             lines.append(_row(f"of which vLLM {era}", "out of sample", kv_figures(mine)))
     if result.leaked:
-        lines.append(_row("rows whose prediction uses a constant only their own source informs "
-                          "(kept out of the line above)", "not out of sample",
-                          kv_figures(result.leaked)))  # fmt: skip
+        lines.append(
+            _row(
+                "rows whose prediction uses a constant only their own source informs "
+                "(kept out of the line above)",
+                "not out of sample",
+                kv_figures(result.leaked),
+            )
+        )
     lines.append(_row("development logs, built-in constants and bands", "in sample", ins))
     w = [c for c in weights if c.metric == "weights_gib"]
     w_med, w_p90 = stats(c.rel_err_pct for c in w)
@@ -287,12 +336,17 @@ def planner_markdown(
         f"Each estimated term inside its band, the band derived without the log's source: "
         f"{_term_cells(result.terms)}. The shipped bands are what the procedure gives on every "
         f"log: {'yes' if bands_same else 'NO'}.",
-    ]  # fmt: skip
-    figures = {"loso_n": oos["n"], "loso_median": round(oos["median"], 2),
-               "loso_p90": round(oos["p90"], 2), "loso_in_range": round(oos["in_range"], 1),
-               "loso_half_width": round(oos["half_width"], 2), "in_sample_n": ins["n"],
-               "in_sample_median": round(ins["median"], 2),
-               "in_sample_p90": round(ins["p90"], 2)}  # fmt: skip
+    ]
+    figures = {
+        "loso_n": oos["n"],
+        "loso_median": round(oos["median"], 2),
+        "loso_p90": round(oos["p90"], 2),
+        "loso_in_range": round(oos["in_range"], 1),
+        "loso_half_width": round(oos["half_width"], 2),
+        "in_sample_n": ins["n"],
+        "in_sample_median": round(ins["median"], 2),
+        "in_sample_p90": round(ins["p90"], 2),
+    }
     return "\n".join(lines), figures
 
 
@@ -319,9 +373,19 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def ledger_cases(cases: list[Case]) -> list[dict[str, object]]:
     """The per-case figures a ledger row keeps (the KV cases)."""
-    return [{"row": c.row, "model": c.model, "observed": c.observed, "predicted": c.predicted,
-             "low": c.low, "high": c.high, "err": c.rel_err_pct}
-            for c in cases if c.metric == "kv_cache_gib"]  # fmt: skip
+    return [
+        {
+            "row": c.row,
+            "model": c.model,
+            "observed": c.observed,
+            "predicted": c.predicted,
+            "low": c.low,
+            "high": c.high,
+            "err": c.rel_err_pct,
+        }
+        for c in cases
+        if c.metric == "kv_cache_gib"
+    ]
 
 
 def first_sight(path: Path, verbose: bool) -> int:
@@ -340,17 +404,28 @@ def first_sight(path: Path, verbose: bool) -> int:
     if not kept:
         raise accuracy_page.PageError(f"no KV case of {path} was answered: nothing to keep")
     command = f"python bench/planner_accuracy.py --first-sight {path}"
-    row = accuracy_page.append_row({
-        "face": "planner", "set": path.stem, "files": [str(path)],
-        "sha256": accuracy_page.content_sha256([path]), "date": accuracy_page.today(),
-        "commit": accuracy_page.commit(), "recorded_in": accuracy_page.commit(), "command": command,
-        "summary": accuracy_page.planner_summary(kept), "cases": kept, "pooled": True,
-        "note": f"{len(rows)} rows, {len(kept)} KV cases answered; scored once as it arrived",
-    })  # fmt: skip
+    row = accuracy_page.append_row(
+        {
+            "face": "planner",
+            "set": path.stem,
+            "files": [str(path)],
+            "sha256": accuracy_page.content_sha256([path]),
+            "date": accuracy_page.today(),
+            "commit": accuracy_page.commit(),
+            "recorded_in": accuracy_page.commit(),
+            "command": command,
+            "summary": accuracy_page.planner_summary(kept),
+            "cases": kept,
+            "pooled": True,
+            "note": f"{len(rows)} rows, {len(kept)} KV cases answered; scored once as it arrived",
+        }
+    )
     accuracy_page.write_headline()
-    print(f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
-          f"{accuracy_page.PAGE} is refreshed. The set may now join the held-out data "
-          f"(bench/data/startup-logs-{path.stem}.jsonl).")  # fmt: skip
+    print(
+        f"\nkept in {accuracy_page.LEDGER}: {row['summary']}; the headline of "
+        f"{accuracy_page.PAGE} is refreshed. The set may now join the held-out data "
+        f"(bench/data/startup-logs-{path.stem}.jsonl)."
+    )
     return status
 
 
@@ -358,15 +433,20 @@ def main(argv: list[str] | None = None) -> int:
     """Score every log (or one file with ``--data``); 0 when every target is met."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--dev", type=Path, default=None, help="development logs")
-    ap.add_argument("--holdout", type=Path, nargs="*", default=None,
-                    help=f"held-out sets (default: bench/data/{HOLDOUT_GLOB})")
+    ap.add_argument(
+        "--holdout",
+        type=Path,
+        nargs="*",
+        default=None,
+        help=f"held-out sets (default: bench/data/{HOLDOUT_GLOB})",
+    )
     ap.add_argument("--data", type=Path, help="score only this file, as unseen data")
     ap.add_argument("--first-sight", type=Path, help="score a new set once and keep its row")
     ap.add_argument("--write-docs", action="store_true", help="write the planner section")
     ap.add_argument("--bands", action="store_true", help="print the derived band table as code")
     ap.add_argument("--terms", action="store_true", help="list every term outside its band")
     ap.add_argument("--verbose", action="store_true", help="print every case")
-    args = ap.parse_args(argv)  # fmt: skip
+    args = ap.parse_args(argv)
     try:
         if args.first_sight is not None:
             return first_sight(args.first_sight, args.verbose)
@@ -383,7 +463,9 @@ def full_run(args: argparse.Namespace) -> int:
     ``--write-docs``."""
     started = time.perf_counter()
     dev_path = args.dev or default_dev()
-    holdouts = args.holdout if args.holdout is not None else sorted((HERE / "data").glob(HOLDOUT_GLOB))
+    holdouts = (
+        args.holdout if args.holdout is not None else sorted((HERE / "data").glob(HOLDOUT_GLOB))
+    )
     dev, skipped = ([], []) if dev_path is None else prepare(load_rows(dev_path), "dev")
     held: list[Prepared] = []
     for path in holdouts:
@@ -418,8 +500,9 @@ def full_run(args: argparse.Namespace) -> int:
     print(f"\n({time.perf_counter() - started:.0f} s)")
     if args.write_docs:
         body, figures = planner_markdown(result, in_sample, in_sample + unseen, same)
-        accuracy_page.write_section("planner", body, "python bench/planner_accuracy.py "
-                                    "--write-docs", figures)  # fmt: skip
+        accuracy_page.write_section(
+            "planner", body, "python bench/planner_accuracy.py --write-docs", figures
+        )
     return status
 
 
@@ -436,8 +519,10 @@ def score_unseen(path: Path, verbose: bool) -> tuple[list[Case], int]:
     skipped += refused
     answered = len({c.row for c in cases if c.metric == "kv_cache_gib"})
     with_kv = sum(1 for r in rows if ((r.get("observed") or {}).get("kv_cache_gib") or 0) > 0)
-    print(f"data: {path} — {len(rows)} rows, {answered} KV cases answered of {with_kv} with a "
-          "positive KV figure")  # fmt: skip
+    print(
+        f"data: {path} — {len(rows)} rows, {answered} KV cases answered of {with_kv} with a "
+        "positive KV figure"
+    )
     _report_skips(skipped, verbose)
     print()
     if answered == 0:

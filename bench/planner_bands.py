@@ -111,8 +111,11 @@ def _weighted_median(values: list[float], weights: list[float]) -> float:
 
 def _kv_bytes(p: Prepared, coef: Coefficients) -> float | None:
     try:
-        return float(predict(p.model, p.gpu, p.settings, strict=False,
-                             coefficients=coef).stages[0].kv_cache_bytes)  # fmt: skip
+        return float(
+            predict(p.model, p.gpu, p.settings, strict=False, coefficients=coef)
+            .stages[0]
+            .kv_cache_bytes
+        )
     except OomguardError:
         return None
 
@@ -183,8 +186,9 @@ def refit(train: list[Prepared], sens: Sensitivities) -> Fit:
 
 def kv_uses_unfitted(p: Prepared, sens: Sensitivities, fit: Fit) -> set[str]:
     """The constants a row's KV figure depends on that ``fit`` could not refit."""
-    used = {n for n, v in sens.get((p.dataset, p.row), {}).items()
-            if n != "_pred" and abs(v) > 1e-3}  # fmt: skip
+    used = {
+        n for n, v in sens.get((p.dataset, p.row), {}).items() if n != "_pred" and abs(v) > 1e-3
+    }
     return used & fit.unrefitted
 
 
@@ -209,22 +213,33 @@ def _first_stage_activation(p: Prepared, pred: MemoryPrediction, coef: Coefficie
     ep = s.tensor_parallel_size * s.data_parallel_size if s.enable_expert_parallel else 1
     model_dtype = resolve_model_dtype(p.model, s.dtype, p.gpu.compute_capability)
     return activation_peak(
-        p.model, era=pred.era, max_num_batched_tokens=int(s.max_num_batched_tokens or 0),
-        max_num_seqs=int(s.max_num_seqs or 0), tp=s.tensor_parallel_size,
-        dtype_bytes=dtype_bytes(model_dtype), has_sampler=s.pipeline_parallel_size == 1, ep=ep,
-        dp=s.data_parallel_size, coef=coef,
-    )  # fmt: skip
+        p.model,
+        era=pred.era,
+        max_num_batched_tokens=int(s.max_num_batched_tokens or 0),
+        max_num_seqs=int(s.max_num_seqs or 0),
+        tp=s.tensor_parallel_size,
+        dtype_bytes=dtype_bytes(model_dtype),
+        has_sampler=s.pipeline_parallel_size == 1,
+        ep=ep,
+        dp=s.data_parallel_size,
+        coef=coef,
+    )
 
 
 def _graph_estimate(p: Prepared, pred: MemoryPrediction, coef: Coefficients) -> Estimate:
     """The 0.20+ graph formula on a log that prints it (0.18–0.19 print, 0.20+ subtract)."""
     s = pred.settings
     return cudagraph_estimate(
-        p.model, resolve_era("0.20"), stage_layers=pred.stages[0].num_layers,
+        p.model,
+        resolve_era("0.20"),
+        stage_layers=pred.stages[0].num_layers,
         max_num_seqs=int(s.max_num_seqs or 256),
-        max_num_batched_tokens=int(s.max_num_batched_tokens or 2048), enforce_eager=False,
-        compute_capability=p.gpu.compute_capability, tp=s.tensor_parallel_size, coef=coef,
-    )  # fmt: skip
+        max_num_batched_tokens=int(s.max_num_batched_tokens or 2048),
+        enforce_eager=False,
+        compute_capability=p.gpu.compute_capability,
+        tp=s.tensor_parallel_size,
+        coef=coef,
+    )
 
 
 def _relative_outside(observed: float, low: float, high: float) -> float:
@@ -261,27 +276,39 @@ def term_residuals(p: Prepared, fit: Fit) -> list[TermResidual]:
         r = _relative_outside(seen, a.low_bytes / GIB, a.high_bytes / GIB)
         out.append(TermResidual("activation", Residual(group, p.source, r), label, seen, a.gib))
     if obs.get("non_torch_gib") is not None:
-        cell = non_torch_cell(pred.era, tp=tp, pp=pred.settings.pipeline_parallel_size,
-                              nvlink=p.gpu.nvlink, nvls=p.gpu.nvls)  # fmt: skip
+        cell = non_torch_cell(
+            pred.era,
+            tp=tp,
+            pp=pred.settings.pipeline_parallel_size,
+            nvlink=p.gpu.nvlink,
+            nvls=p.gpu.nvls,
+        )
         if cell not in coef.non_torch_gib:
             cell = (cell[0], "single")
         if non_torch_param_name(cell) not in fit.unrefitted:
             seen = float(obs["non_torch_gib"])
             group = non_torch_group(non_torch_era(pred.era), tp)
             value = pred.non_torch.gib
-            out.append(TermResidual("non_torch", Residual(group, p.source, seen - value), label,
-                                    seen, value))  # fmt: skip
+            out.append(
+                TermResidual(
+                    "non_torch", Residual(group, p.source, seen - value), label, seen, value
+                )
+            )
     if obs.get("weights_gib") is not None:
         seen, value = float(obs["weights_gib"]), pred.stages[0].weights_bytes / GIB
         quantized = bool(p.model.quant.method or p.settings.quantization)
         group = weights_group(quantized, p.model.vision is not None)
-        out.append(TermResidual("weights", Residual(group, p.source, seen / value - 1), label,
-                                seen, value))  # fmt: skip
+        out.append(
+            TermResidual("weights", Residual(group, p.source, seen / value - 1), label, seen, value)
+        )
     if obs.get("cudagraph_estimated_gib") is not None and not (GRAPH_PARAMS & fit.unrefitted):
         g = _graph_estimate(p, pred, coef)
         seen = float(obs["cudagraph_estimated_gib"])
-        out.append(TermResidual("graph", Residual(graph_group(tp), p.source, seen - g.gib), label,
-                                seen, g.gib))  # fmt: skip
+        out.append(
+            TermResidual(
+                "graph", Residual(graph_group(tp), p.source, seen - g.gib), label, seen, g.gib
+            )
+        )
     return out
 
 
@@ -319,11 +346,14 @@ class FoldBands:
         """How far the KV range would have to be stretched to hold ``TERM_COVERAGE`` of the
         out-of-sample KV figures (split conformal over sources); near 1: the summed term bands
         are calibrated as they are."""
-        return conformal_quantile([r for _, r in self.kv_ratios],
-                                  [s for s, _ in self.kv_ratios], TERM_COVERAGE)  # fmt: skip
+        return conformal_quantile(
+            [r for _, r in self.kv_ratios], [s for s, _ in self.kv_ratios], TERM_COVERAGE
+        )
 
 
-def derive_fold_bands(train: list[Prepared], sens: Sensitivities, check_kv: bool = False) -> FoldBands:
+def derive_fold_bands(
+    train: list[Prepared], sens: Sensitivities, check_kv: bool = False
+) -> FoldBands:
     """The band procedure on ``train`` only (see ``oomguard.memory.bands``).
 
     Every source of ``train`` is predicted with the constants refitted on the others, and its
@@ -332,13 +362,19 @@ def derive_fold_bands(train: list[Prepared], sens: Sensitivities, check_kv: bool
     """
     sources = sorted({p.source for p in train})
     fits = {s: refit([p for p in train if p.source != s], sens) for s in sources}
-    by_source = {s: [r for p in train if p.source == s for r in term_residuals(p, fits[s])]
-                 for s in sources}  # fmt: skip
+    by_source = {
+        s: [r for p in train if p.source == s for r in term_residuals(p, fits[s])] for s in sources
+    }
     every = [r for rs in by_source.values() for r in rs]
     out = FoldBands(bands_from(every), every)
     for s in sources if check_kv else []:
-        rows = [p for p in train if p.source == s and "kv_cache_gib" in p.observed
-                and not kv_uses_unfitted(p, sens, fits[s])]  # fmt: skip
+        rows = [
+            p
+            for p in train
+            if p.source == s
+            and "kv_cache_gib" in p.observed
+            and not kv_uses_unfitted(p, sens, fits[s])
+        ]
         others = [r for s2, rs in by_source.items() if s2 != s for r in rs]
         coef = replace(fits[s].coef, bands=bands_from(others))
         for p in rows:
@@ -403,8 +439,10 @@ def nested_loso(prepared: list[Prepared], sens: Sensitivities) -> NestedResult:
                 (out.leaked if stuck.get((c.dataset, c.row)) else out.clean).append(c)
         if names:
             n_stuck = sum(1 for v in stuck.values() if v)
-            out.notes.append(f"{src[:70]} ({n_stuck} of {len(kv_rows)} rows): only this "
-                             f"source informs {', '.join(sorted(names))}")  # fmt: skip
+            out.notes.append(
+                f"{src[:70]} ({n_stuck} of {len(kv_rows)} rows): only this "
+                f"source informs {', '.join(sorted(names))}"
+            )
     return out
 
 
@@ -427,8 +465,9 @@ def bands_literal(bands: TermBands) -> str:
     lines = ["SHIPPED_BANDS = TermBands("]
     for name, digits in _DIGITS.items():
         lines.append(f"    {name}={{")
-        lines += [f'        "{k}": {_band_literal(b, digits)}'
-                  for k, b in getattr(bands, name).items()]  # fmt: skip
+        lines += [
+            f'        "{k}": {_band_literal(b, digits)}' for k, b in getattr(bands, name).items()
+        ]
         lines.append("    },")
     lines.append(")")
     return "\n".join(lines)
@@ -437,7 +476,9 @@ def bands_literal(bands: TermBands) -> str:
 def rounded(bands: TermBands) -> tuple[Any, ...]:
     """The bands as shipped (rounded), for comparing a derivation with the table."""
     return tuple(
-        tuple((k, round(b.half_width, digits), b.residuals, b.sources, b.pooled_from,
-               b.unobserved) for k, b in sorted(getattr(bands, name).items()))
+        tuple(
+            (k, round(b.half_width, digits), b.residuals, b.sources, b.pooled_from, b.unobserved)
+            for k, b in sorted(getattr(bands, name).items())
+        )
         for name, digits in _DIGITS.items()
-    )  # fmt: skip
+    )

@@ -142,8 +142,13 @@ def _gpu(row: dict[str, Any]) -> GPUSpec:
     except OomguardError:
         if not total:
             raise
-        spec = GPUSpec(name=name, total_bytes=0, marketing_gb=0,
-                       compute_capability=_capability(name), device_name=name.lower())  # fmt: skip
+        spec = GPUSpec(
+            name=name,
+            total_bytes=0,
+            marketing_gb=0,
+            compute_capability=_capability(name),
+            device_name=name.lower(),
+        )
     if total:  # the log's own CUDA total beats the catalogue's
         spec = replace(spec, total_bytes=int(total * GIB))
     return spec
@@ -201,7 +206,11 @@ def inconsistent(row: dict[str, Any]) -> str | None:
     """
     obs = row.get("observed") or {}
     terms = [obs.get(k) for k in ("weights_gib", "activation_peak_gib", "non_torch_gib")]
-    total, util, kv = row.get("gpu_total_gib"), row.get("gpu_memory_utilization"), obs.get("kv_cache_gib")
+    total, util, kv = (
+        row.get("gpu_total_gib"),
+        row.get("gpu_memory_utilization"),
+        obs.get("kv_cache_gib"),
+    )
     if None in terms or not total or not util or kv is None:
         return None
     budget = total * util
@@ -255,8 +264,19 @@ def prepare(rows: list[dict[str, Any]], dataset: str) -> tuple[list[Prepared], l
         except OomguardError as exc:
             skipped.append(f"{label}: GPU {row.get('gpu')!r} unknown and no total given ({exc})")
             continue
-        out.append(Prepared(dataset, i, source_key(str(row.get("source") or "")), model, gpu,
-                            settings, wanted, obs, why is None))  # fmt: skip
+        out.append(
+            Prepared(
+                dataset,
+                i,
+                source_key(str(row.get("source") or "")),
+                model,
+                gpu,
+                settings,
+                wanted,
+                obs,
+                why is None,
+            )
+        )
     return out, skipped
 
 
@@ -267,12 +287,14 @@ def _why(p: MemoryPrediction, obs: dict[str, Any]) -> str:
         seen = f" (obs {obs[key]:.2f})" if key in obs else ""
         return f"{name} {value / GIB:.2f}{seen}"
 
-    return ", ".join((
-        pair("W", stage.weights_bytes, "weights_gib"),
-        pair("A", stage.activation_bytes, "activation_peak_gib"),
-        pair("N", stage.non_torch_bytes, "non_torch_gib"),
-        pair("G", stage.cudagraph_bytes, "cudagraph_estimated_gib"),
-    ))  # fmt: skip
+    return ", ".join(
+        (
+            pair("W", stage.weights_bytes, "weights_gib"),
+            pair("A", stage.activation_bytes, "activation_peak_gib"),
+            pair("N", stage.non_torch_bytes, "non_torch_gib"),
+            pair("G", stage.cudagraph_bytes, "cudagraph_estimated_gib"),
+        )
+    )
 
 
 def naive_kv_gib(p: MemoryPrediction) -> float:
@@ -291,23 +313,42 @@ def score(
         try:
             pred = predict(p.model, p.gpu, p.settings, strict=False, coefficients=coef)
         except OomguardError as exc:
-            refused.append(f"{p.dataset} row {p.row} {p.model.name}: prediction refused "
-                           f"({exc.one_line()[:100]})")  # fmt: skip
+            refused.append(
+                f"{p.dataset} row {p.row} {p.model.name}: prediction refused "
+                f"({exc.one_line()[:100]})"
+            )
             continue
         stage0 = pred.stages[0]  # the logged rank (rank 0 prints first)
         version = f"{p.settings.engine} {pred.vllm_version}"
         era = era_label(p.settings, pred.vllm_version)
         common = (p.dataset, p.row, p.source, p.model.name, version, era)
         if "kv_cache_gib" in p.observed:
-            cases.append(Case(*common, "kv_cache_gib", p.observed["kv_cache_gib"],
-                              stage0.kv_cache_bytes / GIB, stage0.kv_cache_bytes_low / GIB,
-                              stage0.kv_cache_bytes_high / GIB, naive_kv_gib(pred),
-                              _why(pred, p.raw_observed)))  # fmt: skip
+            cases.append(
+                Case(
+                    *common,
+                    "kv_cache_gib",
+                    p.observed["kv_cache_gib"],
+                    stage0.kv_cache_bytes / GIB,
+                    stage0.kv_cache_bytes_low / GIB,
+                    stage0.kv_cache_bytes_high / GIB,
+                    naive_kv_gib(pred),
+                    _why(pred, p.raw_observed),
+                )
+            )
         if "weights_gib" in p.observed:
             w = pred.weights
-            cases.append(Case(*common, "weights_gib", p.observed["weights_gib"],
-                              stage0.weights_bytes / GIB, w.low_bytes / GIB, w.high_bytes / GIB,
-                              None, w.basis))  # fmt: skip
+            cases.append(
+                Case(
+                    *common,
+                    "weights_gib",
+                    p.observed["weights_gib"],
+                    stage0.weights_bytes / GIB,
+                    w.low_bytes / GIB,
+                    w.high_bytes / GIB,
+                    None,
+                    w.basis,
+                )
+            )
     return cases, refused
 
 
@@ -329,5 +370,3 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
 def default_dev() -> Path | None:
     """The development logs, where this checkout can see them."""
     return next((p for p in _DEV_CANDIDATES if p.exists()), None)
-
-

@@ -60,8 +60,9 @@ def _traffic(url: str, model: str, prompts: list[str], stop: threading.Event) ->
 
     def one(prompt: str, max_tokens: int) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
             urllib.request.urlopen(req, timeout=600).read()
         except OSError:
@@ -85,8 +86,9 @@ def _warm_up(url: str, model: str, prompts: list[str], seconds: float) -> None:
 
     def one(prompt: str, max_tokens: int) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         try:
             urllib.request.urlopen(req, timeout=600).read()
         except OSError:
@@ -94,8 +96,10 @@ def _warm_up(url: str, model: str, prompts: list[str], seconds: float) -> None:
 
     while time.monotonic() - started < seconds:
         for batch in range(1, 25):
-            threads = [threading.Thread(target=one, args=(rng.choice(prompts), rng.randint(8, 400)))
-                       for _ in range(batch)]  # fmt: skip
+            threads = [
+                threading.Thread(target=one, args=(rng.choice(prompts), rng.randint(8, 400)))
+                for _ in range(batch)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -111,18 +115,23 @@ def record_flat_vllm(out: Path, duration_s: float, warm_up_s: float = 0.0) -> No
 
     work = Path(tempfile.mkdtemp(prefix="flat-vllm-"))
     model = create_tiny_model(work / "tiny-llama")
-    config = ServeConfig(model_dir=model.path, kv_cache_memory_bytes=16 * scenarios.BLOCK_BYTES,
-                         max_model_len=1024)  # fmt: skip
+    config = ServeConfig(
+        model_dir=model.path, kv_cache_memory_bytes=16 * scenarios.BLOCK_BYTES, max_model_len=1024
+    )
     server = VllmServer(config, work / "vllm.log")
     server.start()
     stop = threading.Event()
     try:
         server.wait_healthy(timeout_s=600)
-        prompts = [prompt_of_tokens(model.path, n, seed=i) for i, n in
-                   enumerate(random.Random(2).choices(range(16, 600), k=64))]  # fmt: skip
+        prompts = [
+            prompt_of_tokens(model.path, n, seed=i)
+            for i, n in enumerate(random.Random(2).choices(range(16, 600), k=64))
+        ]
         if warm_up_s > 0:
             _warm_up(server.base_url, str(model.path), prompts, warm_up_s)
-        client = threading.Thread(target=_traffic, args=(server.base_url, str(model.path), prompts, stop))
+        client = threading.Thread(
+            target=_traffic, args=(server.base_url, str(model.path), prompts, stop)
+        )
         client.start()
         header = {
             "trace": "flat-vllm-warmed" if warm_up_s > 0 else "flat-vllm",
@@ -141,10 +150,16 @@ def record_flat_vllm(out: Path, duration_s: float, warm_up_s: float = 0.0) -> No
 
 def record_grow(out: Path, duration_s: float, rate_mib_per_min: float) -> None:
     proc = start_group(
-        [sys.executable, str(ROOT / "tests" / "integration" / "grow_memory.py"),
-         "--rate-mib-per-min", str(rate_mib_per_min), "--duration-s", str(duration_s + 30)],
+        [
+            sys.executable,
+            str(ROOT / "tests" / "integration" / "grow_memory.py"),
+            "--rate-mib-per-min",
+            str(rate_mib_per_min),
+            "--duration-s",
+            str(duration_s + 30),
+        ],
         stdout=subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout is not None
         proc.stdout.readline()  # "ready"

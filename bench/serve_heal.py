@@ -93,15 +93,36 @@ SCENARIOS = ("max_model_len_too_large", "no_cache_blocks", "util_below_process_m
 
 
 def command_for(model_dir: Path, name: str, port: int) -> list[str]:
-    return ["vllm", "serve", str(model_dir), "--load-format", "dummy", "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--max-model-len", "1024", *ENGINE_ARGS,
-            *scenario_flags(name)]  # fmt: skip
+    return [
+        "vllm",
+        "serve",
+        str(model_dir),
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        *ENGINE_ARGS,
+        *scenario_flags(name),
+    ]
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     return env
 
@@ -118,8 +139,9 @@ def run_serve(tokens: list[str], logs: Path) -> tuple[list[dict[str, object]], f
             stop.set()
 
     started = time.monotonic()
-    result = serve(tokens, on_event=on_event, stop=stop, log_dir=logs, allow_hub=False,
-                   calibrate=False)  # fmt: skip
+    result = serve(
+        tokens, on_event=on_event, stop=stop, log_dir=logs, allow_hub=False, calibrate=False
+    )
     events = [e.to_dict() for e in result.events]
     if not ready:
         raise RuntimeError(f"serve did not get a healthy server: {events[-1]}")
@@ -141,9 +163,19 @@ def run_failing_by_hand(tokens: list[str], log: Path) -> tuple[float, float]:
         if follower.feed(line).failure is not None and not line_at:
             line_at.append(time.monotonic())
 
-    process = EngineProcess([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             command.model, *command.args], env=_env(), log_path=log,
-                            on_line=on_line)  # fmt: skip
+    process = EngineProcess(
+        [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            command.model,
+            *command.args,
+        ],
+        env=_env(),
+        log_path=log,
+        on_line=on_line,
+    )
     process.start()
     try:
         code = process.wait_exit(600)
@@ -163,8 +195,18 @@ def run_fixed_by_hand(command_text: str, log: Path) -> float:
     """The healed command without serve: start → /health."""
     command = EngineCommand.from_tokens([command_text])
     python = vllm_venv() / "bin" / "python"
-    process = EngineProcess([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             command.model, *command.args], env=_env(), log_path=log)  # fmt: skip
+    process = EngineProcess(
+        [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            command.model,
+            *command.args,
+        ],
+        env=_env(),
+        log_path=log,
+    )
     process.start()
     try:
         if not process.wait_healthy(command.base_url + "/health", timeout_s=900):
@@ -180,8 +222,9 @@ def one_round(name: str, model_dir: Path, logs: Path) -> Round:
     failure = next(e for e in events if e["event"] == "failure")
     heal = next((e for e in events if e["event"] == "heal"), {})
     launches = sum(1 for e in events if e["event"] == "launch")
-    line_to_exit, failed_run = run_failing_by_hand(command_for(model_dir, name, free_port()),
-                                                   logs / "failing-by-hand.log")  # fmt: skip
+    line_to_exit, failed_run = run_failing_by_hand(
+        command_for(model_dir, name, free_port()), logs / "failing-by-hand.log"
+    )
     healed_port = EngineCommand.from_tokens([healed]).with_flag("--port", str(free_port()))
     fixed_run = run_fixed_by_hand(healed_port.display(), logs / "fixed-by-hand.log")
     return Round(
@@ -216,8 +259,10 @@ def report(rounds: list[Round], human_s: float, before: dict[str, object]) -> No
         f"manual path = the failing run to vLLM's own exit + {human_s:g} s for a person + the "
         "fixed command to /health (given serve's fix on the first try)"
     )
-    head = (f"{'scenario':<27}{'heal':<30}{'line→kill':>10}{'line→gone':>10}{'serve→healthy':>14}"
-            f"{'line→exit':>10}{'by hand':>9}{'speed-up':>9}{'machine only':>14}")  # fmt: skip
+    head = (
+        f"{'scenario':<27}{'heal':<30}{'line→kill':>10}{'line→gone':>10}{'serve→healthy':>14}"
+        f"{'line→exit':>10}{'by hand':>9}{'speed-up':>9}{'machine only':>14}"
+    )
     print(head)
     for name in dict.fromkeys(r.scenario for r in rounds):
         mine = [r for r in rounds if r.scenario == name]
@@ -227,9 +272,11 @@ def report(rounds: list[Round], human_s: float, before: dict[str, object]) -> No
         exit_ = statistics.median(r.manual_line_to_exit_s for r in mine)
         manual = statistics.median(r.manual_total_s(human_s) for r in mine)
         machine = statistics.median(r.manual_total_s(0.0) for r in mine)
-        print(f"{name:<27}{mine[0].heal[:29]:<30}{kill * 1000:>8.1f}ms{gone * 1000:>8.0f}ms"
-              f"{healthy:>13.1f}s{exit_:>9.1f}s{manual:>8.1f}s{manual / healthy:>8.2f}x"
-              f"{machine:>8.1f}s {machine / healthy:.2f}x")  # fmt: skip
+        print(
+            f"{name:<27}{mine[0].heal[:29]:<30}{kill * 1000:>8.1f}ms{gone * 1000:>8.0f}ms"
+            f"{healthy:>13.1f}s{exit_:>9.1f}s{manual:>8.1f}s{manual / healthy:>8.2f}x"
+            f"{machine:>8.1f}s {machine / healthy:.2f}x"
+        )
     worst = max(r.line_to_kill_s for r in rounds)
     print(
         f"line→kill over all {len(rounds)} rounds: max {worst * 1000:.1f} ms "
@@ -248,8 +295,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=Path, help="re-print the rounds a run wrote to stderr")
     args = parser.parse_args()
     if args.rounds is not None:
-        saved = [Round(**json.loads(line.split("] ", 1)[1]))
-                 for line in args.rounds.read_text().splitlines() if line.startswith("[")]  # fmt: skip
+        saved = [
+            Round(**json.loads(line.split("] ", 1)[1]))
+            for line in args.rounds.read_text().splitlines()
+            if line.startswith("[")
+        ]
         report(saved, args.human_s, {"saved": str(args.rounds)})
         return 0
     problem = vllm_venv_problem()
@@ -269,8 +319,16 @@ def main() -> int:
                 rounds.append(one_round(name, model.path, logs))
                 print(f"[{name} #{i + 1}] {json.dumps(asdict(rounds[-1]))}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"conditions": before, "human_s": args.human_s,
-                          "rounds": [asdict(r) for r in rounds]}, indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "conditions": before,
+                    "human_s": args.human_s,
+                    "rounds": [asdict(r) for r in rounds],
+                },
+                indent=1,
+            )
+        )
     else:
         report(rounds, args.human_s, before)
     return 0

@@ -51,10 +51,13 @@ def serve_pages(ports: list[int]) -> None:
     async def metrics(_: web.Request) -> web.Response:
         counter["n"] += 1
         usage = rng.uniform(0.0, 0.95)
-        body = (text.replace('kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0',
-                             f'kv_cache_usage_perc{{engine="0",model_name="tiny-llama"}} {usage:.4f}')
-                .replace('num_preemptions_total{engine="0",model_name="tiny-llama"} 1.0',
-                         f'num_preemptions_total{{engine="0",model_name="tiny-llama"}} {counter["n"] // 50}.0'))  # fmt: skip
+        body = text.replace(
+            'kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0',
+            f'kv_cache_usage_perc{{engine="0",model_name="tiny-llama"}} {usage:.4f}',
+        ).replace(
+            'num_preemptions_total{engine="0",model_name="tiny-llama"} 1.0',
+            f'num_preemptions_total{{engine="0",model_name="tiny-llama"}} {counter["n"] // 50}.0',
+        )
         return web.Response(text=body, content_type="text/plain")
 
     async def main() -> None:
@@ -81,14 +84,24 @@ def main() -> int:
     servers = start_group([sys.executable, "-c", code])
     watch_port = _free_port()
     exe = Path(sys.executable).parent / "oomguard"
-    argv = [str(exe), "watch", *(f"http://127.0.0.1:{p}" for p in ports), "--interval",
-            str(args.interval), "--port", str(watch_port), "--json"]  # fmt: skip
+    argv = [
+        str(exe),
+        "watch",
+        *(f"http://127.0.0.1:{p}" for p in ports),
+        "--interval",
+        str(args.interval),
+        "--port",
+        str(watch_port),
+        "--json",
+    ]
     watch = start_group(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         proc = psutil.Process(watch.pid)
         time.sleep(args.warmup)
         if watch.poll() is not None:
-            raise SystemExit(f"watch exited: {watch.stderr.read().decode() if watch.stderr else ''}")
+            raise SystemExit(
+                f"watch exited: {watch.stderr.read().decode() if watch.stderr else ''}"
+            )
         t0, c0 = time.monotonic(), proc.cpu_times()
         next_scrape = t0
         scrapes = 0
@@ -103,14 +116,22 @@ def main() -> int:
         cpu_s = (c1.user - c0.user) + (c1.system - c0.system)
         share = 100.0 * cpu_s / (t1 - t0)
         load = os.getloadavg()
-        print(f"servers: {args.servers} real HTTP servers on loopback serving a recorded vLLM 0.32.0 "
-              f"/metrics page ({len(PAGE.read_text().splitlines())} lines)")  # fmt: skip
-        print(f"interval: {args.interval:g} s, measured {t1 - t0:.0f} s after {args.warmup:g} s warm-up, "
-              f"{scrapes} scrapes of the watcher's own /metrics")  # fmt: skip
-        print(f"watcher CPU: {cpu_s:.2f} s in {t1 - t0:.0f} s = {share:.2f} % of one core "
-              f"(target < 1 %): {'MET' if share < 1.0 else 'MISSED'}")  # fmt: skip
+        print(
+            f"servers: {args.servers} real HTTP servers on loopback serving a recorded vLLM 0.32.0 "
+            f"/metrics page ({len(PAGE.read_text().splitlines())} lines)"
+        )
+        print(
+            f"interval: {args.interval:g} s, measured {t1 - t0:.0f} s after {args.warmup:g} s warm-up, "
+            f"{scrapes} scrapes of the watcher's own /metrics"
+        )
+        print(
+            f"watcher CPU: {cpu_s:.2f} s in {t1 - t0:.0f} s = {share:.2f} % of one core "
+            f"(target < 1 %): {'MET' if share < 1.0 else 'MISSED'}"
+        )
         print(f"watcher memory: {rss / 2**20:.1f} MiB resident")
-        print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+        print(
+            f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
     finally:
         for p in (watch, servers):
             stop_group(p.pid, grace_s=10, leader=p)

@@ -26,9 +26,15 @@ def main() -> int:
     from oomguard.watch.alerts import AlertTracker, Observation
     from oomguard.watch.leak import replay
 
-    print(f"settings: window {R.LEAK_WINDOW_S:g} s, rate >= {R.MEMORY_LEAK.threshold * 60 / MIB:g} MiB/min, "
-          f"settle {R.LEAK_SETTLE_S:g} s, for {R.MEMORY_LEAK.for_s:g} s")  # fmt: skip
-    for name in ("trace_grow_50mib_per_min.jsonl", "trace_flat_vllm_1h.jsonl", "trace_flat_vllm_warmed_1h.jsonl"):
+    print(
+        f"settings: window {R.LEAK_WINDOW_S:g} s, rate >= {R.MEMORY_LEAK.threshold * 60 / MIB:g} MiB/min, "
+        f"settle {R.LEAK_SETTLE_S:g} s, for {R.MEMORY_LEAK.for_s:g} s"
+    )
+    for name in (
+        "trace_grow_50mib_per_min.jsonl",
+        "trace_flat_vllm_1h.jsonl",
+        "trace_flat_vllm_warmed_1h.jsonl",
+    ):
         path = DATA / name
         if not path.exists():
             print(f"{name}: missing")
@@ -41,13 +47,21 @@ def main() -> int:
         verdicts = replay(samples, available_bytes=8 * GIB)  # type: ignore[arg-type]
         for t, v in verdicts:
             if v.ready:
-                obs = Observation(R.MEMORY_LEAK, name, v.slope_bytes_per_s, v.suspected,
-                                  v.slope_bytes_per_s >= R.MEMORY_LEAK.clear, "")  # fmt: skip
+                obs = Observation(
+                    R.MEMORY_LEAK,
+                    name,
+                    v.slope_bytes_per_s,
+                    v.suspected,
+                    v.slope_bytes_per_s >= R.MEMORY_LEAK.clear,
+                    "",
+                )
                 events.extend(tracker.update(t, [obs]))
         values = [s[1] for s in samples]
         slopes = [v.slope_bytes_per_s * 60 / MIB for _, v in verdicts if v.ready]
-        print(f"{name}: {header['source']}; {len(samples)} samples over {samples[-1][0] / 60:.1f} min, "
-              f"memory {min(values) / MIB:.0f}-{max(values) / MIB:.0f} MiB")  # fmt: skip
+        print(
+            f"{name}: {header['source']}; {len(samples)} samples over {samples[-1][0] / 60:.1f} min, "
+            f"memory {min(values) / MIB:.0f}-{max(values) / MIB:.0f} MiB"
+        )
         print(f"  robust slope over the run: {min(slopes):+.1f} to {max(slopes):+.1f} MiB/min")
         for e in events:
             print(f"  {e.state} at {e.at_s / 60:.1f} min (slope {e.value * 60 / MIB:.1f} MiB/min)")

@@ -37,7 +37,12 @@ _ALERT_MATCH = 'ignoring(alertname, alertstate, severity{extra}) ALERTS{{alertna
 
 
 def _hysteresis(
-    name: str, series: str, op: str, threshold: float, clear: float, rule_labels: tuple[str, ...] = ()
+    name: str,
+    series: str,
+    op: str,
+    threshold: float,
+    clear: float,
+    rule_labels: tuple[str, ...] = (),
 ) -> str:
     """``series op threshold``, or ``series op clear`` while the alert is already firing."""
     fire = f"{series} {op} {_num(threshold)}"
@@ -61,8 +66,10 @@ def _rule(rule: R.AlertRule, expr: str, description: str, **extra_labels: str) -
     if rule.for_s > 0:
         out["for"] = _duration(rule.for_s)
     out["labels"] = {"severity": rule.severity, **extra_labels}
-    out["annotations"] = {"summary": rule.summary + " on {{ $labels.instance }}",
-                          "description": description}  # fmt: skip
+    out["annotations"] = {
+        "summary": rule.summary + " on {{ $labels.instance }}",
+        "description": description,
+    }
     return out
 
 
@@ -71,22 +78,40 @@ def vllm_rules() -> list[dict[str, Any]]:
     kv = "vllm:kv_cache_usage_perc"
     out = []
     for rule in (R.KV_HIGH, R.KV_CRITICAL):
-        out.append(_rule(rule, _hysteresis(rule.name, kv, ">=", rule.threshold, rule.clear),
-                         f"KV cache {{{{ $value | humanizePercentage }}}} used on engine "
-                         f"{{{{ $labels.engine }}}} of {{{{ $labels.model_name }}}} (fires at "
-                         f"{rule.threshold:.0%}, clears below {rule.clear:.0%})."))  # fmt: skip
+        out.append(
+            _rule(
+                rule,
+                _hysteresis(rule.name, kv, ">=", rule.threshold, rule.clear),
+                f"KV cache {{{{ $value | humanizePercentage }}}} used on engine "
+                f"{{{{ $labels.engine }}}} of {{{{ $labels.model_name }}}} (fires at "
+                f"{rule.threshold:.0%}, clears below {rule.clear:.0%}).",
+            )
+        )
     window = _duration(R.PREEMPTION_WINDOW_S)
-    out.append(_rule(R.PREEMPTIONS,
-                     f"sum by (job, instance, model_name) (increase(vllm:num_preemptions_total[{window}])) > 0",
-                     "{{ $value | humanize }} preemption(s) in the last minute: the KV pool ran out "
-                     "and running requests were recomputed."))  # fmt: skip
-    out.append(_rule(R.WAITING_FOR_CAPACITY,
-                     'sum by (job, instance, model_name) (vllm:num_requests_waiting_by_reason{reason="capacity"}) '
-                     f">= {_num(R.WAITING_FOR_CAPACITY.threshold)}",
-                     "{{ $value }} request(s) wait for free KV blocks (vLLM 0.20+)."))  # fmt: skip
-    out.append(_rule(R.SERVER_DOWN, 'up{job=~".*vllm.*"} == 0 or oomguard_watch_up == 0',
-                     "{{ $labels.instance }} {{ $labels.server }} does not answer (Prometheus' "
-                     "scrape, or oomguard watch's)."))  # fmt: skip
+    out.append(
+        _rule(
+            R.PREEMPTIONS,
+            f"sum by (job, instance, model_name) (increase(vllm:num_preemptions_total[{window}])) > 0",
+            "{{ $value | humanize }} preemption(s) in the last minute: the KV pool ran out "
+            "and running requests were recomputed.",
+        )
+    )
+    out.append(
+        _rule(
+            R.WAITING_FOR_CAPACITY,
+            'sum by (job, instance, model_name) (vllm:num_requests_waiting_by_reason{reason="capacity"}) '
+            f">= {_num(R.WAITING_FOR_CAPACITY.threshold)}",
+            "{{ $value }} request(s) wait for free KV blocks (vLLM 0.20+).",
+        )
+    )
+    out.append(
+        _rule(
+            R.SERVER_DOWN,
+            'up{job=~".*vllm.*"} == 0 or oomguard_watch_up == 0',
+            "{{ $labels.instance }} {{ $labels.server }} does not answer (Prometheus' "
+            "scrape, or oomguard watch's).",
+        )
+    )
     out.append(_engine_dying_rule())
     return out
 
@@ -101,66 +126,102 @@ def _engine_dying_rule() -> dict[str, Any]:
     deaths = f"floor((changes({up}[{window}]) + 1 - {up}) / 2)"
     restarts = f'changes(process_start_time_seconds{{job=~".*vllm.*"}}[{window}])'
     threshold = _num(rule.threshold)
-    return _rule(rule, f"{deaths} >= {threshold}\nor\n{restarts} >= {threshold}",
-                 f"{{{{ $labels.instance }}}} died {{{{ $value }}}} times in {window}: a crash that "
-                 "repeats is seldom memory; read its log (oomguard doctor) before restarting it "
-                 "again.")  # fmt: skip
+    return _rule(
+        rule,
+        f"{deaths} >= {threshold}\nor\n{restarts} >= {threshold}",
+        f"{{{{ $labels.instance }}}} died {{{{ $value }}}} times in {window}: a crash that "
+        "repeats is seldom memory; read its log (oomguard doctor) before restarting it "
+        "again.",
+    )
 
 
 def watcher_rules() -> list[dict[str, Any]]:
     """Rules on what ``oomguard watch --port`` exports (GPU memory, the plan, leaks)."""
     free = R.GPU_FREE_LOW
     plan = R.MEMORY_ABOVE_PLAN
-    above = ("oomguard_watch_engine_gpu_memory_bytes / on(job, instance, server) group_left "
-             'oomguard_watch_plan_gpu_memory_bytes{part="requested"}')  # fmt: skip
-    pool = ("oomguard_watch_kv_cache_tokens / on(job, instance, server) "
-            "oomguard_watch_plan_kv_cache_tokens")  # fmt: skip
+    above = (
+        "oomguard_watch_engine_gpu_memory_bytes / on(job, instance, server) group_left "
+        'oomguard_watch_plan_gpu_memory_bytes{part="requested"}'
+    )
+    pool = (
+        "oomguard_watch_kv_cache_tokens / on(job, instance, server) "
+        "oomguard_watch_plan_kv_cache_tokens"
+    )
     leak = R.MEMORY_LEAK
     window = _duration(R.LEAK_WINDOW_S)
     out = [
-        _rule(free, _hysteresis(free.name, "oomguard_watch_gpu_memory_free_bytes", "<",
-                                free.threshold, free.clear),
-              "GPU {{ $labels.gpu }} ({{ $labels.name }}) has {{ $value | humanize1024 }}B free "
-              f"(margin {free.threshold / GIB:g} GiB)."),
-        _rule(plan, _hysteresis(plan.name, f"({above})", ">=", plan.threshold, plan.clear),
-              "The engine holds {{ $value | humanizePercentage }} of the plan's GPU budget on GPU "
-              "{{ $labels.gpu }} (source {{ $labels.source }})."),
-        _rule(R.KV_POOL_BELOW_PLAN, f"({pool}) < {_num(R.KV_POOL_BELOW_PLAN.threshold)}",
-              "The KV pool is {{ $value | humanizePercentage }} of the plan's."),
-    ]  # fmt: skip
-    for series, memory in (("oomguard_watch_engine_gpu_memory_bytes", "gpu"),
-                           ("oomguard_watch_engine_host_memory_bytes", "host")):  # fmt: skip
+        _rule(
+            free,
+            _hysteresis(
+                free.name, "oomguard_watch_gpu_memory_free_bytes", "<", free.threshold, free.clear
+            ),
+            "GPU {{ $labels.gpu }} ({{ $labels.name }}) has {{ $value | humanize1024 }}B free "
+            f"(margin {free.threshold / GIB:g} GiB).",
+        ),
+        _rule(
+            plan,
+            _hysteresis(plan.name, f"({above})", ">=", plan.threshold, plan.clear),
+            "The engine holds {{ $value | humanizePercentage }} of the plan's GPU budget on GPU "
+            "{{ $labels.gpu }} (source {{ $labels.source }}).",
+        ),
+        _rule(
+            R.KV_POOL_BELOW_PLAN,
+            f"({pool}) < {_num(R.KV_POOL_BELOW_PLAN.threshold)}",
+            "The KV pool is {{ $value | humanizePercentage }} of the plan's.",
+        ),
+    ]
+    for series, memory in (
+        ("oomguard_watch_engine_gpu_memory_bytes", "gpu"),
+        ("oomguard_watch_engine_host_memory_bytes", "host"),
+    ):
         slope = f"deriv({series}[{window}])"
-        out.append(_rule(leak, _hysteresis(leak.name, slope, ">=", leak.threshold, leak.clear, ("memory",)),
-                         f"{memory} memory of {{{{ $labels.server }}}} grows "
-                         "{{ $value | humanize1024 }}B/s over " + window + " after the pool was allocated.",
-                         memory=memory))  # fmt: skip
+        out.append(
+            _rule(
+                leak,
+                _hysteresis(leak.name, slope, ">=", leak.threshold, leak.clear, ("memory",)),
+                f"{memory} memory of {{{{ $labels.server }}}} grows "
+                "{{ $value | humanize1024 }}B/s over " + window + " after the pool was allocated.",
+                memory=memory,
+            )
+        )
     return out
 
 
 def guard_rules() -> list[dict[str, Any]]:
     """Rules on ``oomguard guard``'s metrics."""
     return [
-        {"alert": "OomguardGuardShedding",
-         "expr": "sum by (job, instance, reason) (increase(oomguard_shed_total[5m])) > 0",
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "the guard sheds requests on {{ $labels.instance }}",
-                         "description": "{{ $value | humanize }} request(s) shed ({{ $labels.reason }}) in 5 minutes: "
-                                        "the queue is full or too slow; add capacity."}},
-        {"alert": "OomguardGuardBackendUnhealthy", "expr": "oomguard_backend_healthy == 0", "for": "1m",
-         "labels": {"severity": "warning"},
-         "annotations": {"summary": "a guard backend is out of routing on {{ $labels.instance }}",
-                         "description": "Backend {{ $labels.backend }} failed its health checks."}},
-    ]  # fmt: skip
+        {
+            "alert": "OomguardGuardShedding",
+            "expr": "sum by (job, instance, reason) (increase(oomguard_shed_total[5m])) > 0",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "the guard sheds requests on {{ $labels.instance }}",
+                "description": "{{ $value | humanize }} request(s) shed ({{ $labels.reason }}) in 5 minutes: "
+                "the queue is full or too slow; add capacity.",
+            },
+        },
+        {
+            "alert": "OomguardGuardBackendUnhealthy",
+            "expr": "oomguard_backend_healthy == 0",
+            "for": "1m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "a guard backend is out of routing on {{ $labels.instance }}",
+                "description": "Backend {{ $labels.backend }} failed its health checks.",
+            },
+        },
+    ]
 
 
 def rule_groups() -> dict[str, Any]:
     """The whole Prometheus rule file."""
-    return {"groups": [
-        {"name": "oomguard-vllm", "interval": "15s", "rules": vllm_rules()},
-        {"name": "oomguard-watch", "interval": "15s", "rules": watcher_rules()},
-        {"name": "oomguard-guard", "interval": "15s", "rules": guard_rules()},
-    ]}  # fmt: skip
+    return {
+        "groups": [
+            {"name": "oomguard-vllm", "interval": "15s", "rules": vllm_rules()},
+            {"name": "oomguard-watch", "interval": "15s", "rules": watcher_rules()},
+            {"name": "oomguard-guard", "interval": "15s", "rules": guard_rules()},
+        ]
+    }
 
 
 class _Dumper(yaml.SafeDumper):
@@ -189,10 +250,13 @@ def prometheus_rule_yaml() -> str:
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "oomguard", "namespace": "llm",
-                     "labels": {"app.kubernetes.io/part-of": "oomguard", "release": "prometheus"}},
+        "metadata": {
+            "name": "oomguard",
+            "namespace": "llm",
+            "labels": {"app.kubernetes.io/part-of": "oomguard", "release": "prometheus"},
+        },
         "spec": rule_groups(),
-    }  # fmt: skip
+    }
     return HEADER + _dump(doc)
 
 
@@ -207,12 +271,17 @@ def dashboard_json() -> str:
 
 def outputs() -> dict[Path, str]:
     """Every generated file and its text."""
-    return {RULES_FILE: rules_yaml(), PROMETHEUS_RULE_FILE: prometheus_rule_yaml(),
-            DASHBOARD_FILE: dashboard_json()}  # fmt: skip
+    return {
+        RULES_FILE: rules_yaml(),
+        PROMETHEUS_RULE_FILE: prometheus_rule_yaml(),
+        DASHBOARD_FILE: dashboard_json(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     stale = []
@@ -221,15 +290,20 @@ def main(argv: list[str] | None = None) -> int:
             current = path.read_text() if path.exists() else ""
             if current != text:
                 stale.append(path)
-                sys.stdout.writelines(difflib.unified_diff(
-                    current.splitlines(True), text.splitlines(True), str(path), "generated", n=1))  # fmt: skip
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        current.splitlines(True), text.splitlines(True), str(path), "generated", n=1
+                    )
+                )
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             print(f"wrote {path.relative_to(DEPLOY.parent)}")
     if stale:
-        print(f"{len(stale)} file(s) differ from deploy/generate.py: run python deploy/generate.py",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{len(stale)} file(s) differ from deploy/generate.py: run python deploy/generate.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -14,6 +14,7 @@ fi
 
 echo "== ruff"
 "$VENV/bin/ruff" check src tests bench deploy
+"$VENV/bin/ruff" format --check src tests bench deploy
 echo "== mypy"
 "$VENV/bin/mypy"
 echo "== import layering (import-linter contracts in pyproject.toml)"

@@ -29,7 +29,12 @@ FACES: dict[str, str] = {
 }
 
 # command name → the optional extra (pyproject.toml) its libraries come from
-FACE_EXTRA: dict[str, str] = {"guard": "guard", "serve": "serve", "bench": "bench", "watch": "watch"}
+FACE_EXTRA: dict[str, str] = {
+    "guard": "guard",
+    "serve": "serve",
+    "bench": "bench",
+    "watch": "watch",
+}
 # extra → the modules it installs (import names); a missing one names the extra to install
 _GUARD_MODULES = frozenset(
     {"aiohttp", "redis", "uvloop", "prometheus_client", "pydantic", "tokenizers", "jinja2"}

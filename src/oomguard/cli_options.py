@@ -15,41 +15,65 @@ import typer
 # -- vLLM engine flags (the names vLLM uses) --------------------------------------------------
 TensorParallelSize = Annotated[int | None, typer.Option("--tensor-parallel-size", "-tp")]
 PipelineParallelSize = Annotated[int | None, typer.Option("--pipeline-parallel-size", "-pp")]
-DataParallelSize = Annotated[int | None, typer.Option(
-    "--data-parallel-size", "-dp",
-    help="Independent engines, each with its own KV pool.")]  # fmt: skip
-EnableExpertParallel = Annotated[bool | None, typer.Option(
-    "--enable-expert-parallel/--no-enable-expert-parallel", "-ep",
-    help="Split MoE experts over TP × DP ranks.")]  # fmt: skip
+DataParallelSize = Annotated[
+    int | None,
+    typer.Option(
+        "--data-parallel-size", "-dp", help="Independent engines, each with its own KV pool."
+    ),
+]
+EnableExpertParallel = Annotated[
+    bool | None,
+    typer.Option(
+        "--enable-expert-parallel/--no-enable-expert-parallel",
+        "-ep",
+        help="Split MoE experts over TP × DP ranks.",
+    ),
+]
 GpuMemoryUtilization = Annotated[float | None, typer.Option("--gpu-memory-utilization")]
-MaxModelLen = Annotated[str | None, typer.Option(
-    "--max-model-len", help="Tokens (8192, 8k, 32K) or 'auto'.")]  # fmt: skip
+MaxModelLen = Annotated[
+    str | None, typer.Option("--max-model-len", help="Tokens (8192, 8k, 32K) or 'auto'.")
+]
 MaxNumSeqs = Annotated[int | None, typer.Option("--max-num-seqs")]
-MaxNumBatchedTokens = Annotated[str | None, typer.Option(
-    "--max-num-batched-tokens", help="Tokens (8192, 8k).")]  # fmt: skip
+MaxNumBatchedTokens = Annotated[
+    str | None, typer.Option("--max-num-batched-tokens", help="Tokens (8192, 8k).")
+]
 KvCacheDtype = Annotated[str | None, typer.Option("--kv-cache-dtype")]
-KvCacheMemoryBytes = Annotated[str | None, typer.Option(
-    "--kv-cache-memory-bytes", help="Bytes (e.g. 20G).")]  # fmt: skip
+KvCacheMemoryBytes = Annotated[
+    str | None, typer.Option("--kv-cache-memory-bytes", help="Bytes (e.g. 20G).")
+]
 Quantization = Annotated[str | None, typer.Option("--quantization", "-q")]
 Dtype = Annotated[str | None, typer.Option("--dtype")]
 EnforceEager = Annotated[bool | None, typer.Option("--enforce-eager/--no-enforce-eager")]
-EnablePrefixCaching = Annotated[bool | None, typer.Option(
-    "--enable-prefix-caching/--no-enable-prefix-caching")]  # fmt: skip
+EnablePrefixCaching = Annotated[
+    bool | None, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching")
+]
 CpuOffloadGb = Annotated[float | None, typer.Option("--cpu-offload-gb")]
 BlockSize = Annotated[int | None, typer.Option("--block-size")]
-VllmVersion = Annotated[str | None, typer.Option(
-    "--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest).")]  # fmt: skip
+VllmVersion = Annotated[
+    str | None, typer.Option("--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest).")
+]
 
 # -- the workload (oomguard.workload.Workload) -------------------------------------------------
-P99Tokens = Annotated[str | None, typer.Option(
-    "--p99-tokens", help="P99 prompt+output length in tokens (8192, 8k, 16K).")]  # fmt: skip
-Concurrency = Annotated[int | None, typer.Option(
-    "--concurrency", help="Peak concurrent sequences.")]  # fmt: skip
-SharedPrefix = Annotated[str | None, typer.Option(
-    "--shared-prefix",
-    help="Prefix all requests share: fraction of the P99 (0.3) or tokens (2048, 2k).")]  # fmt: skip
-HeadroomGib = Annotated[float, typer.Option(
-    "--headroom-gib",
-    help="GPU memory to leave free for other processes (co-tenants).")]  # fmt: skip
-Margin = Annotated[float, typer.Option(
-    "--margin", help="Spare KV capacity to demand (0.1 = 10 %).")]  # fmt: skip
+P99Tokens = Annotated[
+    str | None,
+    typer.Option("--p99-tokens", help="P99 prompt+output length in tokens (8192, 8k, 16K)."),
+]
+Concurrency = Annotated[
+    int | None, typer.Option("--concurrency", help="Peak concurrent sequences.")
+]
+SharedPrefix = Annotated[
+    str | None,
+    typer.Option(
+        "--shared-prefix",
+        help="Prefix all requests share: fraction of the P99 (0.3) or tokens (2048, 2k).",
+    ),
+]
+HeadroomGib = Annotated[
+    float,
+    typer.Option(
+        "--headroom-gib", help="GPU memory to leave free for other processes (co-tenants)."
+    ),
+]
+Margin = Annotated[
+    float, typer.Option("--margin", help="Spare KV capacity to demand (0.1 = 10 %).")
+]

@@ -285,6 +285,7 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
 
+
 def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     """EngineSettings fields from command-line values (``None``: not given), each parsed and
     checked by the same rule as the flag in a pasted ``vllm serve`` command (``8k``, ``auto``,
@@ -450,8 +451,10 @@ def split_launcher(tokens: Sequence[str]) -> Launcher:
     if head == "vllm":
         if len(words) < 2 or words[1] != "serve":
             sub = words[1] if len(words) > 1 else "(nothing)"
-            raise BadInput(f"only 'vllm serve' commands can be run or planned, got 'vllm {sub}'",
-                           "paste the 'vllm serve MODEL --flags…' line")  # fmt: skip
+            raise BadInput(
+                f"only 'vllm serve' commands can be run or planned, got 'vllm {sub}'",
+                "paste the 'vllm serve MODEL --flags…' line",
+            )
         return Launcher(words[2:], "vllm", env=env)
     if _PYTHON.fullmatch(head):
         rest = words[1:]
@@ -462,8 +465,10 @@ def split_launcher(tokens: Sequence[str]) -> Launcher:
                 return Launcher(rest[2:], "python", False, env, python=words[0])
             if rest[1] == _CLI_MODULE and len(rest) > 2 and rest[2] == "serve":
                 return Launcher(rest[3:], "python", env=env, python=words[0])
-        raise BadInput("the command does not start vLLM's server",
-                       "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'")  # fmt: skip
+        raise BadInput(
+            "the command does not start vLLM's server",
+            "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'",
+        )
     if head == "serve":
         return Launcher(words[1:], "serve", env=env)
     if head in CONTAINER_TOOLS:
@@ -509,7 +514,11 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[tuple[str, str | bool
             raw, inline = raw.split("=", 1)
         name = canonical_flag(raw)
         negated = False
-        if name not in BOOL_FLAGS and name.startswith("no-") and canonical_flag(name[3:]) in BOOL_FLAGS:
+        if (
+            name not in BOOL_FLAGS
+            and name.startswith("no-")
+            and canonical_flag(name[3:]) in BOOL_FLAGS
+        ):
             name, negated = canonical_flag(name[3:]), True
         if name in BOOL_FLAGS:
             if negated:
@@ -607,7 +616,9 @@ def _merge_config_file(
         raise BadInput("--config needs a file name", "write --config FILE.yaml")
     config_file = config_values[0]
     base = Path(base_dir) if base_dir is not None else None
-    return config_file, _config_pairs(config_file, base) + [(n, v) for n, v in pairs if n != "config"]
+    return config_file, _config_pairs(config_file, base) + [
+        (n, v) for n, v in pairs if n != "config"
+    ]
 
 
 def parse_command(

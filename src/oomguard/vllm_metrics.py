@@ -34,7 +34,9 @@ FAMILIES = (
     KV_USAGE, KV_USAGE_LEGACY, PREEMPTIONS, RUNNING, WAITING, WAITING_BY_REASON, CACHE_CONFIG,
     PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, SLEEP_STATE, PROCESS_START,
 )  # fmt: skip
-_PREFIXES = FAMILIES + tuple(f"# TYPE {f}" for f in FAMILIES) + tuple(f"# HELP {f}" for f in FAMILIES)
+_PREFIXES = (
+    FAMILIES + tuple(f"# TYPE {f}" for f in FAMILIES) + tuple(f"# HELP {f}" for f in FAMILIES)
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class VllmSnapshot:
     @property
     def is_vllm(self) -> bool:
         """Whether the page looked like a vLLM server's (it carried any vLLM metric)."""
-        return self.engines > 0 or self.kv_cache_usage is not None or self.num_gpu_blocks is not None
+        return (
+            self.engines > 0 or self.kv_cache_usage is not None or self.num_gpu_blocks is not None
+        )
 
     @property
     def waiting_for_capacity(self) -> float | None:

@@ -54,7 +54,9 @@ def token_count(value: int | str | None, flag: str) -> int | None:
         return None
     number = parse_human_int(str(value), flag=flag)
     if number <= 0:
-        raise BadInput(f"{flag} {value}: a length must be positive", f"pass a token count to {flag}")
+        raise BadInput(
+            f"{flag} {value}: a length must be positive", f"pass a token count to {flag}"
+        )
     return number
 
 
@@ -76,8 +78,10 @@ def shared_prefix_tokens(value: float | int | str | None, p99_tokens: int | None
         value = int(number) if number >= 1 and number == int(number) else number
     if isinstance(value, float) and 0 <= value < 1:
         if p99_tokens is None:
-            raise BadInput(f"--shared-prefix {value} is a fraction of the P99, which is not given",
-                           "pass --p99-tokens too, or the prefix in tokens")  # fmt: skip
+            raise BadInput(
+                f"--shared-prefix {value} is a fraction of the P99, which is not given",
+                "pass --p99-tokens too, or the prefix in tokens",
+            )
         return int(value * p99_tokens)
     if value < 0 or (isinstance(value, float) and value != int(value)):
         raise BadInput(
@@ -103,12 +107,16 @@ def stated_workload(
     """The workload as the user stated it on the command line; numbers not given stay 0."""
     p99 = token_count(p99_tokens, "--p99-tokens")
     if concurrency is not None and concurrency <= 0:
-        raise BadInput(f"--concurrency {concurrency} must be at least 1",
-                       "pass the peak number of concurrent requests")  # fmt: skip
+        raise BadInput(
+            f"--concurrency {concurrency} must be at least 1",
+            "pass the peak number of concurrent requests",
+        )
     if headroom_gib < 0:
         raise BadInput(f"--headroom-gib {headroom_gib} is negative", "pass 0 or more GiB")
     if margin < 0:
-        raise BadInput(f"--margin {margin} is negative", "pass a fraction such as 0.1 (10 % spare KV)")
+        raise BadInput(
+            f"--margin {margin} is negative", "pass a fraction such as 0.1 (10 % spare KV)"
+        )
     return Workload(
         p99_tokens=p99 or 0,
         concurrency=concurrency or 0,

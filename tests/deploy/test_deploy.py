@@ -36,8 +36,12 @@ def _promtool() -> str:
 
 
 def test_generated_files_match_their_generator() -> None:
-    run = subprocess.run([sys.executable, str(DEPLOY / "generate.py"), "--check"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(DEPLOY / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
@@ -51,14 +55,20 @@ def test_generator_check_catches_a_hand_edit(tmp_path: Path) -> None:
 
 
 def test_promtool_check_rules() -> None:
-    run = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    run = subprocess.run(
+        [_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SUCCESS" in run.stdout
 
 
 def test_promtool_rule_unit_tests() -> None:
-    run = subprocess.run([_promtool(), "test", "rules", str(RULE_TESTS)],
-                         capture_output=True, text=True, cwd=RULE_TESTS.parent)  # fmt: skip
+    run = subprocess.run(
+        [_promtool(), "test", "rules", str(RULE_TESTS)],
+        capture_output=True,
+        text=True,
+        cwd=RULE_TESTS.parent,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "SUCCESS" in run.stdout
 
@@ -76,12 +86,20 @@ def test_every_alert_of_the_watcher_has_a_prometheus_rule_with_its_thresholds() 
         for prom in by_name[rule.name]:
             assert prom["labels"]["severity"] == rule.severity
             if rule.name != R.SERVER_DOWN.name and rule.name != R.PREEMPTIONS.name:
-                assert f"{rule.threshold:.10g}".rstrip("0").rstrip(".") in prom["expr"], (rule.name, prom["expr"])
+                assert f"{rule.threshold:.10g}".rstrip("0").rstrip(".") in prom["expr"], (
+                    rule.name,
+                    prom["expr"],
+                )
 
 
 def test_rule_unit_tests_cover_every_alert() -> None:
     tests = yaml.safe_load(RULE_TESTS.read_text())["tests"]
-    tested = {case["alertname"] for t in tests for case in t.get("alert_rule_test", []) if case.get("exp_alerts")}
+    tested = {
+        case["alertname"]
+        for t in tests
+        for case in t.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
     defined = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
     assert defined - tested == set()
 
@@ -159,7 +177,9 @@ def test_dashboard_draws_the_watermarks_and_the_plan() -> None:
     steps = [s["value"] for s in kv["fieldConfig"]["defaults"]["thresholds"]["steps"]]
     assert steps == [None, R.KV_HIGH.threshold, R.KV_CRITICAL.threshold]
     assert kv["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "dashed"
-    exprs = " ".join(t["expr"] for t in panels["GPU memory of the engine against the plan"]["targets"])
+    exprs = " ".join(
+        t["expr"] for t in panels["GPU memory of the engine against the plan"]["targets"]
+    )
     assert "oomguard_watch_engine_gpu_memory_bytes" in exprs and 'part="requested"' in exprs
     for title in ("Preemptions per minute", "Guard: requests by outcome", "Guard: queue and shed"):
         assert title in panels
@@ -232,7 +252,9 @@ def test_prometheusrule_carries_the_checked_rules(tmp_path: Path) -> None:
     assert rule["spec"] == yaml.safe_load(RULES.read_text())
     extracted = tmp_path / "rules.yaml"
     extracted.write_text(yaml.safe_dump(rule["spec"]))
-    run = subprocess.run([_promtool(), "check", "rules", str(extracted)], capture_output=True, text=True)
+    run = subprocess.run(
+        [_promtool(), "check", "rules", str(extracted)], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 

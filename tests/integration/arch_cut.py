@@ -77,8 +77,10 @@ def target_layers(cfg: dict[str, Any]) -> int:
     for key in PATTERN_STRING_KEYS:
         if isinstance(cfg.get(key), str) and cfg[key]:
             n = max(n, _prefix_covering(list(cfg[key])))
-    for period, offset in (("attn_layer_period", "attn_layer_offset"),
-                           ("expert_layer_period", "expert_layer_offset")):  # fmt: skip
+    for period, offset in (
+        ("attn_layer_period", "attn_layer_offset"),
+        ("expert_layer_period", "expert_layer_offset"),
+    ):
         if isinstance(cfg.get(period), int):
             n = max(n, int(cfg[period]), int(cfg.get(offset) or 0) + 1)
     for key in ("sliding_window_pattern", "full_attention_interval"):

@@ -42,7 +42,9 @@ def require_or_skip(problem: str | None) -> None:
 def require_program(name: str, package: str) -> str:
     """The path of system program ``name``; skips (or fails, see above) when it is missing."""
     path = shutil.which(name)
-    require_or_skip(None if path else f"{name} not found (scripts/setup-system.sh installs {package})")
+    require_or_skip(
+        None if path else f"{name} not found (scripts/setup-system.sh installs {package})"
+    )
     assert path is not None
     return path
 

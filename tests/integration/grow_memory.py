@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mib-per-min", type=float, required=True)
     parser.add_argument("--duration-s", type=float, default=3600.0)
     parser.add_argument("--start-mib", type=float, default=64.0)
-    parser.add_argument("--transient-mib", type=float, default=24.0, help="largest short-lived buffer")
+    parser.add_argument(
+        "--transient-mib", type=float, default=24.0, help="largest short-lived buffer"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)

@@ -21,7 +21,9 @@ from aiohttp import web
 class OpenAIStub:
     """The server, on 127.0.0.1 and a free port, while the ``with`` block runs."""
 
-    def __init__(self, tokenizer_json: Path, model: str = "stub-model", token_s: float = 0.002) -> None:
+    def __init__(
+        self, tokenizer_json: Path, model: str = "stub-model", token_s: float = 0.002
+    ) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_json))
@@ -56,7 +58,9 @@ class OpenAIStub:
         self.url = f"http://{host}:{port}"
 
     async def _models(self, _r: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
 
     async def _health(self, _r: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -70,8 +74,10 @@ class OpenAIStub:
         start = time.monotonic()
         for i in range(1, max_tokens + 1):
             await asyncio.sleep(max(0.0, start + i * self.token_s - time.monotonic()))
-            event = {"choices": [{"index": 0, "text": " tok"}],
-                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": i}}
+            event = {
+                "choices": [{"index": 0, "text": " tok"}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": i},
+            }
             await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         self.completions += 1
         await resp.write(b"data: [DONE]\n\n")

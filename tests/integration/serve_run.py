@@ -127,8 +127,11 @@ class ServeRun:
         """The events so far, one short line each (for failure messages)."""
         lines = []
         for e in self.events:
-            detail = {k: e[k] for k in ("command", "signature", "text", "change", "reason", "code")
-                      if k in e}  # fmt: skip
+            detail = {
+                k: e[k]
+                for k in ("command", "signature", "text", "change", "reason", "code")
+                if k in e
+            }
             lines.append(f"{e.get('event')}: {json.dumps(detail)[:300]}")
         return "\n" + "\n".join(lines) + f"\nstderr: {self.stderr[-1500:]}"
 

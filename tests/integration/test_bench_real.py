@@ -42,11 +42,17 @@ BLOCKS_PER_REQUEST = 2
 SWEEP = range(1, 11)
 
 
-def oomguard(exe: list[str], *args: str, env: dict[str, str] | None = None,
-             timeout_s: float = 600) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def oomguard(
+    exe: list[str], *args: str, env: dict[str, str] | None = None, timeout_s: float = 600
+) -> subprocess.CompletedProcess[str]:
     """Run the CLI; the JSON (with --json) on stdout, progress and errors on stderr."""
-    return subprocess.run([*exe, *args], capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [*exe, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def bench_json(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -64,18 +70,33 @@ class SearchRun:
 
 
 @pytest.fixture(scope="module")
-def search_run(shared_vllm: VllmServer, oomguard_exe: list[str],
-               tmp_path_factory: pytest.TempPathFactory) -> SearchRun:  # fmt: skip
+def search_run(
+    shared_vllm: VllmServer, oomguard_exe: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> SearchRun:
     """One search from concurrency 1 (so it grows and bisects), with the report and the
     calibration store in temporary directories."""
     home = tmp_path_factory.mktemp("oomguard-home")
     report = tmp_path_factory.mktemp("bench-report")
     wait_vllm_idle(shared_vllm.base_url)
-    proc = oomguard(oomguard_exe, "bench", shared_vllm.base_url,
-                    "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS),
-                    "--start-concurrency", "1", "--json", "--report", str(report),
-                    "--gpu", "cpu", "--budget-s", "300",
-                    env={"OOMGUARD_HOME": str(home)})  # fmt: skip
+    proc = oomguard(
+        oomguard_exe,
+        "bench",
+        shared_vllm.base_url,
+        "--prompt-tokens",
+        str(PROMPT_TOKENS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--start-concurrency",
+        "1",
+        "--json",
+        "--report",
+        str(report),
+        "--gpu",
+        "cpu",
+        "--budget-s",
+        "300",
+        env={"OOMGUARD_HOME": str(home)},
+    )
     wait_vllm_idle(shared_vllm.base_url)
     print(proc.stderr)
     return SearchRun(bench_json(proc), report, home, proc.returncode, proc.stderr)
@@ -96,8 +117,10 @@ def sweep(shared_vllm: VllmServer, tiny_model: TinyModel) -> dict[int, BurstResu
             # ones grew), so it did not test the pool: send it again.
             if out[c].preemptions > 0 or c * BLOCKS_PER_REQUEST <= USABLE_BLOCKS:
                 break
-            print(f"c={c}: no preemption, first tokens spread over "
-                  f"{_ttft_spread_s(out[c]):.2f} s; sent again")  # fmt: skip
+            print(
+                f"c={c}: no preemption, first tokens spread over "
+                f"{_ttft_spread_s(out[c]):.2f} s; sent again"
+            )
     wait_vllm_idle(url)
     print({c: (b.succeeded, b.preemptions) for c, b in out.items()})
     return out
@@ -108,14 +131,23 @@ def _ttft_spread_s(burst: BurstResult) -> float:
     return max(ttfts) - min(ttfts) if ttfts else 0.0
 
 
-def test_search_matches_the_exhaustive_sweep(search_run: SearchRun, sweep: dict[int, BurstResult]) -> None:
-    safe = [c for c in SWEEP if sweep[c].preemptions == 0 and sweep[c].succeeded == c
-            and c * BLOCKS_PER_REQUEST / USABLE_BLOCKS <= 0.95]  # fmt: skip
+def test_search_matches_the_exhaustive_sweep(
+    search_run: SearchRun, sweep: dict[int, BurstResult]
+) -> None:
+    safe = [
+        c
+        for c in SWEEP
+        if sweep[c].preemptions == 0
+        and sweep[c].succeeded == c
+        and c * BLOCKS_PER_REQUEST / USABLE_BLOCKS <= 0.95
+    ]
     sweep_limit = max(c for c in SWEEP if all(x in safe for x in range(1, c + 1)))
     assert sweep[sweep_limit + 1].preemptions > 0, "the sweep must cross the boundary"
     data = search_run.data
-    print(f"bench: {data['max_safe_concurrency']}  sweep: {sweep_limit}  "
-          f"stages: {[(s['concurrency'], s['safe']) for s in data['stages']]}")  # fmt: skip
+    print(
+        f"bench: {data['max_safe_concurrency']}  sweep: {sweep_limit}  "
+        f"stages: {[(s['concurrency'], s['safe']) for s in data['stages']]}"
+    )
     assert search_run.returncode == 0
     assert abs(data["max_safe_concurrency"] - sweep_limit) <= 1
     assert data["exact"] is True
@@ -149,32 +181,56 @@ def test_an_unsafe_stage_stops_within_a_second(search_run: SearchRun) -> None:
     unsafe = [s for s in search_run.data["stages"] if s["safe"] is False]
     assert unsafe, "the search must have met an unsafe concurrency"
     for s in unsafe:
-        print(f"concurrency {s['concurrency']}: stopped by {s['stop_reason']} ({s['stop_detail']}); "
-              f"{s['stop_latency_s']} s after the sign, at most {s['stop_bound_s']} s after the "
-              f"last clean sample; server quiet {s['server_quiet_s']} s; preemptions {s['preemptions']}")  # fmt: skip
+        print(
+            f"concurrency {s['concurrency']}: stopped by {s['stop_reason']} ({s['stop_detail']}); "
+            f"{s['stop_latency_s']} s after the sign, at most {s['stop_bound_s']} s after the "
+            f"last clean sample; server quiet {s['server_quiet_s']} s; preemptions {s['preemptions']}"
+        )
         assert s["stop_reason"] in ("preemption", "kv_full")
         assert s["requests"]["sent"] < s["requests"]["planned"], "the stage did not run on"
         assert s["stop_latency_s"] is not None and s["stop_latency_s"] < 1.0
 
 
 def test_relaunch_with_the_recommended_cap_holds_twice_the_concurrency(
-    search_run: SearchRun, sweep: dict[int, BurstResult], tiny_model: TinyModel,
-    vllm_venv_path: Path, oomguard_exe: list[str], tmp_path: Path,
-) -> None:  # fmt: skip
+    search_run: SearchRun,
+    sweep: dict[int, BurstResult],
+    tiny_model: TinyModel,
+    vllm_venv_path: Path,
+    oomguard_exe: list[str],
+    tmp_path: Path,
+) -> None:
     seqs = search_run.data["recommended"]["max_num_seqs"]
     assert sweep[seqs + 1].preemptions > 0, "without the cap one more request preempts"
-    config = ServeConfig(model_dir=tiny_model.path, kv_cache_memory_bytes=SHARED_POOL_BLOCKS
-                         * tiny_model.kv_bytes_per_block, max_model_len=1024, max_num_seqs=seqs)  # fmt: skip
+    config = ServeConfig(
+        model_dir=tiny_model.path,
+        kv_cache_memory_bytes=SHARED_POOL_BLOCKS * tiny_model.kv_bytes_per_block,
+        max_model_len=1024,
+        max_num_seqs=seqs,
+    )
     with running_vllm(config, tmp_path / "vllm.log", venv=vllm_venv_path) as server:
         before = metric_value(fetch_metrics(server.base_url), "vllm:num_preemptions_total")
-        proc = oomguard(oomguard_exe, "bench", server.base_url, "--prompt-tokens", str(PROMPT_TOKENS),
-                        "--max-tokens", str(MAX_TOKENS), "--concurrency", str(2 * seqs),
-                        "--requests", str(6 * seqs), "--json", "--no-record")  # fmt: skip
+        proc = oomguard(
+            oomguard_exe,
+            "bench",
+            server.base_url,
+            "--prompt-tokens",
+            str(PROMPT_TOKENS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--concurrency",
+            str(2 * seqs),
+            "--requests",
+            str(6 * seqs),
+            "--json",
+            "--no-record",
+        )
         after = metric_value(fetch_metrics(server.base_url), "vllm:num_preemptions_total")
     data = bench_json(proc)
     (stage,) = data["stages"]
-    print(f"--max-num-seqs {seqs}, concurrency {2 * seqs}: {stage['requests']}, running peak "
-          f"{stage['running_peak']}, waiting peak {stage['waiting_peak']}, preemptions {after - before}")  # fmt: skip
+    print(
+        f"--max-num-seqs {seqs}, concurrency {2 * seqs}: {stage['requests']}, running peak "
+        f"{stage['running_peak']}, waiting peak {stage['waiting_peak']}, preemptions {after - before}"
+    )
     assert after - before == 0
     assert proc.returncode == 0 and stage["safe"] is True
     assert stage["requests"]["ok"] == 6 * seqs
@@ -196,18 +252,34 @@ def test_the_report_opens_in_chromium_without_errors(search_run: SearchRun, tmp_
     # the check itself can fail: a page with a script error is caught
     broken = tmp_path / "broken.html"
     broken.write_text("<html><body><script>missingFunction();</script></body></html>")
-    assert any("missingFunction" in line for line in
-               _chromium_console(chromium, broken, tmp_path / "b.png", tmp_path / "profile2"))  # fmt: skip
+    assert any(
+        "missingFunction" in line
+        for line in _chromium_console(chromium, broken, tmp_path / "b.png", tmp_path / "profile2")
+    )
 
 
 def _chromium_console(chromium: str, page: Path, shot: Path, profile: Path) -> list[str]:
     proc = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run",
-         f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
-         "--window-size=1200,2600", f"--screenshot={shot}", page.as_uri()],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1200,2600",
+            f"--screenshot={shot}",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists(), proc.stderr[-2000:]
     return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
 
@@ -222,19 +294,42 @@ def _assert_not_blank(png: Path) -> None:
 
 
 def test_vllm_bench_serve_counts_the_same(
-    shared_vllm: VllmServer, tiny_model: TinyModel, vllm_venv_path: Path,
-    oomguard_exe: list[str], tmp_path: Path,
-) -> None:  # fmt: skip
+    shared_vllm: VllmServer,
+    tiny_model: TinyModel,
+    vllm_venv_path: Path,
+    oomguard_exe: list[str],
+    tmp_path: Path,
+) -> None:
     url, model, n, c = shared_vllm.base_url, str(tiny_model.path), 28, 4
     wait_vllm_idle(url)
     before = _counters(url)
-    theirs = vllm_bench_serve(vllm_venv_path, url, model, input_len=PROMPT_TOKENS,
-                              output_len=MAX_TOKENS, num_prompts=n, max_concurrency=c,
-                              out_dir=tmp_path)  # fmt: skip
+    theirs = vllm_bench_serve(
+        vllm_venv_path,
+        url,
+        model,
+        input_len=PROMPT_TOKENS,
+        output_len=MAX_TOKENS,
+        num_prompts=n,
+        max_concurrency=c,
+        out_dir=tmp_path,
+    )
     wait_vllm_idle(url)
     between = _counters(url)
-    proc = oomguard(oomguard_exe, "bench", url, "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens",
-                    str(MAX_TOKENS), "--concurrency", str(c), "--requests", str(n), "--json", "--no-record")  # fmt: skip
+    proc = oomguard(
+        oomguard_exe,
+        "bench",
+        url,
+        "--prompt-tokens",
+        str(PROMPT_TOKENS),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--concurrency",
+        str(c),
+        "--requests",
+        str(n),
+        "--json",
+        "--no-record",
+    )
     wait_vllm_idle(url)
     after = _counters(url)
     (ours,) = bench_json(proc)["stages"]
@@ -245,7 +340,9 @@ def test_vllm_bench_serve_counts_the_same(
         "prompt tokens": (ours["prompt_tokens"], theirs["total_input_tokens"]),
         "output tokens": (ours["output_tokens"], theirs["total_output_tokens"]),
     }
-    print(f"counts (oomguard, vllm bench serve): {counts}; server saw {server_ours} / {server_theirs}")
+    print(
+        f"counts (oomguard, vllm bench serve): {counts}; server saw {server_ours} / {server_theirs}"
+    )
     for name, (a, b) in counts.items():
         assert abs(a - b) <= 0.01 * max(a, b), name
     # what the server counted: around bench's stage (bench reads it) and around each run
@@ -254,29 +351,53 @@ def test_vllm_bench_serve_counts_the_same(
     assert stage_counted["requests_succeeded_total"] == ours["requests"]["ok"] == n
     assert stage_counted["generation_tokens_total"] == ours["output_tokens"] == n * MAX_TOKENS
     assert stage_counted["prompt_tokens_total"] == ours["prompt_tokens"] == n * PROMPT_TOKENS
-    assert server_ours == {"requests": n + 1, "prompt": (n + 1) * PROMPT_TOKENS,
-                           "generation": n * MAX_TOKENS + 1}  # fmt: skip
+    assert server_ours == {
+        "requests": n + 1,
+        "prompt": (n + 1) * PROMPT_TOKENS,
+        "generation": n * MAX_TOKENS + 1,
+    }
     assert server_theirs["requests"] == theirs["completed"] == n
     assert server_theirs["generation"] == theirs["total_output_tokens"]
-    assert abs(server_theirs["prompt"] - theirs["total_input_tokens"]) <= 0.01 * theirs["total_input_tokens"]
+    assert (
+        abs(server_theirs["prompt"] - theirs["total_input_tokens"])
+        <= 0.01 * theirs["total_input_tokens"]
+    )
     for what, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl")):
-        print(f"{what} median ms: oomguard {ours[key + '_s']['p50'] * 1000:.1f}, "
-              f"vllm bench serve {theirs[f'median_{key}_ms']:.1f}")  # fmt: skip
+        print(
+            f"{what} median ms: oomguard {ours[key + '_s']['p50'] * 1000:.1f}, "
+            f"vllm bench serve {theirs[f'median_{key}_ms']:.1f}"
+        )
 
 
 def _counters(url: str) -> dict[str, float]:
     text = fetch_metrics(url)
-    return {"requests": metric_value(text, "vllm:request_success_total"),
-            "prompt": metric_value(text, "vllm:prompt_tokens_total"),
-            "generation": metric_value(text, "vllm:generation_tokens_total")}  # fmt: skip
+    return {
+        "requests": metric_value(text, "vllm:request_success_total"),
+        "prompt": metric_value(text, "vllm:prompt_tokens_total"),
+        "generation": metric_value(text, "vllm:generation_tokens_total"),
+    }
 
 
-def test_through_the_guard(shared_vllm: VllmServer, oomguard_exe: list[str], tmp_path: Path) -> None:
+def test_through_the_guard(
+    shared_vllm: VllmServer, oomguard_exe: list[str], tmp_path: Path
+) -> None:
     wait_vllm_idle(shared_vllm.base_url)
     with GuardProcess([shared_vllm.base_url], tmp_path / "guard.log") as guard:
-        proc = oomguard(oomguard_exe, "bench", guard.url, "--prompt-tokens", str(PROMPT_TOKENS),
-                        "--max-tokens", str(MAX_TOKENS), "--max-concurrency", "10", "--json",
-                        "--no-record", "--budget-s", "240")  # fmt: skip
+        proc = oomguard(
+            oomguard_exe,
+            "bench",
+            guard.url,
+            "--prompt-tokens",
+            str(PROMPT_TOKENS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--max-concurrency",
+            "10",
+            "--json",
+            "--no-record",
+            "--budget-s",
+            "240",
+        )
     wait_vllm_idle(shared_vllm.base_url)
     data = bench_json(proc)
     print(proc.stderr[-2000:])
@@ -295,9 +416,23 @@ def test_a_server_that_is_not_vllm_runs_on_client_figures(
     oomguard_exe: list[str], tiny_model: TinyModel
 ) -> None:
     with OpenAIStub(tiny_model.path / "tokenizer.json") as stub:
-        proc = oomguard(oomguard_exe, "bench", stub.url, "--prompt-tokens", "40", "--max-tokens", "20",
-                        "--tokenizer", str(tiny_model.path), "--max-concurrency", "8", "--json",
-                        "--no-record", "--budget-s", "120")  # fmt: skip
+        proc = oomguard(
+            oomguard_exe,
+            "bench",
+            stub.url,
+            "--prompt-tokens",
+            "40",
+            "--max-tokens",
+            "20",
+            "--tokenizer",
+            str(tiny_model.path),
+            "--max-concurrency",
+            "8",
+            "--json",
+            "--no-record",
+            "--budget-s",
+            "120",
+        )
         served = stub.completions
     data = bench_json(proc)
     assert proc.returncode == 0 and data["conditions"]["metrics_source"] == "none"
@@ -311,8 +446,19 @@ def test_nothing_safe_exits_1(shared_vllm: VllmServer, oomguard_exe: list[str]) 
     """One request of 900 tokens holds 8 of the 15 blocks (0.53 of the pool): above a 0.3
     high watermark even alone."""
     wait_vllm_idle(shared_vllm.base_url)
-    proc = oomguard(oomguard_exe, "bench", shared_vllm.base_url, "--prompt-tokens", "600",
-                    "--max-tokens", "300", "--high-watermark", "0.3", "--json", "--no-record")  # fmt: skip
+    proc = oomguard(
+        oomguard_exe,
+        "bench",
+        shared_vllm.base_url,
+        "--prompt-tokens",
+        "600",
+        "--max-tokens",
+        "300",
+        "--high-watermark",
+        "0.3",
+        "--json",
+        "--no-record",
+    )
     wait_vllm_idle(shared_vllm.base_url)
     data = bench_json(proc)
     assert proc.returncode == 1
@@ -330,16 +476,32 @@ def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_an_unreachable_url_is_one_line(oomguard_exe: list[str]) -> None:
-    proc = oomguard(oomguard_exe, "bench", f"http://127.0.0.1:{free_port()}", "--prompt-tokens", "10",
-                    "--max-tokens", "10")  # fmt: skip
+    proc = oomguard(
+        oomguard_exe,
+        "bench",
+        f"http://127.0.0.1:{free_port()}",
+        "--prompt-tokens",
+        "10",
+        "--max-tokens",
+        "10",
+    )
     assert proc.returncode == EXIT_ENVIRONMENT
     assert "cannot reach" in _one_error_line(proc)
 
 
-def test_a_prompt_longer_than_max_model_len_is_one_line(shared_vllm: VllmServer,
-                                                        oomguard_exe: list[str]) -> None:  # fmt: skip
-    proc = oomguard(oomguard_exe, "bench", shared_vllm.base_url, "--prompt-tokens", "1000",
-                    "--max-tokens", "100", "--no-record")  # fmt: skip
+def test_a_prompt_longer_than_max_model_len_is_one_line(
+    shared_vllm: VllmServer, oomguard_exe: list[str]
+) -> None:
+    proc = oomguard(
+        oomguard_exe,
+        "bench",
+        shared_vllm.base_url,
+        "--prompt-tokens",
+        "1000",
+        "--max-tokens",
+        "100",
+        "--no-record",
+    )
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert "max_model_len of 1,024" in line and "1,100 tokens" in line
@@ -350,7 +512,10 @@ def test_a_prompt_longer_than_max_model_len_is_one_line(shared_vllm: VllmServer,
     [
         (["--prompt-tokens", "0", "--max-tokens", "5"], "--prompt-tokens 0"),
         (["--max-tokens", "5"], "no load given"),
-        (["--prompt-tokens", "5", "--max-tokens", "5", "--high-watermark", "1.5"], "--high-watermark"),
+        (
+            ["--prompt-tokens", "5", "--max-tokens", "5", "--high-watermark", "1.5"],
+            "--high-watermark",
+        ),
     ],
 )
 def test_bad_flags_are_one_line(oomguard_exe: list[str], args: list[str], words: str) -> None:

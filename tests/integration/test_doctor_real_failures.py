@@ -65,8 +65,12 @@ def ballast(gib: float) -> Iterator[None]:
     if gib < 0.01:
         yield
         return
-    proc = start_group([sys.executable, "-c", _HOLD, str(gib)],
-                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = start_group(
+        [sys.executable, "-c", _HOLD, str(gib)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         yield
@@ -81,7 +85,10 @@ def ballast(gib: float) -> Iterator[None]:
 def _cgroup_available_bytes() -> int | None:
     for limit_path, usage_path in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
     ):
         try:
             limit = Path(limit_path).read_text().strip()
@@ -100,10 +107,17 @@ def node_available_gib() -> float:
     the node, capped by the cgroup's headroom."""
     path = Path("/sys/devices/system/node/node0/meminfo")
     if path.exists():
-        fields = {line.split()[2].rstrip(":"): int(line.split()[3]) * 1024
-                  for line in path.read_text().splitlines() if len(line.split()) >= 4}
-        available = (fields["MemFree"] + fields["Active(file)"] + fields["Inactive(file)"]
-                     + fields["SReclaimable"])
+        fields = {
+            line.split()[2].rstrip(":"): int(line.split()[3]) * 1024
+            for line in path.read_text().splitlines()
+            if len(line.split()) >= 4
+        }
+        available = (
+            fields["MemFree"]
+            + fields["Active(file)"]
+            + fields["Inactive(file)"]
+            + fields["SReclaimable"]
+        )
     else:
         import psutil
 
@@ -124,15 +138,22 @@ def ballast_for(target_gib: float, band_low_gib: float) -> float:
             break
         time.sleep(2)
     if now < band_low_gib:
-        pytest.skip(f"available memory is {now:.2f} GiB, below the {band_low_gib:.2f} GiB the "
-                    "fix is sized for: something outside the test took it")
+        pytest.skip(
+            f"available memory is {now:.2f} GiB, below the {band_low_gib:.2f} GiB the "
+            "fix is sized for: something outside the test took it"
+        )
     return max(now - target_gib, 0.0)
 
 
 def doctor_report(oomguard_exe: list[str], log: Path) -> dict[str, object]:
     """``oomguard doctor LOG --json``, checked for a clean run."""
-    proc = subprocess.run([*oomguard_exe, "doctor", str(log), "--json"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [*oomguard_exe, "doctor", str(log), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 0, f"doctor exit {proc.returncode}: {proc.stdout[:1500]}"
     report = json.loads(proc.stdout)

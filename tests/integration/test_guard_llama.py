@@ -46,17 +46,23 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llama(llama_server_binary: Path, gguf: Path) -> Iterator[RunningLlamaServer]:  # noqa: F811
     settings = LlamaCppSettings(ctx_size=SLOTS * CTX_PER_SLOT, parallel=SLOTS)
-    with running_llama_server(gguf, settings, binary=llama_server_binary, timeout_s=90,
-                              extra=HTTP_THREADS) as server:  # fmt: skip
+    with running_llama_server(
+        gguf, settings, binary=llama_server_binary, timeout_s=90, extra=HTTP_THREADS
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def guard(llama: RunningLlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardProcess]:
+def guard(
+    llama: RunningLlamaServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GuardProcess]:
     root = tmp_path_factory.mktemp("guard")
     config = root / "guard.yaml"
-    config.write_text(yaml.safe_dump({"backends": [{"url": llama.url, "kv_unified": False}],
-                                      "max_queue_requests": 64}))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {"backends": [{"url": llama.url, "kv_unified": False}], "max_queue_requests": 64}
+        )
+    )
     with GuardProcess([], root / "guard.log", ["--config", str(config)]) as process:
         _wait_ready(process.url)
         yield process
@@ -110,7 +116,9 @@ class SlotWatch:
                     self.max_deferred = max(self.max_deferred, float(line.split()[1]))
 
 
-async def _burst(url: str, n: int, **body: object) -> list[tuple[int, dict[str, object], dict[str, str]]]:
+async def _burst(
+    url: str, n: int, **body: object
+) -> list[tuple[int, dict[str, object], dict[str, str]]]:
     payload = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, **body}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
 
@@ -121,55 +129,85 @@ async def _burst(url: str, n: int, **body: object) -> list[tuple[int, dict[str, 
         return await asyncio.gather(*(one() for _ in range(n)))
 
 
-def test_guard_keeps_a_llama_server_burst_within_its_slots(llama: RunningLlamaServer, guard: GuardProcess) -> None:
+def test_guard_keeps_a_llama_server_burst_within_its_slots(
+    llama: RunningLlamaServer, guard: GuardProcess
+) -> None:
     n = 4 * SLOTS
     with SlotWatch(llama.url) as direct:
         answers = asyncio.run(_burst(llama.url, n))
     assert all(status == 200 for status, _, _ in answers)
-    assert direct.max_deferred > 0, "the direct burst was not deferred by llama-server: nothing to show"
+    assert direct.max_deferred > 0, (
+        "the direct burst was not deferred by llama-server: nothing to show"
+    )
     with SlotWatch(llama.url) as guarded:
         answers = asyncio.run(_burst(guard.url, n))
     assert [status for status, _, _ in answers] == [200] * n, answers
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for _, a, _ in answers)  # type: ignore[index]
-    assert guarded.samples >= 3 and 0 < guarded.max_busy <= SLOTS, (guarded.samples, guarded.max_busy)
+    assert guarded.samples >= 3 and 0 < guarded.max_busy <= SLOTS, (
+        guarded.samples,
+        guarded.max_busy,
+    )
     assert guarded.max_deferred == 0, guarded.max_deferred
     with urllib.request.urlopen(guard.url + "/status", timeout=5) as resp:
         backend = json.loads(resp.read())["backends"][0]
     assert backend["engine"] == "llama.cpp" and backend["slots"] == SLOTS
-    assert backend["n_ctx_per_slot"] == CTX_PER_SLOT and backend["capacity_tokens"] == SLOTS * CTX_PER_SLOT
+    assert (
+        backend["n_ctx_per_slot"] == CTX_PER_SLOT
+        and backend["capacity_tokens"] == SLOTS * CTX_PER_SLOT
+    )
     assert backend["kv_cache_usage"] is not None and backend["preemptions_total"] is None
     assert any("preemption" in line for line in backend["cannot_see"])
 
 
-def test_guard_sheds_a_llama_server_overload_with_retry_after(llama: RunningLlamaServer, tmp_path: Path) -> None:
+def test_guard_sheds_a_llama_server_overload_with_retry_after(
+    llama: RunningLlamaServer, tmp_path: Path
+) -> None:
     config = tmp_path / "guard.yaml"
-    config.write_text(yaml.safe_dump({"backends": [{"url": llama.url, "kv_unified": False}],
-                                      "max_queue_requests": 2}))  # fmt: skip
+    config.write_text(
+        yaml.safe_dump(
+            {"backends": [{"url": llama.url, "kv_unified": False}], "max_queue_requests": 2}
+        )
+    )
     with GuardProcess([], tmp_path / "guard.log", ["--config", str(config)]) as process:
         _wait_ready(process.url)
         answers = asyncio.run(_burst(process.url, 4 * SLOTS))
     statuses = sorted(status for status, _, _ in answers)
     admitted = [a for status, a, _ in answers if status == 200]
     shed = [(a, h) for status, a, h in answers if status == 429]
-    assert len(admitted) >= SLOTS and len(shed) >= 1 and len(admitted) + len(shed) == len(answers), statuses
+    assert (
+        len(admitted) >= SLOTS and len(shed) >= 1 and len(admitted) + len(shed) == len(answers)
+    ), statuses
     assert all(int(h["Retry-After"]) >= 1 for _, h in shed)
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in admitted)  # type: ignore[index]
 
 
 def test_guard_refuses_bad_input_for_llama_server_as_for_vllm(guard: GuardProcess) -> None:
-    async def post(path: str, data: bytes, ctype: str = "application/json") -> tuple[int, dict[str, object]]:
+    async def post(
+        path: str, data: bytes, ctype: str = "application/json"
+    ) -> tuple[int, dict[str, object]]:
         async with aiohttp.ClientSession() as session:
-            async with session.post(guard.url + path, data=data, headers={"Content-Type": ctype}) as resp:
+            async with session.post(
+                guard.url + path, data=data, headers={"Content-Type": ctype}
+            ) as resp:
                 return resp.status, await resp.json(content_type=None)
 
     cases = [
-        ("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2 * CTX_PER_SLOT}).encode(), 400,
-         "context_length_exceeded"),
+        (
+            "/v1/completions",
+            json.dumps({"prompt": PROMPT, "max_tokens": 2 * CTX_PER_SLOT}).encode(),
+            400,
+            "context_length_exceeded",
+        ),
         ("/v1/completions", b"{not json", 400, None),
         ("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": -3}).encode(), 400, None),
         ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), 400, None),
-        ("/v1/completions", json.dumps({"prompt": PROMPT, "model": "no-such-model"}).encode(), 404, "model_not_found"),
-    ]  # fmt: skip
+        (
+            "/v1/completions",
+            json.dumps({"prompt": PROMPT, "model": "no-such-model"}).encode(),
+            404,
+            "model_not_found",
+        ),
+    ]
     for path, data, want, code in cases:
         status, answer = asyncio.run(post(path, data))
         assert status == want, (data, status, answer)
@@ -177,16 +215,20 @@ def test_guard_refuses_bad_input_for_llama_server_as_for_vllm(guard: GuardProces
         assert isinstance(error, dict) and error["message"], answer
         if code is not None:
             assert error["code"] == code, answer
-    status, answer = asyncio.run(post("/v1/chat/completions",
-                                      json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                                                  "max_tokens": 4}).encode()))  # fmt: skip
+    status, answer = asyncio.run(
+        post(
+            "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode(),
+        )
+    )
     assert status == 200 and answer["choices"], answer
 
 
 def test_guard_streams_from_llama_server(guard: GuardProcess) -> None:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 6, "stream": True}).encode()
-    request = urllib.request.Request(guard.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        guard.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as resp:
         events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
@@ -195,11 +237,29 @@ def test_guard_streams_from_llama_server(guard: GuardProcess) -> None:
 
 
 def test_serve_starts_llama_server_and_it_answers_through_the_guard(
-    llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
+    llama_server_binary: Path,  # noqa: F811
+    gguf: Path,
+    oomguard_exe: list[str],
+    tmp_path: Path,
 ) -> None:
-    args = ["--engine", "llama.cpp", "--llama-server", str(llama_server_binary), "--guard-port", str(free_port()), str(gguf),
-            "--p99-tokens", "256", "--concurrency", "2", "--port", str(free_port())]  # fmt: skip
-    with ServeRun(oomguard_exe, args, home=tmp_path / "home", venv=Path(sys.prefix), log_dir=tmp_path / "logs") as run:
+    args = [
+        "--engine",
+        "llama.cpp",
+        "--llama-server",
+        str(llama_server_binary),
+        "--guard-port",
+        str(free_port()),
+        str(gguf),
+        "--p99-tokens",
+        "256",
+        "--concurrency",
+        "2",
+        "--port",
+        str(free_port()),
+    ]
+    with ServeRun(
+        oomguard_exe, args, home=tmp_path / "home", venv=Path(sys.prefix), log_dir=tmp_path / "logs"
+    ) as run:
         run.wait_for("ready", 120)
         guard = run.wait_for("guard", 120)
         assert guard["healthy"], guard
@@ -215,7 +275,10 @@ def test_serve_starts_llama_server_and_it_answers_through_the_guard(
 
 
 def test_guard_waits_while_llama_server_loads(
-    llama_server_binary: Path, gguf: Path, oomguard_exe: list[str], tmp_path: Path  # noqa: F811
+    llama_server_binary: Path,  # noqa: F811
+    gguf: Path,
+    oomguard_exe: list[str],
+    tmp_path: Path,
 ) -> None:
     """The guard is up before llama-server: ``/health`` answers 503 while the model loads, the
     backend is not routed to (the guard is not ready), then it is, and requests pass."""
@@ -227,11 +290,15 @@ def test_guard_waits_while_llama_server_loads(
     config = tmp_path / "guard.yaml"
     config.write_text(yaml.safe_dump({"backends": [url], "poll_interval_s": 0.05}))
     settings = LlamaCppSettings(ctx_size=SLOTS * CTX_PER_SLOT * 8, parallel=SLOTS)
-    argv = llama_server_argv(str(gguf), settings, binary=str(llama_server_binary), host="127.0.0.1", port=port)
+    argv = llama_server_argv(
+        str(gguf), settings, binary=str(llama_server_binary), host="127.0.0.1", port=port
+    )
     errors: list[str] = []
     guard_port = free_port()
-    guard = EngineProcess([*oomguard_exe, "guard", "--config", str(config), "--port", str(guard_port)],
-                          log_path=tmp_path / "guard.log")  # fmt: skip
+    guard = EngineProcess(
+        [*oomguard_exe, "guard", "--config", str(config), "--port", str(guard_port)],
+        log_path=tmp_path / "guard.log",
+    )
     guard.start()
     process_url = f"http://127.0.0.1:{guard_port}"
     server = EngineProcess(argv, log_path=tmp_path / "llama.log")

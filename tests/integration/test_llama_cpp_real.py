@@ -57,8 +57,12 @@ def llama_server_binary() -> Path:
         return find_llama_server()
     except LlamaServerNotFound as exc:
         if os.environ.get("OOMGUARD_BUILD_LLAMA") == "1":
-            out = subprocess.run(["bash", str(ROOT / "scripts" / "setup-llama-server.sh")], check=True,
-                                 capture_output=True, text=True)  # fmt: skip
+            out = subprocess.run(
+                ["bash", str(ROOT / "scripts" / "setup-llama-server.sh")],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             return Path(out.stdout.strip().splitlines()[-1])
         require_or_skip(f"{exc.message} ({exc.hint})")
         raise
@@ -70,7 +74,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {k: write_tiny_gguf(root / f"{k}.gguf", s) for k, s in SHAPES.items()}
 
 
-@pytest.mark.parametrize(("name", "settings"), CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("name", "settings"), CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)]
+)
 def test_prediction_equals_what_llama_server_prints(
     llama_server_binary: Path, models: dict[str, Path], name: str, settings: dict[str, object]
 ) -> None:
@@ -87,16 +93,28 @@ def test_prediction_equals_what_llama_server_prints(
     assert not bad, "\n".join(bad)
 
 
-def test_the_planned_command_form_runs_and_answers(llama_server_binary: Path, models: dict[str, Path]) -> None:
+def test_the_planned_command_form_runs_and_answers(
+    llama_server_binary: Path, models: dict[str, Path]
+) -> None:
     """The same flags ``plan`` renders for the llama.cpp tier (slots, -ngl, --fit off) on a tiny model."""
-    s = LlamaCppSettings(ctx_size=4 * 512, parallel=4, n_gpu_layers=3, gpu_count=1, cache_type_k="q8_0",
-                         cache_type_v="q8_0")  # fmt: skip
-    with running_llama_server(models["q4_k"], s, binary=llama_server_binary, timeout_s=90) as server:
+    s = LlamaCppSettings(
+        ctx_size=4 * 512,
+        parallel=4,
+        n_gpu_layers=3,
+        gpu_count=1,
+        cache_type_k="q8_0",
+        cache_type_v="q8_0",
+    )
+    with running_llama_server(
+        models["q4_k"], s, binary=llama_server_binary, timeout_s=90
+    ) as server:
         props = json.load(urllib.request.urlopen(f"{server.url}/props", timeout=10))
         capacity = slot_capacity(props)
         assert (capacity.total_slots, capacity.n_ctx_per_slot) == (4, 512)
         body = json.dumps({"prompt": "hello", "n_predict": 4}).encode()
-        req = urllib.request.Request(f"{server.url}/completion", data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{server.url}/completion", data=body, headers={"Content-Type": "application/json"}
+        )
         answer = json.load(urllib.request.urlopen(req, timeout=60))
         assert answer["tokens_predicted"] == 4
         assert "--n-gpu-layers" in server.argv and "--fit" in server.argv
@@ -137,15 +155,22 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "settings"), SPLIT_CASES, ids=[f"{n}-split{i}" for i, (n, _) in enumerate(SPLIT_CASES)])
+@pytest.mark.parametrize(
+    ("name", "settings"), SPLIT_CASES, ids=[f"{n}-split{i}" for i, (n, _) in enumerate(SPLIT_CASES)]
+)
 def test_split_across_two_devices_equals_the_prediction(
-    llama_server_binary: Path, rpc_device: str, models: dict[str, Path], name: str, settings: dict[str, object]
+    llama_server_binary: Path,
+    rpc_device: str,
+    models: dict[str, Path],
+    name: str,
+    settings: dict[str, object],
 ) -> None:
     """-ngl / --n-cpu-moe / --no-kv-offload against a real second device (rpc-server on this CPU)."""
     s = LlamaCppSettings(gpu_count=1, gpu_backend="rpc", **settings)  # type: ignore[arg-type]
     prediction = predict_llama_cpp(read_gguf(models[name]), s)
-    with running_llama_server(models[name], s, binary=llama_server_binary, timeout_s=90,
-                              extra=("--rpc", rpc_device)) as server:  # fmt: skip
+    with running_llama_server(
+        models[name], s, binary=llama_server_binary, timeout_s=90, extra=("--rpc", rpc_device)
+    ) as server:
         log = server.load_log
     assert log.gpu_names and log.gpu_names[0].startswith("RPC0[")
     checks = compare_load(prediction, log)

@@ -34,8 +34,21 @@ STARTUP_TIMEOUT_S = 900  # three launches on a loaded 2-core machine
 
 
 def _base(model: TinyModel, port: int) -> list[str]:
-    return ["vllm", "serve", str(model.path), "--load-format", "dummy", "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--max-model-len", "1024", *ENGINE_ARGS]  # fmt: skip
+    return [
+        "vllm",
+        "serve",
+        str(model.path),
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        *ENGINE_ARGS,
+    ]
 
 
 def _util_below_rss() -> str:
@@ -86,8 +99,9 @@ def test_serve_heals_startup_failure(
     flags = [_util_below_rss() if f == "UTIL" else f for f in flags]
     home = tmp_path / "home"
     command = _base(tiny_model, free_port()) + flags
-    with ServeRun(oomguard_exe, ["--", *command], home=home, venv=vllm_venv_path,
-                  log_dir=tmp_path / "logs") as run:  # fmt: skip
+    with ServeRun(
+        oomguard_exe, ["--", *command], home=home, venv=vllm_venv_path, log_dir=tmp_path / "logs"
+    ) as run:
         ready = run.wait_for("ready", STARTUP_TIMEOUT_S)
         launches = run.of_kind("launch")
         assert 2 <= len(launches) <= 3, run.summary()  # the failing launch + at most two relaunches
@@ -130,15 +144,21 @@ def _plan_is_calibrated(
 
     stored = run.wait_for("calibration", 30)
     assert "non_torch" in stored["terms"], stored  # type: ignore[operator]
-    observed = {e["field"]: e["value"] for e in run.of_kind("observed")
-                if e["launch"] == ready["launch"]}  # fmt: skip
+    observed = {
+        e["field"]: e["value"] for e in run.of_kind("observed") if e["launch"] == ready["launch"]
+    }
     device = run.of_kind("plan")[0]["device"]
-    node = GPUSpec(name=device["name"], total_bytes=int(round(observed["gpu_total_gib"] * GIB)),
-                   marketing_gb=1.0, vendor="cpu")  # fmt: skip
+    node = GPUSpec(
+        name=device["name"],
+        total_bytes=int(round(observed["gpu_total_gib"] * GIB)),
+        marketing_gb=1.0,
+        vendor="cpu",
+    )
     settings = dict(parse_command(str(ready["command"])).settings_kwargs)
     monkeypatch.setenv("OOMGUARD_HOME", str(home))
-    result = plan(str(model.path), node, platform="cpu", vllm_version="0.32.0",
-                  allow_hub=False, **settings)  # fmt: skip
+    result = plan(
+        str(model.path), node, platform="cpu", vllm_version="0.32.0", allow_hub=False, **settings
+    )
     assert result.calibration.used and "non_torch" in result.calibration.terms, result.calibration
     prediction = result.plan.prediction
     budget_gib = min(s.kv_cache_bytes for s in prediction.stages) / GIB

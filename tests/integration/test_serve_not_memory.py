@@ -34,8 +34,9 @@ STARTUP_TIMEOUT_S = 900
 def _complete(url: str, model: str) -> None:
     """A completion the engine dies answering (an error or a dropped connection)."""
     body = json.dumps({"model": model, "prompt": "ka to ri", "max_tokens": 4}).encode()
-    request = urllib.request.Request(url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as resp:
             pytest.fail(f"the engine answered {resp.status}: the fault was not injected")
@@ -66,11 +67,31 @@ def test_sigill_at_the_first_request_is_diagnosed_not_healed(
     pythonpath = os.pathsep.join(p for p in (str(plugin), os.environ.get("PYTHONPATH")) if p)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = ["vllm", "serve", str(tiny_model.path), "--load-format", "dummy", "--host",
-               "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "1024",
-               "--kv-cache-memory-bytes", str(scenarios.GUARD_KV_BYTES), *ENGINE_ARGS]  # fmt: skip
-    with ServeRun(oomguard_exe, ["--", *command], home=tmp_path / "home", venv=vllm_venv_path,
-                  log_dir=tmp_path / "logs", extra_env={"PYTHONPATH": pythonpath}) as run:  # fmt: skip
+    command = [
+        "vllm",
+        "serve",
+        str(tiny_model.path),
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory-bytes",
+        str(scenarios.GUARD_KV_BYTES),
+        *ENGINE_ARGS,
+    ]
+    with ServeRun(
+        oomguard_exe,
+        ["--", *command],
+        home=tmp_path / "home",
+        venv=vllm_venv_path,
+        log_dir=tmp_path / "logs",
+        extra_env={"PYTHONPATH": pythonpath},
+    ) as run:
         first = run.wait_for("ready", STARTUP_TIMEOUT_S)
         with watching(oomguard_exe, [url, "--interval", "0.5"], tmp_path / "watch.log") as watch:
             _complete(url, str(tiny_model.path))
@@ -98,8 +119,13 @@ def test_sigill_at_the_first_request_is_diagnosed_not_healed(
 
     # doctor: not memory, with what to do
     log = crashes[1]["log"]
-    proc = subprocess.run([*oomguard_exe, "doctor", log, "--json"], capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [*oomguard_exe, "doctor", log, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 3, proc.stderr
     report = json.loads(proc.stdout)
     assert report["oom_found"] is False and report["findings"] == []

@@ -52,17 +52,41 @@ def test_serve_restarts_a_killed_engine_and_stops_cleanly(
     tiny_model: TinyModel, vllm_venv_path: Path, oomguard_exe: list[str], tmp_path: Path
 ) -> None:
     guard_port = free_port()
-    command = ["vllm", "serve", str(tiny_model.path), "--load-format", "dummy",
-               "--host", "127.0.0.1", "--port", str(free_port()), "--enforce-eager",
-               "--max-model-len", "1024", *ENGINE_ARGS,
-               "--kv-cache-memory-bytes", str(scenarios.GUARD_KV_BYTES)]  # fmt: skip
-    args = ["--guard-port", str(guard_port), "--p99-tokens", "512", "--concurrency", "2",
-            "--", *command]  # fmt: skip
-    with ServeRun(oomguard_exe, args, home=tmp_path / "home", venv=vllm_venv_path,
-                  log_dir=tmp_path / "logs") as run:  # fmt: skip
+    command = [
+        "vllm",
+        "serve",
+        str(tiny_model.path),
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        *ENGINE_ARGS,
+        "--kv-cache-memory-bytes",
+        str(scenarios.GUARD_KV_BYTES),
+    ]
+    args = [
+        "--guard-port",
+        str(guard_port),
+        "--p99-tokens",
+        "512",
+        "--concurrency",
+        "2",
+        "--",
+        *command,
+    ]
+    with ServeRun(
+        oomguard_exe, args, home=tmp_path / "home", venv=vllm_venv_path, log_dir=tmp_path / "logs"
+    ) as run:
         first = run.wait_for("ready", 900)
-        probes = [run.wait_for("probe", 300, lambda e, n=name: e.get("probe") == n)
-                  for name in ("longest", "burst")]  # fmt: skip
+        probes = [
+            run.wait_for("probe", 300, lambda e, n=name: e.get("probe") == n)
+            for name in ("longest", "burst")
+        ]
         assert all(p["passed"] for p in probes), probes
         assert probes[0]["prompt_tokens"] == 1023 and probes[1]["requests"] == 2
         guard = run.wait_for("guard", 120)
@@ -90,8 +114,14 @@ def test_serve_restarts_a_killed_engine_and_stops_cleanly(
 def _run_cli(
     oomguard_exe: list[str], args: list[str], env: dict[str, str]
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*oomguard_exe, "serve", "--json", *args], capture_output=True,
-                          text=True, timeout=120, env=env, check=False)  # fmt: skip
+    return subprocess.run(
+        [*oomguard_exe, "serve", "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def _engines_with(marker: str) -> list[int]:
@@ -105,8 +135,11 @@ def _engines_with(marker: str) -> list[int]:
 def test_serve_refuses_bad_input_with_one_line(
     tiny_model: TinyModel, vllm_venv_path: Path, oomguard_exe: list[str], tmp_path: Path
 ) -> None:
-    env = dict(os.environ, OOMGUARD_HOME=str(tmp_path / "home"),
-               OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"))  # fmt: skip
+    env = dict(
+        os.environ,
+        OOMGUARD_HOME=str(tmp_path / "home"),
+        OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"),
+    )
     model = str(tiny_model.path)
     # The session's shared vLLM serves the same model directory: only engines that appear
     # during this test count.
@@ -116,12 +149,20 @@ def test_serve_refuses_bad_input_with_one_line(
     busy.listen(1)
     busy_port = busy.getsockname()[1]
     cases = {
-        "unknown flag": (["--", "vllm", "serve", model, "--max-modle-len", "512"], "not a vLLM flag"),
-        "missing model": (["--", "vllm", "serve", str(tmp_path / "no-such-model")], "does not exist"),
+        "unknown flag": (
+            ["--", "vllm", "serve", model, "--max-modle-len", "512"],
+            "not a vLLM flag",
+        ),
+        "missing model": (
+            ["--", "vllm", "serve", str(tmp_path / "no-such-model")],
+            "does not exist",
+        ),
         "port in use": (["--", "vllm", "serve", model, "--port", str(busy_port)], "in use"),
-        "missing vLLM": (["--vllm-python", str(tmp_path / "no-python"), "--", "vllm", "serve", model],
-                         "no vLLM installation"),
-    }  # fmt: skip
+        "missing vLLM": (
+            ["--vllm-python", str(tmp_path / "no-python"), "--", "vllm", "serve", model],
+            "no vLLM installation",
+        ),
+    }
     try:
         for name, (args, words) in cases.items():
             proc = _run_cli(oomguard_exe, args, env)
@@ -143,11 +184,29 @@ def test_serve_plans_first_for_a_model(
 ) -> None:
     """``oomguard serve MODEL --p99-tokens … --concurrency …``: the plan's configuration,
     with extra vLLM flags after --, printed with its prediction by --dry-run."""
-    env = dict(os.environ, OOMGUARD_HOME=str(tmp_path / "home"),
-               OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"))  # fmt: skip
-    proc = _run_cli(oomguard_exe, [str(tiny_model.path), "--p99-tokens", "512", "--concurrency",
-                                   "4", "--kv-cache-memory-bytes", "64M", "--dry-run", "--",
-                                   "--load-format", "dummy", *ENGINE_ARGS], env)  # fmt: skip
+    env = dict(
+        os.environ,
+        OOMGUARD_HOME=str(tmp_path / "home"),
+        OOMGUARD_VLLM_PYTHON=str(vllm_venv_path / "bin" / "python"),
+    )
+    proc = _run_cli(
+        oomguard_exe,
+        [
+            str(tiny_model.path),
+            "--p99-tokens",
+            "512",
+            "--concurrency",
+            "4",
+            "--kv-cache-memory-bytes",
+            "64M",
+            "--dry-run",
+            "--",
+            "--load-format",
+            "dummy",
+            *ENGINE_ARGS,
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stderr
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     planned = next(e for e in events if e["event"] == "plan")

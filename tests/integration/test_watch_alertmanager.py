@@ -40,16 +40,24 @@ receivers:
 """
 
 
-def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(tmp_path: Path, oomguard_exe: list[str]) -> None:
+def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(
+    tmp_path: Path, oomguard_exe: list[str]
+) -> None:
     alertmanager = require_program("prometheus-alertmanager", "prometheus-alertmanager")
     with http_server() as (receiver_url, received):
         (tmp_path / "am.yml").write_text(CONFIG.format(url=receiver_url + "/am"))
         port = free_port()
         am = start_group(
-            [alertmanager, f"--config.file={tmp_path / 'am.yml'}", f"--storage.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-            stdout=subprocess.DEVNULL, stderr=(tmp_path / "am.log").open("wb"),
-        )  # fmt: skip
+            [
+                alertmanager,
+                f"--config.file={tmp_path / 'am.yml'}",
+                f"--storage.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "am.log").open("wb"),
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 30
@@ -61,10 +69,26 @@ def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(tmp_path: Path,
                     time.sleep(0.2)
             dead = f"http://127.0.0.1:{free_port()}"
             run = subprocess.run(
-                [*oomguard_exe, "watch", dead, "--webhook", base + "/api/v2/alerts", "--webhook",
-                 receiver_url + "/direct", "--interval", "0.3", "--min-duration", "0.3", "--duration", "3", "--json"],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+                [
+                    *oomguard_exe,
+                    "watch",
+                    dead,
+                    "--webhook",
+                    base + "/api/v2/alerts",
+                    "--webhook",
+                    receiver_url + "/direct",
+                    "--interval",
+                    "0.3",
+                    "--min-duration",
+                    "0.3",
+                    "--duration",
+                    "3",
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert "not delivered" not in run.stderr, run.stderr
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not any(r["path"] == "/am" for r in received):
@@ -76,7 +100,9 @@ def test_alerts_reach_a_real_alertmanager_and_come_out_unchanged(tmp_path: Path,
     assert from_am, f"Alertmanager sent nothing: {(tmp_path / 'am.log').read_text()[-2000:]}"
     alert = from_am[0]["alerts"][0]
     assert from_am[0]["status"] == "firing"
-    assert alert["labels"]["alertname"] == "OomguardServerDown" and alert["labels"]["server"] == dead
+    assert (
+        alert["labels"]["alertname"] == "OomguardServerDown" and alert["labels"]["server"] == dead
+    )
     assert alert["annotations"]["description"].startswith(f"{dead} does not answer")
     ours = direct[0]
     assert set(ours) == set(from_am[0]), "webhook payload keys differ from Alertmanager's"

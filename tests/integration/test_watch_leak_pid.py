@@ -20,9 +20,20 @@ GROW = Path(__file__).parent / "grow_memory.py"
 
 
 def _grower(rate_mib_per_min: float) -> subprocess.Popen[str]:
-    proc = start_group([sys.executable, str(GROW), "--rate-mib-per-min", str(rate_mib_per_min),
-                        "--duration-s", "120", "--transient-mib", "8"],
-                       stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_group(
+        [
+            sys.executable,
+            str(GROW),
+            "--rate-mib-per-min",
+            str(rate_mib_per_min),
+            "--duration-s",
+            "120",
+            "--transient-mib",
+            "8",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -31,17 +42,39 @@ def test_a_growing_process_is_a_leak_and_a_flat_one_is_not(oomguard_exe: list[st
     growing, flat = _grower(400), _grower(0)
     try:
         run = subprocess.run(
-            [*oomguard_exe, "watch", "--pid", str(growing.pid), "--pid", str(flat.pid), "--json",
-             "--interval", "0.25", "--duration", "24", "--leak-window", "12", "--leak-settle", "2",
-             "--leak-rate", "100", "--min-duration", "2"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                *oomguard_exe,
+                "watch",
+                "--pid",
+                str(growing.pid),
+                "--pid",
+                str(flat.pid),
+                "--json",
+                "--interval",
+                "0.25",
+                "--duration",
+                "24",
+                "--leak-window",
+                "12",
+                "--leak-settle",
+                "2",
+                "--leak-rate",
+                "100",
+                "--min-duration",
+                "2",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         for p in (growing, flat):
             kill_group(p.pid, leader=p)
     events = [json.loads(line) for line in run.stdout.splitlines()]
     leaks = [e for e in events if e.get("alert") == "OomguardMemoryLeak"]
-    assert [(e["server"], e["state"]) for e in leaks] == [(f"pid:{growing.pid}", "firing")], run.stdout + run.stderr
+    assert [(e["server"], e["state"]) for e in leaks] == [(f"pid:{growing.pid}", "firing")], (
+        run.stdout + run.stderr
+    )
     leak = leaks[0]
     assert leak["labels"] == {"memory": "host"}
     assert 200 <= leak["value"] * 60 / 2**20 <= 700  # MiB/min, the process grows ~400

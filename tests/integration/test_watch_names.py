@@ -88,14 +88,31 @@ def scrapes(
     wait_vllm_idle(url)
     logs = tmp_path_factory.mktemp("names")
     plan_file = logs / "plan.json"
-    plan_file.write_text(plan(str(tiny_model.path), gpu_memory_gib=4, allow_hub=False,
-                              vllm_version="0.32.0", max_model_len=1024).to_json())  # fmt: skip
+    plan_file.write_text(
+        plan(
+            str(tiny_model.path),
+            gpu_memory_gib=4,
+            allow_hub=False,
+            vllm_version="0.32.0",
+            max_model_len=1024,
+        ).to_json()
+    )
     port = free_port()
     watcher = start_group(
-        [str(Path(sys.executable).parent / "oomguard"), "watch", url, "--interval", "0.5", "--port", str(port),
-         "--plan", str(plan_file)],
-        stdout=subprocess.DEVNULL, stderr=(logs / "watch.log").open("w"),
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "oomguard"),
+            "watch",
+            url,
+            "--interval",
+            "0.5",
+            "--port",
+            str(port),
+            "--plan",
+            str(plan_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(logs / "watch.log").open("w"),
+    )
     try:
         with GuardProcess([url], logs / "guard.log") as guard:
             vllm_text = _scrape(url)
@@ -128,14 +145,20 @@ def _check_names(exprs: list[str], scrapes: dict[str, Exposed], what: str) -> se
         for name, matchers in MATCHER.findall(expr):
             for label, value in re.findall(r'(\w+)\s*=\s*"([^"]*)"', matchers):
                 series = _owner(name, scrapes).labels.get(name, [])
-                assert any(s.get(label) == value for s in series), f'{what}: no {name}{{{label}="{value}"}} live'
+                assert any(s.get(label) == value for s in series), (
+                    f'{what}: no {name}{{{label}="{value}"}} live'
+                )
     return used
 
 
 def test_alert_rules_query_only_live_names(scrapes: dict[str, Exposed]) -> None:
     used = _check_names(_rule_exprs(), scrapes, "alert rules")
-    assert {"vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
-            "vllm:num_requests_waiting_by_reason", "oomguard_shed_total"} <= used  # fmt: skip
+    assert {
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:num_requests_waiting_by_reason",
+        "oomguard_shed_total",
+    } <= used
     for expr in _rule_exprs():
         for labels, inner in BY.findall(expr):
             for name in NAME.findall(inner):
@@ -149,14 +172,20 @@ def test_alert_rules_query_only_live_names(scrapes: dict[str, Exposed]) -> None:
 
 def test_dashboard_queries_only_live_names(scrapes: dict[str, Exposed]) -> None:
     used = _check_names(_dashboard_exprs(), scrapes, "dashboard")
-    assert any(n.startswith("oomguard_watch_") for n in used) and "oomguard_queue_depth_requests" in used
+    assert (
+        any(n.startswith("oomguard_watch_") for n in used)
+        and "oomguard_queue_depth_requests" in used
+    )
 
 
 def test_the_watcher_reads_only_live_names(scrapes: dict[str, Exposed]) -> None:
     wanted = set(sampling._WANTED_SAMPLES) - LEGACY
     missing = sorted(n for n in wanted if not scrapes["vllm"].has(n))
     assert not missing, f"the watcher reads names vLLM does not expose: {missing}"
-    assert any(s.get("reason") == "capacity" for s in scrapes["vllm"].labels["vllm:num_requests_waiting_by_reason"])
+    assert any(
+        s.get("reason") == "capacity"
+        for s in scrapes["vllm"].labels["vllm:num_requests_waiting_by_reason"]
+    )
 
 
 def test_the_llm_d_preemption_name_is_not_exposed(scrapes: dict[str, Exposed]) -> None:

@@ -35,16 +35,33 @@ FAST = ["--interval", "0.2", "--min-duration", "0.2", "--preemption-window", "8"
 
 
 @pytest.fixture(scope="module")
-def plan_file(tiny_model: TinyModel, oomguard_exe: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def plan_file(
+    tiny_model: TinyModel, oomguard_exe: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """``oomguard plan`` for the shared server's settings (a GPU-sized stand-in for the node)."""
     from conftest import SHARED_MAX_MODEL_LEN, SHARED_POOL_BLOCKS
 
     run = subprocess.run(
-        [*oomguard_exe, "plan", str(tiny_model.path), "--gpu-memory-gib", "4", "--vllm-version", "0.32.0",
-         "--kv-cache-memory-bytes", str(SHARED_POOL_BLOCKS * scenarios.BLOCK_BYTES),
-         "--max-model-len", str(SHARED_MAX_MODEL_LEN), "--enforce-eager", *ENGINE_ARGS, "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *oomguard_exe,
+            "plan",
+            str(tiny_model.path),
+            "--gpu-memory-gib",
+            "4",
+            "--vllm-version",
+            "0.32.0",
+            "--kv-cache-memory-bytes",
+            str(SHARED_POOL_BLOCKS * scenarios.BLOCK_BYTES),
+            "--max-model-len",
+            str(SHARED_MAX_MODEL_LEN),
+            "--enforce-eager",
+            *ENGINE_ARGS,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode in (0, 1), run.stderr
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     path.write_text(run.stdout)
@@ -59,14 +76,19 @@ def watching(oomguard_exe: list[str], args: list[str], log: Path) -> Iterator[di
     port = free_port()
     out = log.with_suffix(".jsonl")
     with open(out, "w") as stdout, open(log, "w") as stderr:
-        proc = start_group([*oomguard_exe, "watch", *args, "--json", "--port", str(port)],
-                           stdout=stdout, stderr=stderr)
+        proc = start_group(
+            [*oomguard_exe, "watch", *args, "--json", "--port", str(port)],
+            stdout=stdout,
+            stderr=stderr,
+        )
     state: dict[str, Any] = {"url": f"http://127.0.0.1:{port}", "events": []}
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                status = json.loads(urllib.request.urlopen(state["url"] + "/status", timeout=2).read())
+                status = json.loads(
+                    urllib.request.urlopen(state["url"] + "/status", timeout=2).read()
+                )
                 if status["servers"] and all(s["up"] for s in status["servers"]):
                     break
             except OSError:
@@ -78,7 +100,9 @@ def watching(oomguard_exe: list[str], args: list[str], log: Path) -> Iterator[di
         yield state
     finally:
         stop_group(proc.pid, grace_s=30, leader=proc)
-        state["events"] = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+        state["events"] = [
+            json.loads(line) for line in out.read_text().splitlines() if line.strip()
+        ]
         state["returncode"] = proc.returncode
 
 
@@ -114,7 +138,11 @@ def _all_resolved(events: list[dict[str, Any]]) -> bool:
 
 
 def test_burst_raises_kv_and_preemption_alerts_and_the_guard_prevents_them(
-    shared_vllm: VllmServer, tiny_model: TinyModel, plan_file: Path, oomguard_exe: list[str], tmp_path: Path
+    shared_vllm: VllmServer,
+    tiny_model: TinyModel,
+    plan_file: Path,
+    oomguard_exe: list[str],
+    tmp_path: Path,
 ) -> None:
     url = shared_vllm.base_url
     model = str(tiny_model.path)
@@ -122,11 +150,15 @@ def test_burst_raises_kv_and_preemption_alerts_and_the_guard_prevents_them(
     wait_vllm_idle(url)
     log = tmp_path / "watch-direct.log"
     with watching(oomguard_exe, [url, "--plan", str(plan_file), *FAST], log) as direct_watch:
-        metrics = urllib.request.urlopen(direct_watch["url"] + "/metrics", timeout=5).read().decode()
+        metrics = (
+            urllib.request.urlopen(direct_watch["url"] + "/metrics", timeout=5).read().decode()
+        )
         assert f'oomguard_watch_plan_kv_cache_tokens{{server="{url}"}} 2048.0' in metrics
         assert f'oomguard_watch_kv_cache_tokens{{server="{url}"}} 2048.0' in metrics
         for attempt in range(3):
-            prompts = make_prompts(tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 1000 + attempt)
+            prompts = make_prompts(
+                tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 1000 + attempt
+            )
             direct = run_burst("direct", url, url, model, prompts, scenarios.GUARD_MAX_TOKENS)
             wait_vllm_idle(url)
             _wait_for(direct_watch, log, _all_resolved, timeout_s=60)
@@ -138,7 +170,9 @@ def test_burst_raises_kv_and_preemption_alerts_and_the_guard_prevents_them(
     summary = f"burst: {direct.summary()}\nevents: {json.dumps(events, indent=1)[-4000:]}"
     assert direct.preemptions > 0, summary
     for alert in KV_AND_PREEMPTION:
-        assert _states(events, alert) and _states(events, alert)[0] == "firing", f"{alert}\n{summary}"
+        assert _states(events, alert) and _states(events, alert)[0] == "firing", (
+            f"{alert}\n{summary}"
+        )
         assert _states(events, alert)[-1] == "resolved", f"{alert}\n{summary}"
     preempt = next(e for e in events if e.get("alert") == "OomguardPreemptions")
     assert preempt["value"] >= 1 and preempt["server"] == url and preempt["severity"] == "warning"
@@ -146,10 +180,14 @@ def test_burst_raises_kv_and_preemption_alerts_and_the_guard_prevents_them(
     assert not _states(events, "OomguardServerDown"), summary
 
     log = tmp_path / "watch-guarded.log"
-    with watching(oomguard_exe, [url, "--plan", str(plan_file), *FAST], log) as guarded_watch, \
-            GuardProcess([url], tmp_path / "guard.log") as guard:  # fmt: skip
+    with (
+        watching(oomguard_exe, [url, "--plan", str(plan_file), *FAST], log) as guarded_watch,
+        GuardProcess([url], tmp_path / "guard.log") as guard,
+    ):
         prompts = make_prompts(tiny_model.path, n, scenarios.GUARD_PROMPT_TOKENS, 2000)
-        guarded = run_burst("through guard", guard.url, url, model, prompts, scenarios.GUARD_MAX_TOKENS)
+        guarded = run_burst(
+            "through guard", guard.url, url, model, prompts, scenarios.GUARD_MAX_TOKENS
+        )
         wait_vllm_idle(url)
         time.sleep(2)  # two more rounds after the burst
     events = guarded_watch["events"]

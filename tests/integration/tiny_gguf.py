@@ -53,7 +53,9 @@ SHAPES: dict[str, GGUFShape] = {
 }
 
 
-def _random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+def _random_tensor(
+    rng: np.random.Generator, type_name: str, rows: int, cols: int
+) -> tuple[np.ndarray, GGMLQuantizationType]:
     """A ``rows × cols`` matrix (``cols`` is ggml's ne0) as raw bytes of ``type_name``."""
     qtype = GGMLQuantizationType[type_name]
     if qtype == GGMLQuantizationType.F32:

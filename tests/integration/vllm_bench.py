@@ -25,19 +25,61 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def vllm_bench_serve(venv: Path, url: str, model: str, *, input_len: int, output_len: int,
-                     num_prompts: int, max_concurrency: int, out_dir: Path) -> dict[str, Any]:  # fmt: skip
+def vllm_bench_serve(
+    venv: Path,
+    url: str,
+    model: str,
+    *,
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    max_concurrency: int,
+    out_dir: Path,
+) -> dict[str, Any]:
     """The saved result of one ``vllm bench serve`` run (raises with its output if none)."""
-    argv = [str(venv / "bin" / "python"), "-c", VLLM_BENCH_SERVE, "--backend", "vllm",
-            "--base-url", url, "--model", model, "--tokenizer", model, "--dataset-name", "random",
-            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(max_concurrency), "--request-rate", "inf", "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", "vllm-bench.json"]  # fmt: skip
+    argv = [
+        str(venv / "bin" / "python"),
+        "-c",
+        VLLM_BENCH_SERVE,
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--random-range-ratio",
+        "0",
+        "--ignore-eos",
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(max_concurrency),
+        "--request-rate",
+        "inf",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        "vllm-bench.json",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     result = out_dir / "vllm-bench.json"
     if not result.exists():
-        raise RuntimeError("vllm bench serve saved no result:\n" + proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise RuntimeError(
+            "vllm bench serve saved no result:\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
     return dict(json.loads(result.read_text()))

@@ -223,9 +223,11 @@ class VllmServer:
         if self.log_path.exists():
             self.log_path.unlink()
         self.engine = EngineProcess(
-            self.config.argv(self.venv), env=vllm_env(), log_path=self.log_path,
+            self.config.argv(self.venv),
+            env=vllm_env(),
+            log_path=self.log_path,
             cwd=self.log_path.parent,
-        )  # fmt: skip
+        )
         self.engine.start()
 
     def wait_healthy(self, timeout_s: float = 300.0) -> float:

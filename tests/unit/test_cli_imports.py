@@ -46,8 +46,10 @@ def _loaded(*args: str) -> list[str]:
 def _without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", WITHOUT, ",".join(modules), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_plan_does_not_import_the_gateway_or_the_doctor() -> None:
@@ -56,10 +58,21 @@ def test_plan_does_not_import_the_gateway_or_the_doctor() -> None:
 
 def test_plan_imports_no_library_of_an_extra() -> None:
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "oomguard", "plan",
-         "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L4"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "oomguard",
+            "plan",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            "--gpu",
+            "L4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-500:]
     # "import time: self [us] | cumulative | imported package", one line per module imported
     imported = {

@@ -208,8 +208,19 @@ def test_one_launcher_parser_for_plan_serve_and_the_log() -> None:
     from oomguard.serve.command import EngineCommand
     from oomguard.vllm_args import split_launcher
 
-    line = ["CUDA_VISIBLE_DEVICES=0", "env", "HF_HOME=/x", "python3", "-u", "-m",
-            "vllm.entrypoints.openai.api_server", "--model", "org/m", "--max-model-len", "8k"]  # fmt: skip
+    line = [
+        "CUDA_VISIBLE_DEVICES=0",
+        "env",
+        "HF_HOME=/x",
+        "python3",
+        "-u",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "org/m",
+        "--max-model-len",
+        "8k",
+    ]
     launcher = split_launcher(line)
     assert launcher.form == "python" and not launcher.positional_model
     assert launcher.env == {"CUDA_VISIBLE_DEVICES": "0", "HF_HOME": "/x"}
@@ -225,13 +236,25 @@ def test_one_launcher_parser_for_plan_serve_and_the_log() -> None:
 def test_settings_from_flags_parses_like_a_pasted_command() -> None:
     from oomguard.vllm_args import settings_from_flags
 
-    got = settings_from_flags({"max_model_len": "16k", "max_num_batched_tokens": "8K",
-                               "kv_cache_memory_bytes": "20G", "enforce_eager": True,
-                               "gpu_memory_utilization": 0.85, "max_num_seqs": None,
-                               "vllm_version": "0.19"})  # fmt: skip
-    assert got == {"max_model_len": 16000, "max_num_batched_tokens": 8192,
-                   "kv_cache_memory_bytes": 20 * 2**30, "enforce_eager": True,
-                   "gpu_memory_utilization": 0.85, "vllm_version": "0.19"}  # fmt: skip
+    got = settings_from_flags(
+        {
+            "max_model_len": "16k",
+            "max_num_batched_tokens": "8K",
+            "kv_cache_memory_bytes": "20G",
+            "enforce_eager": True,
+            "gpu_memory_utilization": 0.85,
+            "max_num_seqs": None,
+            "vllm_version": "0.19",
+        }
+    )
+    assert got == {
+        "max_model_len": 16000,
+        "max_num_batched_tokens": 8192,
+        "kv_cache_memory_bytes": 20 * 2**30,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.85,
+        "vllm_version": "0.19",
+    }
     assert settings_from_flags({"max_model_len": "auto"}) == {"max_model_len": -1}
     for bad in ({"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0}, {"kv_cache_dtype": "fp7"}):
         with pytest.raises(BadInput):

@@ -27,13 +27,15 @@ def test_real_page_after_a_burst() -> None:
 
 
 def test_engines_are_summed_and_usage_is_the_fullest() -> None:
-    page = "\n".join([
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
-        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75',
-        'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0',
-        'vllm:num_preemptions_total{engine="1",model_name="m"} 3.0',
-        'vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 4.0',
-    ])  # fmt: skip
+    page = "\n".join(
+        [
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75',
+            'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0',
+            'vllm:num_preemptions_total{engine="1",model_name="m"} 3.0',
+            'vllm:num_requests_waiting_by_reason{engine="1",model_name="m",reason="capacity"} 4.0',
+        ]
+    )
     snap = parse_vllm_metrics(page)
     assert snap.engines == 2 and snap.kv_cache_usage == 0.75 and snap.preemptions_total == 5.0
     assert snap.waiting_for_capacity == 4.0

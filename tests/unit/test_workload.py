@@ -33,17 +33,34 @@ def test_shared_prefix_is_a_fraction_or_tokens() -> None:
 
 def test_stated_workload_keeps_what_was_not_said_at_zero() -> None:
     w = stated_workload("16k", None, "0.5", headroom_gib=2)
-    assert w == Workload(p99_tokens=16000, concurrency=0, shared_prefix_tokens=8000,
-                         headroom_bytes=2 * GIB, stated=True)  # fmt: skip
+    assert w == Workload(
+        p99_tokens=16000,
+        concurrency=0,
+        shared_prefix_tokens=8000,
+        headroom_bytes=2 * GIB,
+        stated=True,
+    )
     assert not stated_workload().stated
     with pytest.raises(BadInput, match="--concurrency 0"):
         stated_workload(concurrency=0)
 
 
-def test_doctor_lint_takes_the_workload_flags_plan_takes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_doctor_lint_takes_the_workload_flags_plan_takes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     command = "vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 131072"
-    argv = ["doctor", "--json", "--gpu", "H100", "--p99-tokens", "4k", "--shared-prefix", "0.5",
-            "--command", command]  # fmt: skip
+    argv = [
+        "doctor",
+        "--json",
+        "--gpu",
+        "H100",
+        "--p99-tokens",
+        "4k",
+        "--shared-prefix",
+        "0.5",
+        "--command",
+        command,
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert any("P99" in f["summary"] for f in data["findings"])  # 131072 is far above 4k

@@ -37,8 +37,13 @@ def record_capacity(
         return {"stored": False, "why": "; ".join(missing)}
     assert cap is not None and gpu_name is not None and info.vllm_version is not None
     obs = StartupMeasurement(
-        gpu=catalogue_gpu_name(gpu_name), vllm_version=info.vllm_version, model=info.model,
-        family=model_family(info.model), tp=tp, pp=pp, gpu_raw=gpu_name,
+        gpu=catalogue_gpu_name(gpu_name),
+        vllm_version=info.vllm_version,
+        model=info.model,
+        family=model_family(info.model),
+        tp=tp,
+        pp=pp,
+        gpu_raw=gpu_name,
         kv_tokens=cap.kv_cache_tokens or cap.usable_tokens,
         available_kv_gib=(cap.kv_cache_memory_bytes / GIB) if cap.kv_cache_memory_bytes else None,
         source=f"bench {info.url} ({result.conditions.get('workload', '')})",
@@ -46,11 +51,16 @@ def record_capacity(
         bench_sequence_tokens=result.settings.workload.longest_sequence_tokens(),
         kv_bytes_per_token=cap.kv_bytes_per_token,
         engine="V1",
-    )  # fmt: skip
+    )
     store = Store(store_path) if store_path else Store()
     store.add([obs])
-    return {"stored": True, "path": str(store.path), "key": obs.key,
-            "kv_tokens": obs.kv_tokens, "max_safe_concurrency": obs.max_safe_concurrency}  # fmt: skip
+    return {
+        "stored": True,
+        "path": str(store.path),
+        "key": obs.key,
+        "kv_tokens": obs.kv_tokens,
+        "max_safe_concurrency": obs.max_safe_concurrency,
+    }
 
 
 def _local_gpu_name(result: BenchResult) -> str | None:

@@ -32,29 +32,129 @@ def register(app: typer.Typer) -> None:
     app.command("bench", help=_HELP)(bench_command)
 
 
+UrlArgument = Annotated[
+    str, typer.Argument(help="Base URL of the server (vLLM, or the guard in front of it).")
+]
+
+PromptTokensOption = Annotated[
+    int | None, typer.Option("--prompt-tokens", help="Peak prompt length in tokens (exact).")
+]
+
+MaxTokensOption = Annotated[
+    int | None, typer.Option("--max-tokens", help="Tokens each request generates (ignore_eos).")
+]
+
+WorkloadOption = Annotated[
+    Path | None,
+    typer.Option("--workload", help="Length distributions (YAML/JSON) or real requests (.jsonl)."),
+]
+
+ModelOption = Annotated[
+    str | None, typer.Option("--model", help="Served model name (default: the server's first).")
+]
+
+BudgetSOption = Annotated[
+    float, typer.Option("--budget-s", help="Wall-clock budget for the whole run.")
+]
+
+ReportOption = Annotated[
+    Path | None,
+    typer.Option("--report", help="Write bench.json, report.html and PNG plots here."),
+]
+
+AsJsonOption = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")]
+
+HighWatermarkOption = Annotated[
+    float,
+    typer.Option("--high-watermark", help="A safe stage keeps KV usage at or below this fraction."),
+]
+
+ConcurrencyOption = Annotated[
+    int | None,
+    typer.Option("--concurrency", help="Prove this one concurrency instead of searching."),
+]
+
+RequestsOption = Annotated[
+    int | None, typer.Option("--requests", help="With --concurrency: requests in the stage.")
+]
+
+HoldSOption = Annotated[
+    float,
+    typer.Option("--hold-s", help="Then hold the safe concurrency this many seconds more."),
+]
+
+MaxConcurrencyOption = Annotated[
+    int, typer.Option("--max-concurrency", help="Never test above this.")
+]
+
+StartConcurrencyOption = Annotated[
+    int | None,
+    typer.Option(
+        "--start-concurrency", help="First stage (default: KV pool ÷ blocks per request)."
+    ),
+]
+
+WavesOption = Annotated[int, typer.Option("--waves", help="Requests per slot in a stage.")]
+
+SampleIntervalSOption = Annotated[
+    float, typer.Option("--sample-interval-s", help="Server sampling period (≤ 0.5).")
+]
+
+MetricsUrlOption = Annotated[
+    str | None, typer.Option("--metrics-url", help="vLLM's /metrics when URL is a proxy.")
+]
+
+TokenizerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer",
+        help="tokenizer.json (or its directory) when the server has no /tokenize.",
+    ),
+]
+
+GpuOption = Annotated[
+    str | None,
+    typer.Option("--gpu", help="GPU name for the calibration store (default: NVML)."),
+]
+
+TensorParallelSizeOption = Annotated[
+    int,
+    typer.Option(
+        "--tensor-parallel-size", "-tp", help="The server's TP, for the calibration store."
+    ),
+]
+
+RecordOption = Annotated[
+    bool,
+    typer.Option(
+        "--record/--no-record", help="Write the measured capacity into the calibration store."
+    ),
+]
+
+
 def bench_command(
-    url: Annotated[str, typer.Argument(help="Base URL of the server (vLLM, or the guard in front of it).")],
-    prompt_tokens: Annotated[int | None, typer.Option("--prompt-tokens", help="Peak prompt length in tokens (exact).")] = None,
-    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Tokens each request generates (ignore_eos).")] = None,
-    workload: Annotated[Path | None, typer.Option("--workload", help="Length distributions (YAML/JSON) or real requests (.jsonl).")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Served model name (default: the server's first).")] = None,
-    budget_s: Annotated[float, typer.Option("--budget-s", help="Wall-clock budget for the whole run.")] = 600.0,
-    report: Annotated[Path | None, typer.Option("--report", help="Write bench.json, report.html and PNG plots here.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object.")] = False,
+    url: UrlArgument,
+    prompt_tokens: PromptTokensOption = None,
+    max_tokens: MaxTokensOption = None,
+    workload: WorkloadOption = None,
+    model: ModelOption = None,
+    budget_s: BudgetSOption = 600.0,
+    report: ReportOption = None,
+    as_json: AsJsonOption = False,
     shared_prefix: opt.SharedPrefix = None,
-    high_watermark: Annotated[float, typer.Option("--high-watermark", help="A safe stage keeps KV usage at or below this fraction.")] = 0.95,
-    concurrency: Annotated[int | None, typer.Option("--concurrency", help="Prove this one concurrency instead of searching.")] = None,
-    requests: Annotated[int | None, typer.Option("--requests", help="With --concurrency: requests in the stage.")] = None,
-    hold_s: Annotated[float, typer.Option("--hold-s", help="Then hold the safe concurrency this many seconds more.")] = 0.0,
-    max_concurrency: Annotated[int, typer.Option("--max-concurrency", help="Never test above this.")] = 256,
-    start_concurrency: Annotated[int | None, typer.Option("--start-concurrency", help="First stage (default: KV pool ÷ blocks per request).")] = None,
-    waves: Annotated[int, typer.Option("--waves", help="Requests per slot in a stage.")] = 3,
-    sample_interval_s: Annotated[float, typer.Option("--sample-interval-s", help="Server sampling period (≤ 0.5).")] = 0.25,
-    metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="vLLM's /metrics when URL is a proxy.")] = None,
-    tokenizer: Annotated[Path | None, typer.Option("--tokenizer", help="tokenizer.json (or its directory) when the server has no /tokenize.")] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU name for the calibration store (default: NVML).")] = None,
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "-tp", help="The server's TP, for the calibration store.")] = 1,
-    record: Annotated[bool, typer.Option("--record/--no-record", help="Write the measured capacity into the calibration store.")] = True,
+    high_watermark: HighWatermarkOption = 0.95,
+    concurrency: ConcurrencyOption = None,
+    requests: RequestsOption = None,
+    hold_s: HoldSOption = 0.0,
+    max_concurrency: MaxConcurrencyOption = 256,
+    start_concurrency: StartConcurrencyOption = None,
+    waves: WavesOption = 3,
+    sample_interval_s: SampleIntervalSOption = 0.25,
+    metrics_url: MetricsUrlOption = None,
+    tokenizer: TokenizerOption = None,
+    gpu: GpuOption = None,
+    tensor_parallel_size: TensorParallelSizeOption = 1,
+    record: RecordOption = True,
 ) -> int:
     """Run the bench and render it; returns the exit code."""
     from rich.console import Console
@@ -62,12 +162,21 @@ def bench_command(
     from oomguard.bench.runner import BenchSettings, run_bench
 
     settings = BenchSettings(
-        url=url, workload=_workload(prompt_tokens, max_tokens, workload, shared_prefix),
-        model=model, budget_s=budget_s, high_watermark=high_watermark, sample_interval_s=sample_interval_s,
-        waves=waves, max_concurrency=max_concurrency, start_concurrency=start_concurrency,
-        concurrency=concurrency, requests=requests, hold_s=hold_s, metrics_url=metrics_url,
+        url=url,
+        workload=_workload(prompt_tokens, max_tokens, workload, shared_prefix),
+        model=model,
+        budget_s=budget_s,
+        high_watermark=high_watermark,
+        sample_interval_s=sample_interval_s,
+        waves=waves,
+        max_concurrency=max_concurrency,
+        start_concurrency=start_concurrency,
+        concurrency=concurrency,
+        requests=requests,
+        hold_s=hold_s,
+        metrics_url=metrics_url,
         tokenizer=tokenizer,
-    )  # fmt: skip
+    )
     if report is not None:
         _check_report_dir(report)
     err = Console(stderr=True, highlight=False)
@@ -87,7 +196,9 @@ def bench_command(
 
         write_json(result, report / "bench.json")
         files = write_report(data, report)
-        data["report_files"] = {k: str(v) for k, v in files.items()} | {"json": str(report / "bench.json")}
+        data["report_files"] = {k: str(v) for k, v in files.items()} | {
+            "json": str(report / "bench.json")
+        }
     if as_json:
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
@@ -100,8 +211,9 @@ def bench_command(
     return 130 if result.stopped_by == "interrupted" else result.exit_code
 
 
-def _workload(prompt_tokens: int | None, max_tokens: int | None, path: Path | None,
-              prefix_text: str | None) -> LoadProfile:  # fmt: skip
+def _workload(
+    prompt_tokens: int | None, max_tokens: int | None, path: Path | None, prefix_text: str | None
+) -> LoadProfile:
     from oomguard.bench.workload import (
         DistributionWorkload,
         FixedWorkload,
@@ -123,8 +235,10 @@ def _workload(prompt_tokens: int | None, max_tokens: int | None, path: Path | No
 
             return replace(loaded, shared_prefix_tokens=shared_prefix)
         if shared_prefix and isinstance(loaded, ReplayWorkload):
-            raise BadInput("--shared-prefix does not apply to replayed requests",
-                           "their prompts share what they share")  # fmt: skip
+            raise BadInput(
+                "--shared-prefix does not apply to replayed requests",
+                "their prompts share what they share",
+            )
         return loaded
     if prompt_tokens is None or max_tokens is None:
         raise BadInput("no load given", "pass --prompt-tokens N --max-tokens M, or --workload FILE")
@@ -137,4 +251,6 @@ def _check_report_dir(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BadInput(f"cannot create --report {path}: {exc.strerror}", "give a writable directory") from None
+        raise BadInput(
+            f"cannot create --report {path}: {exc.strerror}", "give a writable directory"
+        ) from None

@@ -50,9 +50,11 @@ class RequestRecord:
     def ok(self) -> bool:
         """Completed with every requested token."""
         return (
-            not self.error and not self.cancelled and self.end_s is not None
+            not self.error
+            and not self.cancelled
+            and self.end_s is not None
             and self.output_tokens == self.max_tokens
-        )  # fmt: skip
+        )
 
     @property
     def ttft_s(self) -> float | None:

@@ -39,7 +39,9 @@ def _ms(stats: dict[str, Any], q: str) -> str:
 def _stage_rows(data: dict[str, Any]) -> str:
     rows = []
     for st in data["stages"]:
-        verdict = {True: ("safe", "safe"), False: ("unsafe", "unsafe"), None: ("cut short", "cut")}[st["safe"]]
+        verdict = {True: ("safe", "safe"), False: ("unsafe", "unsafe"), None: ("cut short", "cut")}[
+            st["safe"]
+        ]
         why = "; ".join(st["reasons"]) or st["stop_detail"] or ""
         req = st["requests"]
         kv = st["kv_peak"] if st["kv_peak"] is not None else st["kv_peak_client"]
@@ -47,7 +49,10 @@ def _stage_rows(data: dict[str, Any]) -> str:
         if st["stop_latency_s"] is not None and st["stop_bound_s"] is not None:
             stop += f" (≤ {st['stop_bound_s'] * 1000:,.0f})"
         cells = [
-            st["index"], st["concurrency"], st["purpose"], f"{req['ok']}/{req['sent']}",
+            st["index"],
+            st["concurrency"],
+            st["purpose"],
+            f"{req['ok']}/{req['sent']}",
             "-" if st["preemptions"] is None else f"{st['preemptions']:g}",
             "-" if kv is None else f"{kv:.3f}",
             "-" if st["running_peak"] is None else f"{st['running_peak']:g}",
@@ -56,14 +61,30 @@ def _stage_rows(data: dict[str, Any]) -> str:
             f"{_ms(st['ttft_s'], 'p50')} / {_ms(st['ttft_s'], 'p99')}",
             f"{_ms(st['itl_s'], 'p50')} / {_ms(st['itl_s'], 'p99')}",
             f"{_ms(st['e2e_s'], 'p50')} / {_ms(st['e2e_s'], 'p99')}",
-            _ms(st["loop_lag_s"], "p99"), stop,
-        ]  # fmt: skip
+            _ms(st["loop_lag_s"], "p99"),
+            stop,
+        ]
         tds = "".join(f"<td>{_e(c)}</td>" for c in cells)
-        rows.append(f"<tr>{tds}<td class=l><span class={verdict[1]}>{verdict[0]}</span> "
-                    f"<span class=dim>{_e(why)}</span></td></tr>")  # fmt: skip
-    head = ("#", "concurrency", "purpose", "ok/sent", "preemptions", "KV peak", "running", "waiting",
-            "out tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms", "loop lag p99 ms",
-            "stopped after ms (bound)")  # fmt: skip
+        rows.append(
+            f"<tr>{tds}<td class=l><span class={verdict[1]}>{verdict[0]}</span> "
+            f"<span class=dim>{_e(why)}</span></td></tr>"
+        )
+    head = (
+        "#",
+        "concurrency",
+        "purpose",
+        "ok/sent",
+        "preemptions",
+        "KV peak",
+        "running",
+        "waiting",
+        "out tok/s",
+        "TTFT p50/p99 ms",
+        "ITL p50/p99 ms",
+        "e2e p50/p99 ms",
+        "loop lag p99 ms",
+        "stopped after ms (bound)",
+    )
     ths = "".join(f"<th>{_e(h)}</th>" for h in head) + "<th class=l>verdict</th>"
     return f"<table><tr>{ths}</tr>{''.join(rows)}</table>"
 
@@ -74,8 +95,10 @@ def render_html(data: dict[str, Any], svgs: dict[str, str]) -> str:
     safe = data["max_safe_concurrency"]
     rec = data["recommended"] or {}
     if safe:
-        answer = (f"Highest safe concurrency: <span class=safe>{safe}</span> "
-                  f"<span class=dim>({_e(cond.get('workload'))})</span>")  # fmt: skip
+        answer = (
+            f"Highest safe concurrency: <span class=safe>{safe}</span> "
+            f"<span class=dim>({_e(cond.get('workload'))})</span>"
+        )
     else:
         answer = "<span class=unsafe>No safe concurrency: even the lowest tested preempted or failed.</span>"
     parts = [
@@ -85,31 +108,39 @@ def render_html(data: dict[str, Any], svgs: dict[str, str]) -> str:
         f"<h1>oomguard bench</h1><div class=dim>{_e(cond.get('url'))} · {_e(cond.get('model'))} · "
         f"vLLM {_e(cond.get('vllm_version') or 'unknown')} · {_e(cond.get('started_at'))}</div>",
         f"<p class=answer>{answer}</p>",
-    ]  # fmt: skip
+    ]
     if rec.get("vllm_command"):
         parts.append(f"<h2>Recommended</h2><pre>{_e(rec['vllm_command'])}</pre>")
     if rec.get("guard_config"):
-        parts.append("<p>Guard configuration (<code>oomguard guard --config FILE</code>):</p>"
-                     f"<pre>{_e(yaml.safe_dump(rec['guard_config'], sort_keys=False))}</pre>")  # fmt: skip
+        parts.append(
+            "<p>Guard configuration (<code>oomguard guard --config FILE</code>):</p>"
+            f"<pre>{_e(yaml.safe_dump(rec['guard_config'], sort_keys=False))}</pre>"
+        )
     measured = data.get("measured") or {}
     if measured:
-        parts.append(f"<p>KV bytes per token: {_e(measured.get('kv_bytes_per_token') or 'unknown')} "
-                     f"<span class=dim>({_e(measured.get('kv_bytes_per_token_source'))})</span>; "
-                     f"KV tokens one request held at the safe point: "
-                     f"{_e(measured.get('kv_tokens_per_request') or 'unknown')}</p>")  # fmt: skip
+        parts.append(
+            f"<p>KV bytes per token: {_e(measured.get('kv_bytes_per_token') or 'unknown')} "
+            f"<span class=dim>({_e(measured.get('kv_bytes_per_token_source'))})</span>; "
+            f"KV tokens one request held at the safe point: "
+            f"{_e(measured.get('kv_tokens_per_request') or 'unknown')}</p>"
+        )
     if data["notes"]:
-        parts.append("<ul>" + "".join(f"<li class=note>{_e(n)}</li>" for n in data["notes"]) + "</ul>")
+        parts.append(
+            "<ul>" + "".join(f"<li class=note>{_e(n)}</li>" for n in data["notes"]) + "</ul>"
+        )
     parts.append("<h2>Over time</h2><div class=plots>")
     parts += [f"<figure>{svgs[k]}</figure>" for k in ("kv_timeline", "queue_timeline") if k in svgs]
     parts.append("</div><h2>Against concurrency</h2><div class=plots>")
     parts += [f"<figure>{svgs[k]}</figure>" for k in ("throughput", "latency") if k in svgs]
     parts.append("</div><h2>Stages</h2>")
     parts.append(_stage_rows(data))
-    parts.append("<p class=dim>Latencies count from when each request was due (its slot freed), so "
-                 "time lost in the client counts. Stopped after: from the first sign (a sample "
-                 "showing the preemption, or the client seeing its requests' KV need reach the "
-                 "pool) to every request cancelled; the bound counts from the last sample without "
-                 "a preemption instead.</p>")  # fmt: skip
+    parts.append(
+        "<p class=dim>Latencies count from when each request was due (its slot freed), so "
+        "time lost in the client counts. Stopped after: from the first sign (a sample "
+        "showing the preemption, or the client seeing its requests' KV need reach the "
+        "pool) to every request cancelled; the bound counts from the last sample without "
+        "a preemption instead.</p>"
+    )
     shown = {k: v for k, v in cond.items()}
     parts.append(f"<h2>Conditions</h2><pre>{_e(json.dumps(shown, indent=1))}</pre>")
     parts.append("</body></html>")

@@ -24,8 +24,15 @@ def _pyplot() -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
-                         "svg.fonttype": "none"})  # fmt: skip
+    plt.rcParams.update(
+        {
+            "figure.dpi": 100,
+            "font.size": 9,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "svg.fonttype": "none",
+        }
+    )
     return plt
 
 
@@ -35,8 +42,16 @@ def _stage_spans(ax: Any, data: dict[str, Any]) -> None:
         start, end = st["start_s"], st["start_s"] + st["duration_s"]
         color = _SAFE if st["safe"] else (_CUT if st["safe"] is None else _UNSAFE)
         ax.axvspan(start, end, color=color, alpha=0.07 if i % 2 else 0.12, lw=0)
-        ax.text((start + end) / 2, 1.0, f"c={st['concurrency']}", transform=ax.get_xaxis_transform(),
-                ha="center", va="bottom", fontsize=7, color=color)  # fmt: skip
+        ax.text(
+            (start + end) / 2,
+            1.0,
+            f"c={st['concurrency']}",
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+            color=color,
+        )
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -76,10 +91,13 @@ def queue_timeline(data: dict[str, Any], plt: Any) -> Any:
     """Running and waiting requests (server), requests in flight (client), gateway queue."""
     fig, ax = plt.subplots(figsize=(9, 3.2))
     rows = data["timeline"]
-    for key, label, style in (("running", "running (server)", "-"), ("waiting", "waiting (server)", "-"),
-                              ("waiting_for_capacity", "waiting for KV (server)", "-."),
-                              ("in_flight", "in flight (client)", ":"),
-                              ("gateway_queue", "queued in the gateway", "--")):  # fmt: skip
+    for key, label, style in (
+        ("running", "running (server)", "-"),
+        ("waiting", "waiting (server)", "-"),
+        ("waiting_for_capacity", "waiting for KV (server)", "-."),
+        ("in_flight", "in flight (client)", ":"),
+        ("gateway_queue", "queued in the gateway", "--"),
+    ):
         t, v = _series(rows, key)
         if v:
             ax.plot(t, v, style, lw=1.1, label=label, drawstyle="steps-post")
@@ -93,7 +111,9 @@ def queue_timeline(data: dict[str, Any], plt: Any) -> Any:
 
 
 def _by_concurrency(data: dict[str, Any], *, ok_only: bool) -> list[dict[str, Any]]:
-    stages = [st for st in data["stages"] if (st["requests"]["ok"] if ok_only else st["output_tokens"])]
+    stages = [
+        st for st in data["stages"] if (st["requests"]["ok"] if ok_only else st["output_tokens"])
+    ]
     return sorted(stages, key=lambda s: s["concurrency"])
 
 
@@ -129,8 +149,11 @@ def latency(data: dict[str, Any], plt: Any) -> Any:
     fig, ax = plt.subplots(figsize=(4.4, 3.3))
     stages = _by_concurrency(data, ok_only=True)
     xs = [st["concurrency"] for st in stages]
-    for key, label, color in (("ttft_s", "TTFT", "#1565c0"), ("e2e_s", "e2e", "#6a1b9a"),
-                              ("itl_s", "ITL", "#00838f")):  # fmt: skip
+    for key, label, color in (
+        ("ttft_s", "TTFT", "#1565c0"),
+        ("e2e_s", "e2e", "#6a1b9a"),
+        ("itl_s", "ITL", "#00838f"),
+    ):
         for q, style in (("p50", "o-"), ("p99", "^--")):
             ys = [(st[key][q] or 0) * 1000 for st in stages]
             if any(ys):
@@ -165,5 +188,5 @@ def render_plots(data: dict[str, Any], out_dir: Path | None) -> dict[str, str]:
         fig.savefig(buf, format="svg", metadata=_NO_SVG_METADATA)
         plt.close(fig)
         text = buf.getvalue()
-        svgs[name] = re.sub(r"<metadata>.*?</metadata>", "", text[text.find("<svg"):], flags=re.S)
+        svgs[name] = re.sub(r"<metadata>.*?</metadata>", "", text[text.find("<svg") :], flags=re.S)
     return svgs

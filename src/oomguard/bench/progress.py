@@ -69,7 +69,11 @@ class LiveProgress:
         self.live.update(self._render())
 
     def _finished_line(self, st: StageResult) -> Text:
-        verdict = {True: ("safe", "green"), False: ("unsafe", "red"), None: ("cut short", "yellow")}[st.safe]
+        verdict = {
+            True: ("safe", "green"),
+            False: ("unsafe", "red"),
+            None: ("cut short", "yellow"),
+        }[st.safe]
         kv = st.kv_peak if st.kv_peak is not None else st.kv_peak_client
         line = Text(f"stage {st.spec.index:>2}  concurrency {st.concurrency:>4}  ")
         line.append(f"{len(st.ok_records)}/{len(st.records)} ok  ")
@@ -81,7 +85,9 @@ class LiveProgress:
         if st.reasons:
             line.append(": " + "; ".join(st.reasons), style="dim")
         if st.stop_latency_s is not None:
-            line.append(f" (stopped {st.stop_latency_s * 1000:,.0f} ms after the first sign)", style="dim")
+            line.append(
+                f" (stopped {st.stop_latency_s * 1000:,.0f} ms after the first sign)", style="dim"
+            )
         return line
 
     def _render(self) -> Group:
@@ -91,12 +97,16 @@ class LiveProgress:
             return Group(head, Text("preparing…", style="dim"))
         st, s = self.stage, self.sample
         done = sum(1 for r in st.records if r.end_s is not None)
-        line = Text(f"stage {st.spec.index} ({st.spec.purpose})  concurrency {st.concurrency}  "
-                    f"{done}/{len(st.spec.request_indices)} requests")  # fmt: skip
+        line = Text(
+            f"stage {st.spec.index} ({st.spec.purpose})  concurrency {st.concurrency}  "
+            f"{done}/{len(st.spec.request_indices)} requests"
+        )
         server = Text()
         if s is not None:
-            server.append(f"preemptions {'-' if s.preemptions is None else f'{s.preemptions:g}'}  ",
-                          style="red" if s.preemptions else "")  # fmt: skip
+            server.append(
+                f"preemptions {'-' if s.preemptions is None else f'{s.preemptions:g}'}  ",
+                style="red" if s.preemptions else "",
+            )
             server.append(f"running {'-' if s.running is None else f'{s.running:g}'}  ")
             server.append(f"waiting {'-' if s.waiting is None else f'{s.waiting:g}'}  ")
             server.append(f"in flight {s.in_flight}")

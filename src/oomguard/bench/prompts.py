@@ -55,7 +55,9 @@ class ServerTokenizer:
 
     async def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
         try:
-            async with self.session.post(self.base_url + path, json=body, timeout=self.timeout) as r:
+            async with self.session.post(
+                self.base_url + path, json=body, timeout=self.timeout
+            ) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             raise TokenizerUnavailable(
@@ -63,8 +65,10 @@ class ServerTokenizer:
                 "check that the server still runs, or pass --tokenizer",
             ) from None
         if r.status != 200 or not isinstance(data, dict):
-            raise TokenizerUnavailable(f"{self.base_url}{path} answered {r.status}: {str(data)[:200]}",
-                                       "pass --tokenizer with the model's tokenizer.json")  # fmt: skip
+            raise TokenizerUnavailable(
+                f"{self.base_url}{path} answered {r.status}: {str(data)[:200]}",
+                "pass --tokenizer with the model's tokenizer.json",
+            )
         return data
 
     async def encode(self, text: str, *, special: bool) -> list[int]:
@@ -89,8 +93,10 @@ class LocalTokenizer:
         try:
             self.tok = HfTokenizer.from_file(str(file))
         except Exception as exc:  # noqa: BLE001 - the library raises its own Exception type
-            raise BadInput(f"cannot read tokenizer {file}: {exc}",
-                           "give a tokenizer.json or the model directory that holds one") from None  # fmt: skip
+            raise BadInput(
+                f"cannot read tokenizer {file}: {exc}",
+                "give a tokenizer.json or the model directory that holds one",
+            ) from None
 
     async def encode(self, text: str, *, special: bool) -> list[int]:
         """Ids of ``text``."""
@@ -123,7 +129,9 @@ class BuiltPrompt:
 class PromptMaker:
     """Builds the prompt of each request shape (exact length, distinct, optional shared prefix)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, shared_prefix_tokens: int = 0, run_seed: str = "") -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, shared_prefix_tokens: int = 0, run_seed: str = ""
+    ) -> None:
         self.tokenizer = tokenizer
         self.shared_prefix_tokens = shared_prefix_tokens
         self.run_seed = run_seed
@@ -171,14 +179,18 @@ class PromptMaker:
         pairs = await asyncio.gather(*(one(i, s) for i, s in shapes))
         return dict(pairs)
 
-    async def _exact(self, seed: str, tokens: int, prefix: str, *, with_special: bool = True) -> str:
+    async def _exact(
+        self, seed: str, tokens: int, prefix: str, *, with_special: bool = True
+    ) -> str:
         """Text of exactly ``tokens`` tokens (special tokens counted when ``with_special``)."""
         special = await self.special_tokens() if with_special else 0
         content = tokens - special
         if content < 1:
-            raise BadInput(f"a prompt of {tokens} tokens leaves no room for text after the "
-                           f"{special} special token(s) the server adds",
-                           "ask for a longer --prompt-tokens")  # fmt: skip
+            raise BadInput(
+                f"a prompt of {tokens} tokens leaves no room for text after the "
+                f"{special} special token(s) the server adds",
+                "ask for a longer --prompt-tokens",
+            )
         joiner = "\n" if prefix else ""
         body = pseudo_text(seed, max(8, content // 2 + 8))
         ids = await self.tokenizer.encode(prefix + joiner + body, special=False)
@@ -191,8 +203,10 @@ class PromptMaker:
                 continue
             if len(await self.tokenizer.encode(text, special=with_special)) == tokens:
                 return text
-        raise BadInput(f"could not build a prompt of exactly {tokens} tokens with this tokenizer",
-                       "try a slightly different --prompt-tokens")  # fmt: skip
+        raise BadInput(
+            f"could not build a prompt of exactly {tokens} tokens with this tokenizer",
+            "try a slightly different --prompt-tokens",
+        )
 
 
 def _cuts(content: int) -> list[int]:

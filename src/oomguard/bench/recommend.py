@@ -54,8 +54,9 @@ class BenchRecommendation:
         }
 
 
-def watermarks(safe: int, blocks_per_request: int, usable_blocks: int,
-               ceiling: float) -> tuple[float, float, list[str]]:  # fmt: skip
+def watermarks(
+    safe: int, blocks_per_request: int, usable_blocks: int, ceiling: float
+) -> tuple[float, float, list[str]]:
     """(high, low, notes): high admits ``safe`` requests of ``blocks_per_request`` and not
     ``safe + 1``; low is one request below it. As few decimals as that allows (3 or more),
     within (0, 1]."""
@@ -84,8 +85,9 @@ def watermarks(safe: int, blocks_per_request: int, usable_blocks: int,
     return round(high, digits), round(low, digits + 1), notes
 
 
-def vllm_command(model: str, max_num_seqs: int, *, max_model_len: int | None,
-                 capacity: Capacity | None) -> str:  # fmt: skip
+def vllm_command(
+    model: str, max_num_seqs: int, *, max_model_len: int | None, capacity: Capacity | None
+) -> str:
     """A ``vllm serve`` line with the recommended cap and the pool the run measured."""
     parts = ["vllm", "serve", model, "--max-num-seqs", str(max_num_seqs)]
     if max_model_len:
@@ -95,6 +97,19 @@ def vllm_command(model: str, max_num_seqs: int, *, max_model_len: int | None,
     elif capacity is not None and capacity.gpu_memory_utilization:
         parts += ["--gpu-memory-utilization", f"{capacity.gpu_memory_utilization:g}"]
     return shlex.join(parts)
+
+
+def _guard_config(
+    capacity: Capacity, high: float, low: float, backend_url: str, max_model_len: int | None
+) -> dict[str, Any]:
+    """The guard's config for one backend with the recommended watermarks."""
+    backend: dict[str, Any] = {"url": backend_url}
+    if capacity.num_gpu_blocks:
+        backend["num_gpu_blocks"] = capacity.num_gpu_blocks
+    backend["block_size"] = capacity.block_size
+    if max_model_len:
+        backend["max_model_len"] = max_model_len
+    return {"backends": [backend], "high_watermark": high, "low_watermark": low}
 
 
 def recommend(
@@ -117,17 +132,32 @@ def recommend(
     """
     notes: list[str] = []
     kv_per_token = capacity.kv_bytes_per_token if capacity else None
-    source = ("the server's pool (kv_cache_memory_bytes ÷ blocks × block size)" if kv_per_token
-              else "not stated: the server was not started with --kv-cache-memory-bytes; "
-                   "`oomguard plan MODEL` computes it from the model's config")  # fmt: skip
+    source = (
+        "the server's pool (kv_cache_memory_bytes ÷ blocks × block size)"
+        if kv_per_token
+        else "not stated: the server was not started with --kv-cache-memory-bytes; "
+        "`oomguard plan MODEL` computes it from the model's config"
+    )
     if max_safe is None:
-        return BenchRecommendation(None, None, None, kv_per_token, source, None, None, None, None,
-                              ["no concurrency was proven safe: nothing to recommend"])  # fmt: skip
+        return BenchRecommendation(
+            None,
+            None,
+            None,
+            kv_per_token,
+            source,
+            None,
+            None,
+            None,
+            None,
+            ["no concurrency was proven safe: nothing to recommend"],
+        )
     seqs = max_safe
     pool_holds = (
-        int(kv_limit * capacity.usable_blocks + 1e-9) // -(-peak_sequence_tokens // capacity.block_size)
-        if capacity is not None else None
-    )  # fmt: skip
+        int(kv_limit * capacity.usable_blocks + 1e-9)
+        // -(-peak_sequence_tokens // capacity.block_size)
+        if capacity is not None
+        else None
+    )
     if gateway and pool_holds:
         seqs = min(max_safe, max(1, pool_holds))
         notes.append(
@@ -151,14 +181,9 @@ def recommend(
         if kv_peak_at_safe is not None:
             measured_tokens = round(kv_peak_at_safe * capacity.usable_tokens / seqs, 1)
     command = vllm_command(model, seqs, max_model_len=max_model_len, capacity=capacity)
-    guard: dict[str, Any] | None = None
+    guard = None
     if capacity is not None and high is not None and low is not None:
-        backend: dict[str, Any] = {"url": backend_url}
-        if capacity.num_gpu_blocks:
-            backend["num_gpu_blocks"] = capacity.num_gpu_blocks
-        backend["block_size"] = capacity.block_size
-        if max_model_len:
-            backend["max_model_len"] = max_model_len
-        guard = {"backends": [backend], "high_watermark": high, "low_watermark": low}
-    return BenchRecommendation(seqs, high, low, kv_per_token, source, blocks, measured_tokens,
-                          command, guard, notes)  # fmt: skip
+        guard = _guard_config(capacity, high, low, backend_url, max_model_len)
+    return BenchRecommendation(
+        seqs, high, low, kv_per_token, source, blocks, measured_tokens, command, guard, notes
+    )

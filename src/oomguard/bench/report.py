@@ -18,12 +18,21 @@ SCHEMA_VERSION = 1
 
 def _sample_row(s: Sample) -> dict[str, Any]:
     return {
-        "t_s": round(s.t_s, 3), "stage": s.stage, "concurrency": s.concurrency,
-        "in_flight": s.in_flight, "kv_usage": s.kv_usage, "client_kv_usage": _r(s.client_kv_usage),
-        "preemptions": s.preemptions, "running": s.running, "waiting": s.waiting,
-        "waiting_for_capacity": s.waiting_for_capacity, "gateway_queue": s.gateway_queue,
-        "health_ok": s.health_ok, "gpu_used_bytes": s.gpu_used_bytes, "read_s": round(s.read_s, 4),
-    }  # fmt: skip
+        "t_s": round(s.t_s, 3),
+        "stage": s.stage,
+        "concurrency": s.concurrency,
+        "in_flight": s.in_flight,
+        "kv_usage": s.kv_usage,
+        "client_kv_usage": _r(s.client_kv_usage),
+        "preemptions": s.preemptions,
+        "running": s.running,
+        "waiting": s.waiting,
+        "waiting_for_capacity": s.waiting_for_capacity,
+        "gateway_queue": s.gateway_queue,
+        "health_ok": s.health_ok,
+        "gpu_used_bytes": s.gpu_used_bytes,
+        "read_s": round(s.read_s, 4),
+    }
 
 
 def _r(x: float | None) -> float | None:
@@ -38,7 +47,9 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
         "max_safe_concurrency": result.max_safe_concurrency,
         "exact": result.exact,
         "first_guess": result.first_guess,
-        "recommended": None if rec is None else {
+        "recommended": None
+        if rec is None
+        else {
             "max_num_seqs": rec.max_num_seqs,
             "high_watermark": rec.high_watermark,
             "low_watermark": rec.low_watermark,
@@ -46,18 +57,26 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
             "vllm_command": rec.vllm_command,
             "guard_config": rec.guard_config,
         },
-        "measured": None if rec is None else {
+        "measured": None
+        if rec is None
+        else {
             "kv_bytes_per_token": rec.kv_bytes_per_token,
             "kv_bytes_per_token_source": rec.kv_bytes_per_token_source,
             "kv_tokens_per_request": rec.kv_tokens_per_request_measured,
             "blocks_per_request": rec.blocks_per_request,
         },
         "stops": [
-            {"stage": st.spec.index, "concurrency": st.concurrency, "reason": st.stop_reason,
-             "preemptions": st.preemptions, "stop_latency_s": _r(st.stop_latency_s),
-             "stop_bound_s": _r(st.stop_bound_s), "server_quiet_s": _r(st.server_quiet_s)}
+            {
+                "stage": st.spec.index,
+                "concurrency": st.concurrency,
+                "reason": st.stop_reason,
+                "preemptions": st.preemptions,
+                "stop_latency_s": _r(st.stop_latency_s),
+                "stop_bound_s": _r(st.stop_bound_s),
+                "server_quiet_s": _r(st.server_quiet_s),
+            }
             for st in result.stops
-        ],  # fmt: skip
+        ],
         "stopped_by": result.stopped_by,
         "stages": [st.summary() for st in result.stages],
         "conditions": result.conditions,
@@ -89,8 +108,20 @@ def _verdict(stage: dict[str, Any]) -> Text:
 def stage_table(data: dict[str, Any]) -> Table:
     """One row per stage: load, server figures, client latencies, verdict."""
     t = Table(title="Stages", header_style="bold", show_lines=False)
-    for name in ("#", "conc", "ok/sent", "preempt", "KV peak", "run/wait", "out tok/s",
-                 "TTFT p50/p99 ms", "ITL p50/p99 ms", "e2e p50/p99 ms", "lag p99 ms", "verdict"):  # fmt: skip
+    for name in (
+        "#",
+        "conc",
+        "ok/sent",
+        "preempt",
+        "KV peak",
+        "run/wait",
+        "out tok/s",
+        "TTFT p50/p99 ms",
+        "ITL p50/p99 ms",
+        "e2e p50/p99 ms",
+        "lag p99 ms",
+        "verdict",
+    ):
         t.add_column(name, justify="right" if name not in ("verdict",) else "left")
     for st in data["stages"]:
         req = st["requests"]
@@ -101,16 +132,19 @@ def stage_table(data: dict[str, Any]) -> Table:
         if st["stop_reason"]:
             verdict.append(f" ({st['stop_reason']})", style="dim")
         t.add_row(
-            f"{st['index']}{'h' if st['purpose'] == 'hold' else ''}", str(st["concurrency"]),
+            f"{st['index']}{'h' if st['purpose'] == 'hold' else ''}",
+            str(st["concurrency"]),
             f"{req['ok']}/{req['sent']}",
             "-" if st["preemptions"] is None else f"{st['preemptions']:g}",
-            "-" if kv is None else f"{kv:.3f}", f"{run}/{wait}",
+            "-" if kv is None else f"{kv:.3f}",
+            f"{run}/{wait}",
             f"{st['output_tokens_per_s']:,.0f}",
             f"{_ms(st['ttft_s'], 'p50')}/{_ms(st['ttft_s'], 'p99')}",
             f"{_ms(st['itl_s'], 'p50')}/{_ms(st['itl_s'], 'p99')}",
             f"{_ms(st['e2e_s'], 'p50')}/{_ms(st['e2e_s'], 'p99')}",
-            _ms(st["loop_lag_s"], "p99"), verdict,
-        )  # fmt: skip
+            _ms(st["loop_lag_s"], "p99"),
+            verdict,
+        )
     return t
 
 
@@ -122,37 +156,69 @@ def summary_renderable(data: dict[str, Any]) -> Group:
     for st in data["stages"]:
         if st["reasons"] or st["stop_detail"]:
             why = "; ".join(st["reasons"]) or st["stop_detail"]
-            parts.append(Text(f"stage {st['index']} (concurrency {st['concurrency']}): {why}", style="dim"))
+            parts.append(
+                Text(f"stage {st['index']} (concurrency {st['concurrency']}): {why}", style="dim")
+            )
     fixed = data["exact"] is None
     if safe and fixed:
-        parts.append(Text.assemble(("concurrency ", "bold"), (str(safe), "bold green"),
-                                   (" holds", "bold"), f"  [{cond.get('workload')}]"))  # fmt: skip
+        parts.append(
+            Text.assemble(
+                ("concurrency ", "bold"),
+                (str(safe), "bold green"),
+                (" holds", "bold"),
+                f"  [{cond.get('workload')}]",
+            )
+        )
     elif safe:
         exact = "" if data["exact"] else " (not bracketed by an unsafe stage: see the stages)"
-        parts.append(Text.assemble(("max safe concurrency: ", "bold"), (str(safe), "bold green"),
-                                   f"{exact}  [{cond.get('workload')}]"))  # fmt: skip
+        parts.append(
+            Text.assemble(
+                ("max safe concurrency: ", "bold"),
+                (str(safe), "bold green"),
+                f"{exact}  [{cond.get('workload')}]",
+            )
+        )
     elif fixed:
         parts.append(Text("the concurrency tested does not hold (see the stage)", style="bold red"))
     else:
-        parts.append(Text("no safe concurrency: even the lowest tested preempted or failed",
-                          style="bold red"))  # fmt: skip
+        parts.append(
+            Text(
+                "no safe concurrency: even the lowest tested preempted or failed", style="bold red"
+            )
+        )
     rec = data["recommended"] or {}
     if rec.get("vllm_command"):
         parts.append(Text.assemble(("vLLM:  ", "bold"), rec["vllm_command"]))
     if rec.get("high_watermark") is not None:
-        parts.append(Text.assemble(("guard: ", "bold"),
-                                   f"--high-watermark {rec['high_watermark']} "
-                                   f"--low-watermark {rec['low_watermark']}"))  # fmt: skip
+        parts.append(
+            Text.assemble(
+                ("guard: ", "bold"),
+                f"--high-watermark {rec['high_watermark']} --low-watermark {rec['low_watermark']}",
+            )
+        )
     measured = data.get("measured") or {}
     if measured.get("kv_bytes_per_token"):
-        parts.append(Text(f"KV: {measured['kv_bytes_per_token']:,.1f} bytes per token "
-                          f"({measured['kv_bytes_per_token_source']})"))  # fmt: skip
+        parts.append(
+            Text(
+                f"KV: {measured['kv_bytes_per_token']:,.1f} bytes per token "
+                f"({measured['kv_bytes_per_token_source']})"
+            )
+        )
     for stop in data["stops"]:
         what = "a preemption" if stop["reason"] == "preemption" else "a full pool"
-        bound = "" if stop["stop_bound_s"] is None else (
-            f", at most {stop['stop_bound_s'] * 1000:,.0f} ms after the last sample without a preemption")
-        parts.append(Text(f"stage {stop['stage']} stopped at {what} {stop['stop_latency_s'] * 1000:,.0f} ms "
-                          f"after the first sign{bound} ({stop['preemptions'] or 0:g} preemption(s))"))  # fmt: skip
+        bound = (
+            ""
+            if stop["stop_bound_s"] is None
+            else (
+                f", at most {stop['stop_bound_s'] * 1000:,.0f} ms after the last sample without a preemption"
+            )
+        )
+        parts.append(
+            Text(
+                f"stage {stop['stage']} stopped at {what} {stop['stop_latency_s'] * 1000:,.0f} ms "
+                f"after the first sign{bound} ({stop['preemptions'] or 0:g} preemption(s))"
+            )
+        )
     for note in data["notes"]:
         parts.append(Text(f"note: {note}", style="yellow"))
     return Group(*parts)

@@ -81,8 +81,10 @@ class BenchSettings:
             if not ok:
                 raise BadInput(message, "see `oomguard bench --help`")
         if self.requests is not None and self.concurrency is None:
-            raise BadInput("--requests applies to a fixed concurrency",
-                           "add --concurrency N, or leave --requests out to search")  # fmt: skip
+            raise BadInput(
+                "--requests applies to a fixed concurrency",
+                "add --concurrency N, or leave --requests out to search",
+            )
 
 
 @dataclass
@@ -152,13 +154,23 @@ class _Run:
             for text in info.notes:
                 self.note(result, text)
             self._check_lengths(info)
-            maker = PromptMaker(self._tokenizer(session, info, result), shared_prefix_tokens=s.workload.shared_prefix_tokens,
-                                run_seed=s.seed or f"{os.getpid()}-{time.time_ns()}-")  # fmt: skip
+            maker = PromptMaker(
+                self._tokenizer(session, info, result),
+                shared_prefix_tokens=s.workload.shared_prefix_tokens,
+                run_seed=s.seed or f"{os.getpid()}-{time.time_ns()}-",
+            )
             await self._warm_up(session, info, maker, result)
-            runner = StageRunner(session, info, client, self.prompts, self.max_tokens,
-                                 clock_zero=self.t0, listener=self._stage_listener(),
-                                 gpu_reader=_gpu_reader(info, result, self),
-                                 request_timeout_s=s.request_timeout_s)  # fmt: skip
+            runner = StageRunner(
+                session,
+                info,
+                client,
+                self.prompts,
+                self.max_tokens,
+                clock_zero=self.t0,
+                listener=self._stage_listener(),
+                gpu_reader=_gpu_reader(info, result, self),
+                request_timeout_s=s.request_timeout_s,
+            )
             await runner.wait_quiet(_QUIET_TIMEOUT_S)
             try:
                 if s.concurrency is not None:
@@ -214,26 +226,48 @@ class _Run:
             self.listener("prepared", count)
         return indices
 
-    async def _warm_up(self, session: Any, info: ServerInfo, maker: PromptMaker,
-                       result: BenchResult) -> None:  # fmt: skip
+    async def _warm_up(
+        self, session: Any, info: ServerInfo, maker: PromptMaker, result: BenchResult
+    ) -> None:
         """One short request of the workload's first shape: checks the prompt length the
         server counts and that it accepts the request at all."""
         (index,) = await self._prepare(maker, 1)
         prompt = self.prompts[index]
-        rec = RequestRecord(index=index, stage=0, slot=0, prompt_tokens=prompt.tokens,
-                            max_tokens=1, due_s=time.perf_counter())  # fmt: skip
-        await stream_completion(session, info.url, rec, completion_body(info.model, prompt.text, 1),
-                                request_timeout_s=self.s.request_timeout_s)  # fmt: skip
-        if rec.status == 400 or (rec.error and any(w in rec.error.lower() for w in _CONTEXT_ERROR_WORDS)):
-            raise BadInput(f"the server refused the workload's request: {rec.error}",
-                           "check --prompt-tokens/--max-tokens against the server's limits")  # fmt: skip
+        rec = RequestRecord(
+            index=index,
+            stage=0,
+            slot=0,
+            prompt_tokens=prompt.tokens,
+            max_tokens=1,
+            due_s=time.perf_counter(),
+        )
+        await stream_completion(
+            session,
+            info.url,
+            rec,
+            completion_body(info.model, prompt.text, 1),
+            request_timeout_s=self.s.request_timeout_s,
+        )
+        if rec.status == 400 or (
+            rec.error and any(w in rec.error.lower() for w in _CONTEXT_ERROR_WORDS)
+        ):
+            raise BadInput(
+                f"the server refused the workload's request: {rec.error}",
+                "check --prompt-tokens/--max-tokens against the server's limits",
+            )
         if rec.error:
             self.note(result, f"the warm-up request failed: {rec.error}")
         elif rec.prompt_tokens_reported is not None and rec.prompt_tokens_reported != prompt.tokens:
-            self.note(result, f"the server counted {rec.prompt_tokens_reported} prompt tokens where "
-                              f"{prompt.tokens} were built (its tokenizer differs from the one used)")  # fmt: skip
-        result.conditions["warm_up"] = {"ok": not rec.error, "ttft_s": rec.ttft_s,
-                                        "prompt_tokens_reported": rec.prompt_tokens_reported}  # fmt: skip
+            self.note(
+                result,
+                f"the server counted {rec.prompt_tokens_reported} prompt tokens where "
+                f"{prompt.tokens} were built (its tokenizer differs from the one used)",
+            )
+        result.conditions["warm_up"] = {
+            "ok": not rec.error,
+            "ttft_s": rec.ttft_s,
+            "prompt_tokens_reported": rec.prompt_tokens_reported,
+        }
 
     def _stage_listener(self) -> StageListener | None:
         if self.listener is None:
@@ -245,26 +279,48 @@ class _Run:
 
         return forward
 
-    def _spec(self, index: int, concurrency: int, indices: tuple[int, ...], purpose: str,
-              deadline_s: float, info: ServerInfo) -> StageSpec:  # fmt: skip
+    def _spec(
+        self,
+        index: int,
+        concurrency: int,
+        indices: tuple[int, ...],
+        purpose: str,
+        deadline_s: float,
+        info: ServerInfo,
+    ) -> StageSpec:
         # generated prompts share nothing, so the client counts their KV exactly; replayed
         # texts may share prefixes (and their KV is then less than the sum)
-        distinct = self.s.workload.shared_prefix_tokens == 0 and not isinstance(self.s.workload, ReplayWorkload)
-        return StageSpec(index=index, concurrency=concurrency, request_indices=indices,
-                         purpose=purpose, deadline_s=deadline_s,
-                         kv_limit=self.s.high_watermark, kv_stop=self.s.kv_stop,
-                         sample_interval_s=self.s.sample_interval_s,
-                         client_kv_applies=distinct and info.metrics_source != "none")  # fmt: skip
+        distinct = self.s.workload.shared_prefix_tokens == 0 and not isinstance(
+            self.s.workload, ReplayWorkload
+        )
+        return StageSpec(
+            index=index,
+            concurrency=concurrency,
+            request_indices=indices,
+            purpose=purpose,
+            deadline_s=deadline_s,
+            kv_limit=self.s.high_watermark,
+            kv_stop=self.s.kv_stop,
+            sample_interval_s=self.s.sample_interval_s,
+            client_kv_applies=distinct and info.metrics_source != "none",
+        )
 
     # -- the two modes -----------------------------------------------------------------
     async def _search(self, runner: StageRunner, maker: PromptMaker, result: BenchResult) -> None:
         s, info = self.s, runner.info
         cap = info.capacity
-        guess = first_guess(cap.usable_blocks if cap else None, cap.block_size if cap else None,
-                            s.workload.typical_sequence_tokens(), s.high_watermark)  # fmt: skip
+        guess = first_guess(
+            cap.usable_blocks if cap else None,
+            cap.block_size if cap else None,
+            s.workload.typical_sequence_tokens(),
+            s.high_watermark,
+        )
         result.first_guess = guess
-        search = ConcurrencySearch(s.start_concurrency or guess or 1, s.max_concurrency,
-                                   watch_saturation=info.metrics_source == "none")  # fmt: skip
+        search = ConcurrencySearch(
+            s.start_concurrency or guess or 1,
+            s.max_concurrency,
+            watch_saturation=info.metrics_source == "none",
+        )
         while (c := search.next()) is not None:
             if not self._budget_allows(result):
                 result.stopped_by = "budget"
@@ -288,17 +344,31 @@ class _Run:
         if stage.safe and self.s.hold_s > 0:
             await self._hold(runner, maker, result, c)
 
-    async def _hold(self, runner: StageRunner, maker: PromptMaker, result: BenchResult, c: int) -> None:
+    async def _hold(
+        self, runner: StageRunner, maker: PromptMaker, result: BenchResult, c: int
+    ) -> None:
         """Keep ``c`` requests in flight for ``hold_s`` more seconds (the proof under time)."""
         stage = await self._run_stage(runner, maker, result, c, "hold", hold_s=self.s.hold_s)
         if stage.safe is False:
             result.max_safe_concurrency = None if c == 1 else c - 1
             result.exact = False
-            self.note(result, f"concurrency {c} was not safe for {self.s.hold_s:g} s "
-                              f"({'; '.join(stage.reasons)}); {c - 1} was not held")  # fmt: skip
+            self.note(
+                result,
+                f"concurrency {c} was not safe for {self.s.hold_s:g} s "
+                f"({'; '.join(stage.reasons)}); {c - 1} was not held",
+            )
 
-    async def _run_stage(self, runner: StageRunner, maker: PromptMaker, result: BenchResult, c: int,
-                         purpose: str, *, requests: int | None = None, hold_s: float = 0.0) -> StageResult:  # fmt: skip
+    async def _run_stage(
+        self,
+        runner: StageRunner,
+        maker: PromptMaker,
+        result: BenchResult,
+        c: int,
+        purpose: str,
+        *,
+        requests: int | None = None,
+        hold_s: float = 0.0,
+    ) -> StageResult:
         if hold_s > 0:
             count = max(c * self.s.waves, self._requests_for(c, hold_s, result))
         else:
@@ -318,14 +388,19 @@ class _Run:
             await runner.wait_quiet(_QUIET_TIMEOUT_S)
         return stage
 
-    async def _server_gone(self, runner: StageRunner, stage: StageResult, result: BenchResult) -> bool:
+    async def _server_gone(
+        self, runner: StageRunner, stage: StageResult, result: BenchResult
+    ) -> bool:
         """After a stage that failed requests or health: whether the server still answers
         (a search against a server that died would only collect errors)."""
         if stage.stop_reason not in ("error", "health") or await runner.server.health_ok():
             return False
         result.stopped_by = "server_down"
-        self.note(result, f"the server stopped answering during stage {stage.spec.index} "
-                          f"({stage.stop_detail}): the search ends there")  # fmt: skip
+        self.note(
+            result,
+            f"the server stopped answering during stage {stage.spec.index} "
+            f"({stage.stop_detail}): the search ends there",
+        )
         return True
 
     def _requests_for(self, c: int, hold_s: float, result: BenchResult) -> int:
@@ -345,15 +420,22 @@ class _Run:
         safe = result.max_safe_concurrency
         safe_stages = [st for st in result.stages if st.safe and st.concurrency == safe]
         proven = _server_cap(safe_stages)
-        kv_at_safe = max((v for st in safe_stages for v in (st.kv_peak, st.kv_peak_client) if v is not None),
-                         default=None)  # fmt: skip
+        kv_at_safe = max(
+            (v for st in safe_stages for v in (st.kv_peak, st.kv_peak_client) if v is not None),
+            default=None,
+        )
         result.recommendation = recommend(
-            max_safe=safe, proven_running=proven, capacity=info.capacity,
-            peak_sequence_tokens=s.workload.longest_sequence_tokens(), kv_peak_at_safe=kv_at_safe,
-            kv_limit=s.high_watermark, model=info.model, max_model_len=info.max_model_len,
+            max_safe=safe,
+            proven_running=proven,
+            capacity=info.capacity,
+            peak_sequence_tokens=s.workload.longest_sequence_tokens(),
+            kv_peak_at_safe=kv_at_safe,
+            kv_limit=s.high_watermark,
+            model=info.model,
+            max_model_len=info.max_model_len,
             backend_url=info.backends[0] if info.backends else info.url,
             gateway=info.metrics_source == "guard",
-        )  # fmt: skip
+        )
         result.conditions.update(self._conditions(result))
         for text in client_warnings(result.stages):
             self.note(result, text)
@@ -369,7 +451,9 @@ class _Run:
             "metrics_source": info.metrics_source,
             "metrics_url": info.metrics_url,
             "max_model_len": info.max_model_len,
-            "capacity": None if info.capacity is None else {
+            "capacity": None
+            if info.capacity is None
+            else {
                 "usable_blocks": info.capacity.usable_blocks,
                 "block_size": info.capacity.block_size,
                 "num_gpu_blocks": info.capacity.num_gpu_blocks,
@@ -405,8 +489,11 @@ def _server_cap(stages: list[StageResult]) -> int | None:
     the moment all ran); requests seen waiting in the server's queue while it ran fewer than
     the client sent do.
     """
-    capped = [st for st in stages
-              if (st.peak("waiting") or 0) > 0 and (st.peak("running") or 0) < st.concurrency]  # fmt: skip
+    capped = [
+        st
+        for st in stages
+        if (st.peak("waiting") or 0) > 0 and (st.peak("running") or 0) < st.concurrency
+    ]
     if not capped:
         return None
     return int(max(st.peak("running") or 0 for st in capped)) or None
@@ -434,13 +521,17 @@ def client_warnings(stages: list[StageResult]) -> list[str]:
             busy.append((st.spec.index, st.client_cpu_fraction))
     out = []
     if late:
-        out.append(f"the client's event loop ran late in stage(s) {', '.join(str(i) for i, _ in late)} "
-                   f"(p99 up to {max(v for _, v in late) * 1000:.0f} ms): their latencies include that "
-                   "much of the client's own delay (a loaded machine, or too many requests for one "
-                   "process)")  # fmt: skip
+        out.append(
+            f"the client's event loop ran late in stage(s) {', '.join(str(i) for i, _ in late)} "
+            f"(p99 up to {max(v for _, v in late) * 1000:.0f} ms): their latencies include that "
+            "much of the client's own delay (a loaded machine, or too many requests for one "
+            "process)"
+        )
     if busy:
-        out.append(f"the client used up to {max(v for _, v in busy):.0%} of a core in stage(s) "
-                   f"{', '.join(str(i) for i, _ in busy)}: it may be the bottleneck there")  # fmt: skip
+        out.append(
+            f"the client used up to {max(v for _, v in busy):.0%} of a core in stage(s) "
+            f"{', '.join(str(i) for i, _ in busy)}: it may be the bottleneck there"
+        )
     return out
 
 
@@ -459,7 +550,9 @@ def _local_tokenizer_file(model: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
-def _gpu_reader(info: ServerInfo, result: BenchResult, run: _Run) -> Callable[[], list[int] | None] | None:
+def _gpu_reader(
+    info: ServerInfo, result: BenchResult, run: _Run
+) -> Callable[[], list[int] | None] | None:
     """NVML's used memory per GPU, when the server runs on this machine and NVML answers."""
     from oomguard.engine import gpu_memory
 

@@ -65,7 +65,9 @@ class ConcurrencySearch:
         return hi - self.lo == 1
 
     # -- the next step -------------------------------------------------------------------
-    def record(self, concurrency: int, safe: bool | None, tokens_per_s: float | None = None) -> None:
+    def record(
+        self, concurrency: int, safe: bool | None, tokens_per_s: float | None = None
+    ) -> None:
         """What the stage at ``concurrency`` showed; None (inconclusive) ends the search."""
         if safe is None:
             self.stopped_by = "inconclusive"

@@ -161,7 +161,9 @@ def reading_from_guard(status: dict[str, Any]) -> ServerReading:
         preemptions_total=total("preemptions_total"),
         running=total("requests_running"),
         waiting=total("requests_waiting"),
-        gateway_queue=float(queue["depth"]) if isinstance(queue.get("depth"), int | float) else None,
+        gateway_queue=float(queue["depth"])
+        if isinstance(queue.get("depth"), int | float)
+        else None,
     )
 
 
@@ -170,8 +172,13 @@ def capacity_from_guard(status: dict[str, Any]) -> Capacity | None:
     for b in status.get("backends") or []:
         if isinstance(b, dict) and b.get("capacity_blocks") and b.get("block_size"):
             blocks, size = int(b["capacity_blocks"]), int(b["block_size"])
-            return Capacity(blocks, size, kv_cache_tokens=(blocks + 1) * size,
-                            num_gpu_blocks=blocks + 1, source="guard /status")  # fmt: skip
+            return Capacity(
+                blocks,
+                size,
+                kv_cache_tokens=(blocks + 1) * size,
+                num_gpu_blocks=blocks + 1,
+                source="guard /status",
+            )
     return None
 
 
@@ -217,7 +224,9 @@ class ServerClient:
                 return reading_from_vllm(parse_vllm_metrics(text)) if status == 200 else None
             if source == "guard":
                 status, data = await self.get_json(self.url + "/status")
-                return reading_from_guard(data) if status == 200 and looks_like_guard(data) else None
+                return (
+                    reading_from_guard(data) if status == 200 and looks_like_guard(data) else None
+                )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return None
         return None
@@ -247,8 +256,10 @@ async def preflight(
     cards = [c for c in data["data"] if isinstance(c, dict) and c.get("id")]
     names = [str(c["id"]) for c in cards]
     if not names:
-        raise ServerUnreachable(f"{url} serves no model (/v1/models is empty)",
-                                "wait until the server has loaded its model")  # fmt: skip
+        raise ServerUnreachable(
+            f"{url} serves no model (/v1/models is empty)",
+            "wait until the server has loaded its model",
+        )
     if model is not None and model not in names:
         raise BadInput(
             f"{url} does not serve model {model!r} (it serves: {', '.join(names)})",
@@ -258,11 +269,17 @@ async def preflight(
     card = next(c for c in cards if c["id"] == chosen)
     max_len = card.get("max_model_len")
     info = ServerInfo(
-        url=url, model=chosen, models=names,
+        url=url,
+        model=chosen,
+        models=names,
         max_model_len=int(max_len) if isinstance(max_len, int) else None,
-        vllm_version=await _vllm_version(client), metrics_source="none", metrics_url=None,
-        capacity=None, local=is_local(metrics_url or url), tokenize_url=None,
-    )  # fmt: skip
+        vllm_version=await _vllm_version(client),
+        metrics_source="none",
+        metrics_url=None,
+        capacity=None,
+        local=is_local(metrics_url or url),
+        tokenize_url=None,
+    )
     await _find_metrics(client, info, metrics_url)
     await _find_tokenizer(client, info)
     return info
@@ -285,8 +302,10 @@ async def _find_metrics(client: ServerClient, info: ServerInfo, metrics_url: str
             status, text = await client.get_text(candidate)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             if metrics_url:
-                raise ServerUnreachable(f"cannot read --metrics-url {metrics_url}: {_reason(exc)}",
-                                        "give vLLM's /metrics URL") from None  # fmt: skip
+                raise ServerUnreachable(
+                    f"cannot read --metrics-url {metrics_url}: {_reason(exc)}",
+                    "give vLLM's /metrics URL",
+                ) from None
             continue
         snap = parse_vllm_metrics(text) if status == 200 else None
         if snap is not None and snap.is_vllm:
@@ -296,8 +315,10 @@ async def _find_metrics(client: ServerClient, info: ServerInfo, metrics_url: str
                 info.notes.append("vLLM's /metrics does not state its pool (cache_config_info)")
             return
         if metrics_url:
-            raise BadInput(f"--metrics-url {metrics_url} is not a vLLM /metrics page",
-                           "give vLLM's own /metrics URL") from None  # fmt: skip
+            raise BadInput(
+                f"--metrics-url {metrics_url} is not a vLLM /metrics page",
+                "give vLLM's own /metrics URL",
+            ) from None
     try:
         status, data = await client.get_json(client.url + "/status")
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -305,7 +326,9 @@ async def _find_metrics(client: ServerClient, info: ServerInfo, metrics_url: str
     if status == 200 and looks_like_guard(data):
         info.metrics_source = "guard"
         info.capacity = capacity_from_guard(data)
-        info.backends = [str(b["url"]) for b in data["backends"] if isinstance(b, dict) and b.get("url")]
+        info.backends = [
+            str(b["url"]) for b in data["backends"] if isinstance(b, dict) and b.get("url")
+        ]
         info.notes.append(
             "server-side figures come from the oomguard gateway's /status (each backend's KV "
             "usage, preemptions and queues as the gateway last polled them); pass "
@@ -328,9 +351,10 @@ async def _find_tokenizer(client: ServerClient, info: ServerInfo) -> None:
     for base in dict.fromkeys(candidates):
         try:
             async with client.session.post(
-                base + "/tokenize", json={"model": info.model, "prompt": "a b"},
+                base + "/tokenize",
+                json={"model": info.model, "prompt": "a b"},
                 timeout=client.timeout,
-            ) as resp:  # fmt: skip
+            ) as resp:
                 data = await resp.json(content_type=None) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             continue

@@ -179,9 +179,14 @@ class StageResult:
             "tpot_s": summarize([r.tpot_s for r in ok]),
             "e2e_s": summarize([r.e2e_s for r in ok]),
             "client_delay_s": summarize([r.client_delay_s for r in self.records]),
-            "connection_wait_s_max": _r(max((r.connection_wait_s for r in self.records), default=0.0)),
-            "loop_lag_s": {"p50": _r(percentile(lags, 50)), "p99": _r(percentile(lags, 99)),
-                           "max": _r(lags[-1] if lags else None)},  # fmt: skip
+            "connection_wait_s_max": _r(
+                max((r.connection_wait_s for r in self.records), default=0.0)
+            ),
+            "loop_lag_s": {
+                "p50": _r(percentile(lags, 50)),
+                "p99": _r(percentile(lags, 99)),
+                "max": _r(lags[-1] if lags else None),
+            },
             "client_cpu_fraction": _r(self.client_cpu_fraction),
             "server_counters": {k: round(v, 3) for k, v in self.counters.items()},
         }
@@ -284,8 +289,12 @@ class StageRunner:
         start = time.perf_counter()
         while time.perf_counter() - start < timeout_s:
             reading = await self.read()
-            if reading is not None and not (reading.running or 0) and not (reading.waiting or 0) \
-                    and not (reading.gateway_queue or 0):  # fmt: skip
+            if (
+                reading is not None
+                and not (reading.running or 0)
+                and not (reading.waiting or 0)
+                and not (reading.gateway_queue or 0)
+            ):
                 return time.perf_counter() - start
             await asyncio.sleep(poll_s)
         return None
@@ -335,7 +344,9 @@ class _Stage:
             res.loop_lags_s = lag.take()
             await lag.stop()
         cpu1 = psutil.Process().cpu_times()
-        res.client_cpu_fraction = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / res.duration_s
+        res.client_cpu_fraction = (
+            (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+        ) / res.duration_s
         quiet = await self.r.wait_quiet()
         if res.stop_reason is not None and quiet is not None and self.clean_since is not None:
             res.server_quiet_s = self.r.now() - self.clean_since
@@ -355,8 +366,9 @@ class _Stage:
         all_slots: asyncio.Future[Any] = asyncio.gather(*slots, return_exceptions=True)
         try:
             timeout = max(0.0, self.spec.deadline_s - self.r.now())
-            done, _ = await asyncio.wait({all_slots, stopper}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                {all_slots, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
             if not done:
                 self._trigger("budget", "the run's time budget ended during this stage", None)
             if self.stop.is_set():
@@ -384,15 +396,25 @@ class _Stage:
             if index is None:
                 return
             prompt = self.r.prompts[index]
-            rec = RequestRecord(index=index, stage=self.spec.index, slot=slot,
-                                prompt_tokens=prompt.tokens, max_tokens=self.r.max_tokens[index],
-                                due_s=due + self.r.t0)  # fmt: skip
+            rec = RequestRecord(
+                index=index,
+                stage=self.spec.index,
+                slot=slot,
+                prompt_tokens=prompt.tokens,
+                max_tokens=self.r.max_tokens[index],
+                due_s=due + self.r.t0,
+            )
             self.result.records.append(rec)
             body = completion_body(self.r.info.model, prompt.text, rec.max_tokens)
             try:
-                await stream_completion(self.r.session, self.r.info.url, rec, body,
-                                        on_progress=self._progress,
-                                        request_timeout_s=self.r.request_timeout_s)  # fmt: skip
+                await stream_completion(
+                    self.r.session,
+                    self.r.info.url,
+                    rec,
+                    body,
+                    on_progress=self._progress,
+                    request_timeout_s=self.r.request_timeout_s,
+                )
             finally:
                 if self.tracker is not None:
                     self.tracker.remove(rec)
@@ -408,8 +430,12 @@ class _Stage:
         if record.output_tokens >= record.max_tokens:
             tracker.mark_finishing(record)
         if self.spec.client_kv_applies and tracker.usage(tracker.needed) >= self.spec.kv_stop:
-            self._trigger("kv_full", f"the requests in flight need {tracker.usage(tracker.needed):.3f} "
-                          f"of the pool at the next step (seen by the client)", None)  # fmt: skip
+            self._trigger(
+                "kv_full",
+                f"the requests in flight need {tracker.usage(tracker.needed):.3f} "
+                f"of the pool at the next step (seen by the client)",
+                None,
+            )
 
     async def _sample_loop(self) -> None:
         """Start a read every interval, not waiting for the last (a slow server must not
@@ -422,7 +448,9 @@ class _Stage:
                     task = asyncio.create_task(self._read_once(started))
                     self.reads.add(task)
                     task.add_done_callback(self.reads.discard)
-                await asyncio.sleep(max(0.0, self.spec.sample_interval_s - (self.r.now() - started)))
+                await asyncio.sleep(
+                    max(0.0, self.spec.sample_interval_s - (self.r.now() - started))
+                )
         finally:
             health.cancel()
             await asyncio.gather(health, return_exceptions=True)
@@ -451,29 +479,43 @@ class _Stage:
                 future.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
-    def _sample(self, t: float, read_s: float, reading: ServerReading | None, health: bool | None,
-                gpu: list[int] | None) -> Sample:  # fmt: skip
+    def _sample(
+        self,
+        t: float,
+        read_s: float,
+        reading: ServerReading | None,
+        health: bool | None,
+        gpu: list[int] | None,
+    ) -> Sample:
         base = self.baseline
         preempted = None
         if reading is not None and reading.preemptions_total is not None:
             before = base.preemptions_total if base and base.preemptions_total is not None else 0.0
             preempted = max(0.0, reading.preemptions_total - before)
         return Sample(
-            t_s=t, stage=self.spec.index, concurrency=self.spec.concurrency,
-            in_flight=sum(1 for r in self.result.records if r.end_s is None), read_s=read_s,
-            kv_usage=reading.kv_usage if reading else None, preemptions=preempted,
+            t_s=t,
+            stage=self.spec.index,
+            concurrency=self.spec.concurrency,
+            in_flight=sum(1 for r in self.result.records if r.end_s is None),
+            read_s=read_s,
+            kv_usage=reading.kv_usage if reading else None,
+            preemptions=preempted,
             running=reading.running if reading else None,
             waiting=reading.waiting if reading else None,
             waiting_for_capacity=reading.waiting_for_capacity if reading else None,
             gateway_queue=reading.gateway_queue if reading else None,
             client_kv_usage=self.tracker.usage() if self.tracker else None,
-            health_ok=health, gpu_used_bytes=gpu,
-        )  # fmt: skip
+            health_ok=health,
+            gpu_used_bytes=gpu,
+        )
 
     def _check(self, sample: Sample, read_started: float) -> None:
         if sample.preemptions:
-            self._trigger("preemption", f"{sample.preemptions:g} preemption(s) at "
-                          f"concurrency {self.spec.concurrency}", None)  # fmt: skip
+            self._trigger(
+                "preemption",
+                f"{sample.preemptions:g} preemption(s) at concurrency {self.spec.concurrency}",
+                None,
+            )
         elif sample.kv_usage is not None and sample.kv_usage >= self.spec.kv_stop:
             self._trigger("kv_full", f"KV usage {sample.kv_usage:.3f} >= {self.spec.kv_stop}", None)
         elif sample.kv_usage is not None or sample.preemptions is not None:
@@ -489,17 +531,28 @@ class _Stage:
         base = self.baseline
         if end is None or base is None:
             return
-        for name in ("prompt_tokens_total", "generation_tokens_total", "requests_succeeded_total",
-                     "preemptions_total"):  # fmt: skip
+        for name in (
+            "prompt_tokens_total",
+            "generation_tokens_total",
+            "requests_succeeded_total",
+            "preemptions_total",
+        ):
             a, b = getattr(base, name), getattr(end, name)
             if a is not None and b is not None:
                 self.result.counters[name] = b - a
         total = self.result.counters.get("preemptions_total")
         if total and not self.result.preemptions:
             # a preemption after the last sample (or one the stop raced): still counts
-            self.result.samples.append(Sample(t_s=self.r.now(), stage=self.spec.index,
-                                              concurrency=self.spec.concurrency, in_flight=0,
-                                              read_s=0.0, preemptions=total))  # fmt: skip
+            self.result.samples.append(
+                Sample(
+                    t_s=self.r.now(),
+                    stage=self.spec.index,
+                    concurrency=self.spec.concurrency,
+                    in_flight=0,
+                    read_s=0.0,
+                    preemptions=total,
+                )
+            )
 
 
 def judge(res: StageResult) -> None:
@@ -515,8 +568,10 @@ def judge(res: StageResult) -> None:
         reasons.append(f"KV usage peaked at {res.kv_peak:.3f} (> {spec.kv_limit:g})")
     client = res.kv_peak_client if spec.client_kv_applies else None
     if client is not None and client > spec.kv_limit + 1e-9 and (res.kv_peak is not None):
-        reasons.append(f"the requests' KV reached {client:.3f} of the pool at its peak "
-                       f"(> {spec.kv_limit:g}; counted by the client, between two samples)")  # fmt: skip
+        reasons.append(
+            f"the requests' KV reached {client:.3f} of the pool at its peak "
+            f"(> {spec.kv_limit:g}; counted by the client, between two samples)"
+        )
     if res.errors:
         reasons.append(f"{len(res.errors)} failed request(s): {res.errors[0].error}")
     if res.stop_reason == "health":

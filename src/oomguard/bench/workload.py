@@ -198,8 +198,9 @@ def parse_distribution(value: Any, field: str, source: str) -> LengthDistributio
             weights = tuple(float(w) for w in value.get("weights") or ())
             if not values or min(values) < 1 or (weights and len(weights) != len(values)):
                 raise bad("values must be positive and weights, if given, one per value")
-            return LengthDistribution("values", min(values), max(values), values=values,
-                                      weights=weights)  # fmt: skip
+            return LengthDistribution(
+                "values", min(values), max(values), values=values, weights=weights
+            )
         low = int(value.get("min", 1))
         high = int(value.get("max", 0)) or None
         if "mean" in value:
@@ -338,7 +339,9 @@ def _replay_from_jsonl(text: str, source: str, default_max_tokens: int | None) -
     return ReplayWorkload(tuple(shapes), source)
 
 
-def _shape_from_row(row: dict[str, Any], where: str, default_max_tokens: int | None) -> RequestShape:
+def _shape_from_row(
+    row: dict[str, Any], where: str, default_max_tokens: int | None
+) -> RequestShape:
     if "messages" in row and "prompt" not in row:
         raise MalformedConfig(
             f"{where} is a chat request (messages)",

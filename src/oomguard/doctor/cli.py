@@ -105,8 +105,7 @@ def lint_verdict(problems: int, findings: int) -> str:
     if problems:
         return f"{problems} problem{'s' * (problems != 1)} found in this command."
     if findings:
-        return (f"{findings} tip{'s' * (findings != 1)}, no problem: the command can run "
-                "as it is.")
+        return f"{findings} tip{'s' * (findings != 1)}, no problem: the command can run as it is."
     return "No problems found in this command."
 
 

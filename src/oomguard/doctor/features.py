@@ -35,8 +35,21 @@ _MULTIMODAL_NAME_WORDS = (
     "whisper",
     "audio",
 )
-_QUANTIZED_NAME_WORDS = ("awq", "gptq", "fp8", "int8", "int4", "4bit", "8bit", "w4a16", "w8a8",
-                         "gguf", "nvfp4", "mxfp4", "bnb")
+_QUANTIZED_NAME_WORDS = (
+    "awq",
+    "gptq",
+    "fp8",
+    "int8",
+    "int4",
+    "4bit",
+    "8bit",
+    "w4a16",
+    "w8a8",
+    "gguf",
+    "nvfp4",
+    "mxfp4",
+    "bnb",
+)
 
 
 def _clip(x: float) -> float:
@@ -118,8 +131,13 @@ def _failed_allocation(oom: OomEvent, out: dict[str, float]) -> None:
         return
     out["oom_tried_share"] = _clip(tried / total)
     # a layer or a small buffer; a batch-sized activation; more than the device holds
-    size = "beyond_device" if tried > total else "large" if tried >= 0.1 * total else (
-        "medium" if tried >= 0.02 * total else "small")
+    size = (
+        "beyond_device"
+        if tried > total
+        else "large"
+        if tried >= 0.1 * total
+        else ("medium" if tried >= 0.02 * total else "small")
+    )
     out[f"oom_tried:{size}"] = 1.0
     if oom.reserved_unallocated_gib is not None and tried > 0:
         out["oom_spare_over_tried"] = _clip(oom.reserved_unallocated_gib / tried / 4)
@@ -151,8 +169,13 @@ def _settings(s: Situation, out: dict[str, float]) -> None:
         out["max_num_seqs:many"] = 1.0
     total = s.total_gib or (s.parsed.first_oom.total_gib if s.parsed.first_oom else None)
     if total:
-        out["gpu:small" if float(total) <= 16.5 else "gpu:large" if float(total) >= 70 else
-            "gpu:medium"] = 1.0
+        out[
+            "gpu:small"
+            if float(total) <= 16.5
+            else "gpu:large"
+            if float(total) >= 70
+            else "gpu:medium"
+        ] = 1.0
     name = str(s.get("model") or "").lower()
     if name:
         out["model:named"] = 1.0

@@ -79,8 +79,16 @@ def util_within_free(free_gib: float, total_gib: float) -> float:
 def is_startup_failure(s: Situation) -> bool:
     """Whether the engine failed before serving (the case ``oomguard serve`` heals)."""
     p = s.parsed
-    if any(p.has(n) for n in ("startup_check_failed", "kv_too_small", "no_cache_blocks",
-                              "cpu_kv_allocation_failed", "mamba_blocks_exceeded")):
+    if any(
+        p.has(n)
+        for n in (
+            "startup_check_failed",
+            "kv_too_small",
+            "no_cache_blocks",
+            "cpu_kv_allocation_failed",
+            "mamba_blocks_exceeded",
+        )
+    ):
         return True
     return p.failure_phase is not None and p.failure_phase.value in _STARTUP_PHASES
 
@@ -107,9 +115,16 @@ def _checked(s: Situation, fixes: list[Fix]) -> list[Fix]:
         elif problem:
             dropped.append(f"{fix.as_text}: {problem}")
     if dropped and not any(f.is_flag for f in out):
-        out.insert(0, Fix("action", "no setting of this engine starts on what this device has "
-                          "free (the memory model predicts " + "; ".join(dropped) + "): free the "
-                          "GPU, or use a smaller or quantized model", ""))
+        out.insert(
+            0,
+            Fix(
+                "action",
+                "no setting of this engine starts on what this device has "
+                "free (the memory model predicts " + "; ".join(dropped) + "): free the "
+                "GPU, or use a smaller or quantized model",
+                "",
+            ),
+        )
     return out
 
 
@@ -123,9 +138,13 @@ def _check_one(s: Situation, fix: Fix, free_gib: float | None) -> tuple[Fix | No
     estimate = prediction.estimated_max_model_len
     if codes == {"max_len_exceeds_kv"} and estimate and "--max-model-len" not in fix.flags():
         length = nice_max_model_len(max(int(estimate * LENGTH_KEEP), 1), prediction.block_size)
-        joined = Fix(fix.flag, fix.value, f"{fix.why}; with --max-model-len {length:,}, 90 % of "
-                     f"the {estimate:,} tokens the smaller KV cache holds",
-                     also=(*fix.also, ("--max-model-len", str(length))))
+        joined = Fix(
+            fix.flag,
+            fix.value,
+            f"{fix.why}; with --max-model-len {length:,}, 90 % of "
+            f"the {estimate:,} tokens the smaller KV cache holds",
+            also=(*fix.also, ("--max-model-len", str(length))),
+        )
         return _check_one(s, joined, free_gib) if length > 0 else (None, "")
     return None, "; ".join(p.message.split(". ")[0] for p in prediction.problems)
 
@@ -149,23 +168,42 @@ def _kv_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if capacity:
         keep = int(int(capacity) * LENGTH_KEEP)
         length = nice_max_model_len(max(keep, 1), s.block_size)
-        fixes.append(Fix("--max-model-len", str(length),
-                         f"the KV cache holds about {int(capacity):,} tokens; {length:,} keeps "
-                         f"{1 - LENGTH_KEEP:.0%} of it spare (a multiple of the "
-                         f"{s.block_size}-token block)"))
+        fixes.append(
+            Fix(
+                "--max-model-len",
+                str(length),
+                f"the KV cache holds about {int(capacity):,} tokens; {length:,} keeps "
+                f"{1 - LENGTH_KEEP:.0%} of it spare (a multiple of the "
+                f"{s.block_size}-token block)",
+            )
+        )
     if kv_bytes is not None:
         fixes.append(kv_bytes)
     raise_util = _kv_util_raise(s)
     if raise_util is not None and kv_bytes is None:
         fixes.append(raise_util)
     if not capacity and kv_bytes is None:
-        what = ("raise --kv-cache-memory-bytes until it holds one request of max_model_len, or "
-                if explicit_kv_bytes(s) else "")
-        fixes.append(Fix("action", what + "lower --max-model-len to the longest prompt + output "
-                         "you serve (the log does not state the KV cache's capacity)", ""))
+        what = (
+            "raise --kv-cache-memory-bytes until it holds one request of max_model_len, or "
+            if explicit_kv_bytes(s)
+            else ""
+        )
+        fixes.append(
+            Fix(
+                "action",
+                what + "lower --max-model-len to the longest prompt + output "
+                "you serve (the log does not state the KV cache's capacity)",
+                "",
+            )
+        )
     if str(s.get("kv_cache_dtype") or "auto") in ("auto", "bfloat16", "float16"):
-        fixes.append(Fix("--kv-cache-dtype", "fp8",
-                         "halves the KV bytes per token: the same memory holds twice the tokens"))
+        fixes.append(
+            Fix(
+                "--kv-cache-dtype",
+                "fp8",
+                "halves the KV bytes per token: the same memory holds twice the tokens",
+            )
+        )
     return fixes
 
 
@@ -180,9 +218,12 @@ def _kv_bytes_fix(s: Situation) -> Fix | None:
     if not needed_bytes:
         return None
     value = math.ceil(needed_bytes * KV_BYTES_FACTOR / 2**20)
-    return Fix("--kv-cache-memory-bytes", f"{value}M",
-               f"the pool is exactly --kv-cache-memory-bytes ({given:,} bytes); one request of "
-               f"max_model_len needs {needed_bytes / 2**20:.1f} MiB, this gives 25 % more")
+    return Fix(
+        "--kv-cache-memory-bytes",
+        f"{value}M",
+        f"the pool is exactly --kv-cache-memory-bytes ({given:,} bytes); one request of "
+        f"max_model_len needs {needed_bytes / 2**20:.1f} MiB, this gives 25 % more",
+    )
 
 
 def _bytes_for_length(s: Situation) -> int | None:
@@ -207,9 +248,12 @@ def _kv_util_raise(s: Situation) -> Fix | None:
         ceiling = min(ceiling, util_within_free(free, float(total)))
     if new > ceiling or new <= float(util):
         return None
-    return Fix("--gpu-memory-utilization", f"{new:.2f}",
-               f"adds {missing:.2f} GiB (the missing KV and 20 %) to the budget: {float(util):g} "
-               f"+ {missing:.2f} ÷ {float(total):.1f} GiB, if nothing else needs that memory")
+    return Fix(
+        "--gpu-memory-utilization",
+        f"{new:.2f}",
+        f"adds {missing:.2f} GiB (the missing KV and 20 %) to the budget: {float(util):g} "
+        f"+ {missing:.2f} ÷ {float(total):.1f} GiB, if nothing else needs that memory",
+    )
 
 
 def _cpu_budget_fixes(s: Situation) -> list[Fix]:
@@ -220,16 +264,27 @@ def _cpu_budget_fixes(s: Situation) -> list[Fix]:
     text = s.parsed.signatures["cpu_kv_allocation_failed"].text
     m = _CPU_KV_REQUEST.search(text)
     if not (m and total and util is not None):
-        return [Fix("action", "raise --gpu-memory-utilization: on the CPU backend it is the "
-                    "share of node memory, and it must exceed what the worker already holds", "")]
+        return [
+            Fix(
+                "action",
+                "raise --gpu-memory-utilization: on the CPU backend it is the "
+                "share of node memory, and it must exceed what the worker already holds",
+                "",
+            )
+        ]
     kv = float(m.group(1))
     wanted = max(float(m.group(2) or 0.5), 0.5)
     resident = float(util) * float(total) - kv
     new = min(ceil2((resident + wanted + margin_gib(float(total)) / 2) / float(total)), 0.9)
-    return [Fix("--gpu-memory-utilization", f"{new:.2f}",
-                f"on the CPU backend the flag is the share of node memory: {float(util):g} × "
-                f"{float(total):.2f} GiB is below the {resident:.2f} GiB the worker holds; "
-                f"{new:.2f} leaves room for {wanted:g} GiB of KV cache and a margin")]
+    return [
+        Fix(
+            "--gpu-memory-utilization",
+            f"{new:.2f}",
+            f"on the CPU backend the flag is the share of node memory: {float(util):g} × "
+            f"{float(total):.2f} GiB is below the {resident:.2f} GiB the worker holds; "
+            f"{new:.2f} leaves room for {wanted:g} GiB of KV cache and a margin",
+        )
+    ]
 
 
 def _low_util_fixes(s: Situation, verdict: Verdict) -> list[Fix]:
@@ -242,9 +297,14 @@ def _low_util_fixes(s: Situation, verdict: Verdict) -> list[Fix]:
     new = ceil2(need / total) if total else None
     if new is None or new > MAX_UTIL:
         return weights_fixes(s, weights * s.tp, total * float(s.util or 0.9))
-    return [Fix("--gpu-memory-utilization", f"{new:.2f}",
-                f"weights {weights:.1f} + activations {act:.1f} + non-torch + the KV of one "
-                f"request ({kv:.2f}) and a margin = {need:.1f} GiB of {total:.1f}")]
+    return [
+        Fix(
+            "--gpu-memory-utilization",
+            f"{new:.2f}",
+            f"weights {weights:.1f} + activations {act:.1f} + non-torch + the KV of one "
+            f"request ({kv:.2f}) and a margin = {need:.1f} GiB of {total:.1f}",
+        )
+    ]
 
 
 def _util_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
@@ -253,20 +313,42 @@ def _util_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if free is not None and total:
         new = util_within_free(free, float(total))
         if new < 0.01:
-            return [Fix("action", f"free GPU memory: {free:.2f} of {float(total):.2f} GiB "
-                        f"{_were_free(s, free)}, less than the {margin_gib(float(total)):.1f} GiB "
-                        "a start must leave unrequested", "")]
-        return [Fix("--gpu-memory-utilization", f"{new:.2f}",
-                    f"{free:.2f} of {float(total):.2f} GiB {_were_free(s, free)}; {new:.2f} × "
-                    f"{float(total):.2f} leaves {margin_gib(float(total)):.1f} GiB of them "
-                    "unrequested, so the check passes if free memory moves a little")]
+            return [
+                Fix(
+                    "action",
+                    f"free GPU memory: {free:.2f} of {float(total):.2f} GiB "
+                    f"{_were_free(s, free)}, less than the {margin_gib(float(total)):.1f} GiB "
+                    "a start must leave unrequested",
+                    "",
+                )
+            ]
+        return [
+            Fix(
+                "--gpu-memory-utilization",
+                f"{new:.2f}",
+                f"{free:.2f} of {float(total):.2f} GiB {_were_free(s, free)}; {new:.2f} × "
+                f"{float(total):.2f} leaves {margin_gib(float(total)):.1f} GiB of them "
+                "unrequested, so the check passes if free memory moves a little",
+            )
+        ]
     util = s.util
     if util is not None and s.util_stated and util >= 0.93:
-        return [Fix("--gpu-memory-utilization", "0.90",
-                    f"{util:g} leaves no room for the CUDA context, NCCL buffers and what "
-                    "vLLM does not account for")]
-    return [Fix("action", "lower --gpu-memory-utilization below (free memory − 1 GiB) ÷ total "
-                "memory, as nvidia-smi shows them before the start", "")]
+        return [
+            Fix(
+                "--gpu-memory-utilization",
+                "0.90",
+                f"{util:g} leaves no room for the CUDA context, NCCL buffers and what "
+                "vLLM does not account for",
+            )
+        ]
+    return [
+        Fix(
+            "action",
+            "lower --gpu-memory-utilization below (free memory − 1 GiB) ÷ total "
+            "memory, as nvidia-smi shows them before the start",
+            "",
+        )
+    ]
 
 
 def _were_free(s: Situation, free: float) -> str:
@@ -277,38 +359,58 @@ def _were_free(s: Situation, free: float) -> str:
 
 def _other_process_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     """Another process (or a leak) holds the memory: stop it, or budget around it."""
-    find = Fix("action", "find what holds the GPU (nvidia-smi --query-compute-apps=pid,"
-               "used_memory --format=csv) and stop it, or give each engine its own GPU "
-               "(CUDA_VISIBLE_DEVICES)", "a leftover engine or a trainer is not a co-tenant "
-               "to budget for")
+    find = Fix(
+        "action",
+        "find what holds the GPU (nvidia-smi --query-compute-apps=pid,"
+        "used_memory --format=csv) and stop it, or give each engine its own GPU "
+        "(CUDA_VISIBLE_DEVICES)",
+        "a leftover engine or a trainer is not a co-tenant to budget for",
+    )
     fixes = [find]
     budget = _util_fixes(s, verdict)
     if budget and budget[0].is_flag:
-        beside = Fix(budget[0].flag, budget[0].value,
-                     budget[0].why + " (to start beside the other process)")
+        beside = Fix(
+            budget[0].flag, budget[0].value, budget[0].why + " (to start beside the other process)"
+        )
         # a start-up failure is healed by a flag change; stopping the process comes next
         fixes.insert(0 if is_startup_failure(s) else 1, beside)
     if s.sleep_mode or s.parsed.has("memory_growth"):
-        fixes.append(Fix("action", "upgrade vLLM or restart the engine periodically: memory it "
-                         "does not release grows until allocations fail", ""))
+        fixes.append(
+            Fix(
+                "action",
+                "upgrade vLLM or restart the engine periodically: memory it "
+                "does not release grows until allocations fail",
+                "",
+            )
+        )
     return fixes
 
 
 def _graph_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     """CUDA graphs are captured after the KV cache took its share."""
-    eager = Fix("--enforce-eager", None, "no CUDA graphs, so no capture memory (decoding is "
-                "slower; try a smaller capture size next to get them back)")
-    smaller = Fix("--max-cudagraph-capture-size", "128",
-                  "captures fewer, smaller graphs (older releases: --cudagraph-capture-sizes)")
+    eager = Fix(
+        "--enforce-eager",
+        None,
+        "no CUDA graphs, so no capture memory (decoding is "
+        "slower; try a smaller capture size next to get them back)",
+    )
+    smaller = Fix(
+        "--max-cudagraph-capture-size",
+        "128",
+        "captures fewer, smaller graphs (older releases: --cudagraph-capture-sizes)",
+    )
     graphs = s.get("cudagraph_actual_gib") or s.get("cudagraph_estimate_gib")
     util, total = s.util, s.total_gib
     if graphs and util is not None and total:
         step = ceil2((float(graphs) + margin_gib(float(total)) / 2) / float(total))
         new = round(float(util) - step, 2)
         if new > 0.1:
-            lower = Fix("--gpu-memory-utilization", f"{new:.2f}",
-                        f"the graphs take {float(graphs):.2f} GiB outside the budget: "
-                        f"{float(util):g} − {step:.2f} leaves them room with a margin")
+            lower = Fix(
+                "--gpu-memory-utilization",
+                f"{new:.2f}",
+                f"the graphs take {float(graphs):.2f} GiB outside the budget: "
+                f"{float(util):g} − {step:.2f} leaves them room with a margin",
+            )
             return [lower, smaller, eager]
     return [eager, smaller]
 
@@ -318,23 +420,38 @@ def _batch_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if verdict is not None and verdict.mechanism == "state_blocks":
         blocks = int(verdict.numbers["state_blocks"])
         target = max(int(blocks * LENGTH_KEEP), 1)
-        return [Fix("--max-num-seqs", str(target),
-                    f"each running sequence holds one of the {blocks} state blocks; "
-                    f"{target} keeps 10 % spare")]
+        return [
+            Fix(
+                "--max-num-seqs",
+                str(target),
+                f"each running sequence holds one of the {blocks} state blocks; "
+                f"{target} keeps 10 % spare",
+            )
+        ]
     seqs = int(s.get("sampler_warmup_oom_seqs") or s.get("max_num_seqs") or _default_seqs(s))
     target = power_of_two_at_most(seqs // 4)
-    fixes = [Fix("--max-num-seqs", str(target),
-                 f"the sampler warm-up and profiling batch are sized for {seqs} sequences; "
-                 f"{target} needs a quarter of that")]
+    fixes = [
+        Fix(
+            "--max-num-seqs",
+            str(target),
+            f"the sampler warm-up and profiling batch are sized for {seqs} sequences; "
+            f"{target} needs a quarter of that",
+        )
+    ]
     tokens = s.get("max_num_batched_tokens")
     oom = s.parsed.first_oom
     if tokens and oom is not None and oom.tried_gib and oom.free_gib is not None:
         keep = max(oom.free_gib / oom.tried_gib, 0.1)
         if keep < 1:
             new_tokens = max(power_of_two_at_most(int(int(tokens) * keep * 0.8)), 256)
-            fixes.append(Fix("--max-num-batched-tokens", str(new_tokens),
-                             f"the activation peak grows with the tokens per batch: {int(tokens)} "
-                             f"× {keep:.2f} (free ÷ requested) with a margin"))
+            fixes.append(
+                Fix(
+                    "--max-num-batched-tokens",
+                    str(new_tokens),
+                    f"the activation peak grows with the tokens per batch: {int(tokens)} "
+                    f"× {keep:.2f} (free ÷ requested) with a margin",
+                )
+            )
     return fixes
 
 
@@ -356,24 +473,44 @@ def _multimodal_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     seqs = int(s.get("max_num_seqs") or _default_seqs(s))
     target = power_of_two_at_most(seqs // 4)
     return [
-        Fix("--limit-mm-per-prompt", '{"image": 1}',
+        Fix(
+            "--limit-mm-per-prompt",
+            '{"image": 1}',
             "vLLM profiles the encoder on the most items a prompt may carry; one image per "
-            "prompt bounds that run (raise it to what your prompts need)"),
-        Fix("--max-num-seqs", str(target),
-            f"the encoder profile covers up to max_num_seqs × items ({seqs} sequences now)"),
-        Fix("--mm-processor-kwargs", '{"max_pixels": 1003520}',
-            "caps the image size the encoder is profiled at (Qwen-VL style processors)"),
+            "prompt bounds that run (raise it to what your prompts need)",
+        ),
+        Fix(
+            "--max-num-seqs",
+            str(target),
+            f"the encoder profile covers up to max_num_seqs × items ({seqs} sequences now)",
+        ),
+        Fix(
+            "--mm-processor-kwargs",
+            '{"max_pixels": 1003520}',
+            "caps the image size the encoder is profiled at (Qwen-VL style processors)",
+        ),
     ]
 
 
 def _fragmentation_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     """The allocator's cache held the memory in pieces."""
     if s.sleep_mode:
-        return [Fix("action", "lower --gpu-memory-utilization by the reserved-but-unallocated "
-                    "memory: sleep mode's pool does not allow expandable segments", "")]
-    return [Fix("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True",
-                "lets the allocator grow segments instead of needing one free block of the "
-                "requested size")]
+        return [
+            Fix(
+                "action",
+                "lower --gpu-memory-utilization by the reserved-but-unallocated "
+                "memory: sleep mode's pool does not allow expandable segments",
+                "",
+            )
+        ]
+    return [
+        Fix(
+            "PYTORCH_CUDA_ALLOC_CONF",
+            "expandable_segments:True",
+            "lets the allocator grow segments instead of needing one free block of the "
+            "requested size",
+        )
+    ]
 
 
 def _weights_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
@@ -385,36 +522,73 @@ def _weights_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
         fixes = weights_fixes(s, float(weights), float(total) * float(s.util or 0.9))
         if fixes:
             return fixes
-    return [Fix("action", "use a quantized checkpoint (AWQ/GPTQ/fp8) or more GPUs "
-                "(--tensor-parallel-size): the weights per GPU must leave room for the KV cache",
-                "")]
+    return [
+        Fix(
+            "action",
+            "use a quantized checkpoint (AWQ/GPTQ/fp8) or more GPUs "
+            "(--tensor-parallel-size): the weights per GPU must leave room for the KV cache",
+            "",
+        )
+    ]
 
 
 def _host_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     p = s.parsed
     fixes: list[Fix] = []
     if p.has("shm_exhausted"):
-        fixes.append(Fix("action", "give the container more shared memory (docker run "
-                         "--shm-size 16g, or --ipc=host)", "/dev/shm is 64 MiB by default"))
+        fixes.append(
+            Fix(
+                "action",
+                "give the container more shared memory (docker run --shm-size 16g, or --ipc=host)",
+                "/dev/shm is 64 MiB by default",
+            )
+        )
     swap = s.get("swap_space_gib")
     if p.has("cpu_swap_too_large") or p.has("cpu_swap_exhausted") or swap:
-        fixes.append(Fix("--swap-space", "0" if not p.has("cpu_swap_exhausted") else "16",
-                         "the CPU swap space is pinned host memory for each GPU"))
+        fixes.append(
+            Fix(
+                "--swap-space",
+                "0" if not p.has("cpu_swap_exhausted") else "16",
+                "the CPU swap space is pinned host memory for each GPU",
+            )
+        )
     if s.get("cpu_offload_gib"):
-        fixes.append(Fix("--cpu-offload-gb", str(max(int(float(s.get("cpu_offload_gib")) // 2), 0)),
-                         "offloaded weights live in host memory"))
-    fixes.append(Fix("action", "give the host or container more memory, or run fewer "
-                     "engines/workers on it (free -g and dmesg show what was killed)", ""))
+        fixes.append(
+            Fix(
+                "--cpu-offload-gb",
+                str(max(int(float(s.get("cpu_offload_gib")) // 2), 0)),
+                "offloaded weights live in host memory",
+            )
+        )
+    fixes.append(
+        Fix(
+            "action",
+            "give the host or container more memory, or run fewer "
+            "engines/workers on it (free -g and dmesg show what was killed)",
+            "",
+        )
+    )
     return fixes
 
 
 def _other_fixes(s: Situation, verdict: Verdict | None) -> list[Fix]:
     if verdict is not None and verdict.mechanism == "allocator_conflict":
-        return [Fix("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False",
-                    "expandable segments are refused here (sleep mode's pool, WSL2): turn them "
-                    "off wherever they are set")]
-    return [Fix("action", "read the first error of the log: the failure is not one of vLLM's "
-                "memory mechanisms (a bug, a driver, a version)", "")]
+        return [
+            Fix(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                "expandable_segments:False",
+                "expandable segments are refused here (sleep mode's pool, WSL2): turn them "
+                "off wherever they are set",
+            )
+        ]
+    return [
+        Fix(
+            "action",
+            "read the first error of the log: the failure is not one of vLLM's "
+            "memory mechanisms (a bug, a driver, a version)",
+            "",
+        )
+    ]
 
 
 _BUILDERS: dict[str, Callable[[Situation, Verdict | None], list[Fix]]] = {

@@ -87,8 +87,10 @@ def lint_command(
     if gpu_spec is None:
         notes.append("KV-capacity checks skipped: pass --gpu to size the KV cache")
     elif prediction is None:
-        notes.append(f"KV-capacity checks skipped: {parsed.model} is not in the offline "
-                     "catalogue or a local path")
+        notes.append(
+            f"KV-capacity checks skipped: {parsed.model} is not in the offline "
+            "catalogue or a local path"
+        )
     c = _Command(
         text=command,
         args=dict(parsed.settings_kwargs),
@@ -103,11 +105,26 @@ def lint_command(
     return LintReport(findings, notes)
 
 
-def _finding(c: _Command, cause: str, summary: str, fixes: list[Fix], why: str,
-             severity: str = "problem", confidence: float = 0.9) -> LintFinding:
-    return LintFinding(cause=cause, confidence=confidence, summary=summary,
-                       evidence=list(c.evidence), fixes=fixes, explanation=why, sure=True,
-                       mechanism="lint", severity=severity)
+def _finding(
+    c: _Command,
+    cause: str,
+    summary: str,
+    fixes: list[Fix],
+    why: str,
+    severity: str = "problem",
+    confidence: float = 0.9,
+) -> LintFinding:
+    return LintFinding(
+        cause=cause,
+        confidence=confidence,
+        summary=summary,
+        evidence=list(c.evidence),
+        fixes=fixes,
+        explanation=why,
+        sure=True,
+        mechanism="lint",
+        severity=severity,
+    )
 
 
 def _check_headroom(c: _Command) -> LintFinding | None:
@@ -115,11 +132,20 @@ def _check_headroom(c: _Command) -> LintFinding | None:
     if util is None or util < NO_HEADROOM_UTIL:
         return None
     return _finding(
-        c, "util_overshoot", f"gpu_memory_utilization {util:g} leaves no headroom",
-        [Fix("--gpu-memory-utilization", "0.90", "the CUDA context, NCCL buffers and what vLLM "
-             "does not account for live outside the budget")],
+        c,
+        "util_overshoot",
+        f"gpu_memory_utilization {util:g} leaves no headroom",
+        [
+            Fix(
+                "--gpu-memory-utilization",
+                "0.90",
+                "the CUDA context, NCCL buffers and what vLLM "
+                "does not account for live outside the budget",
+            )
+        ],
         "The budget is a fraction of the whole GPU; what vLLM does not account for needs the "
-        "rest, and the start-up check fails when anything else holds memory.")
+        "rest, and the start-up check fails when anything else holds memory.",
+    )
 
 
 def _check_cotenant(c: _Command) -> LintFinding | None:
@@ -134,11 +160,19 @@ def _check_cotenant(c: _Command) -> LintFinding | None:
         return None
     new = floor2((total - need - COTENANT_MARGIN_GIB) / total)
     return _finding(
-        c, "util_overshoot", f"a co-tenant needing {need:g} GiB is not budgeted",
-        [Fix("--gpu-memory-utilization", f"{new:.2f}",
-             f"{util:g} × {total:.1f} GiB + {need:g} GiB exceeds the GPU; {new:.2f} leaves "
-             f"{COTENANT_MARGIN_GIB:g} GiB spare")],
-        "vLLM and another CUDA workload on one GPU must be budgeted together.")
+        c,
+        "util_overshoot",
+        f"a co-tenant needing {need:g} GiB is not budgeted",
+        [
+            Fix(
+                "--gpu-memory-utilization",
+                f"{new:.2f}",
+                f"{util:g} × {total:.1f} GiB + {need:g} GiB exceeds the GPU; {new:.2f} leaves "
+                f"{COTENANT_MARGIN_GIB:g} GiB spare",
+            )
+        ],
+        "vLLM and another CUDA workload on one GPU must be budgeted together.",
+    )
 
 
 def _check_fit(c: _Command) -> LintFinding | None:
@@ -152,9 +186,14 @@ def _check_fit(c: _Command) -> LintFinding | None:
         cause, fixes = "weights_dont_fit", []
     else:
         cause, fixes = "kv_too_small_for_max_len", _length_fix(p)
-    return _finding(c, cause, f"this configuration will not start: {message}", fixes,
-                    "The memory model's prediction of vLLM's start-up for this command, model "
-                    "and GPU (oomguard plan shows the whole breakdown).")
+    return _finding(
+        c,
+        cause,
+        f"this configuration will not start: {message}",
+        fixes,
+        "The memory model's prediction of vLLM's start-up for this command, model "
+        "and GPU (oomguard plan shows the whole breakdown).",
+    )
 
 
 def _length_fix(p: Any) -> list[Fix]:
@@ -162,8 +201,13 @@ def _length_fix(p: Any) -> list[Fix]:
     if not estimate or estimate <= 0:
         return []
     length = max(int(estimate * POOL_KEEP) // p.block_size * p.block_size, p.block_size)
-    return [Fix("--max-model-len", str(length),
-                f"the KV cache holds {p.kv_cache_tokens:,} tokens; {length:,} keeps 10 % spare")]
+    return [
+        Fix(
+            "--max-model-len",
+            str(length),
+            f"the KV cache holds {p.kv_cache_tokens:,} tokens; {length:,} keeps 10 % spare",
+        )
+    ]
 
 
 def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
@@ -186,28 +230,44 @@ def _check_seqs_against_pool(c: _Command) -> LintFinding | None:
     target = min(served, wanted) if wanted else served
     basis = f"the P99 of {p99:,}" if p99 else f"a typical {length:,}-token request"
     return _finding(
-        c, "concurrency_or_batch",
+        c,
+        "concurrency_or_batch",
         f"max_num_seqs {seqs} is more than the {served} sequences of {basis} tokens the KV pool "
         f"serves",
-        [Fix("--max-num-seqs", str(target),
-             f"the pool holds {p.kv_cache_tokens:,} tokens; {target} × {length:,} = "
-             f"{target * length:,} keeps 10 % spare, so a burst is not preempted")],
+        [
+            Fix(
+                "--max-num-seqs",
+                str(target),
+                f"the pool holds {p.kv_cache_tokens:,} tokens; {target} × {length:,} = "
+                f"{target * length:,} keeps 10 % spare, so a burst is not preempted",
+            )
+        ],
         "vLLM's KV cache is paged: a sequence holds the blocks its tokens use. A burst of "
         "max_num_seqs requests of this length overflows the pool, and vLLM preempts and "
         "recomputes them.",
-        severity="tip", confidence=0.85 if p99 else 0.6)
+        severity="tip",
+        confidence=0.85 if p99 else 0.6,
+    )
 
 
 def _pool_too_small(c: _Command, length: int, served: int, wanted: int) -> LintFinding:
     p = c.prediction
     return _finding(
-        c, "kv_too_small_for_max_len",
+        c,
+        "kv_too_small_for_max_len",
         f"the KV pool ({p.kv_cache_tokens:,} tokens) serves {served} requests of {length:,} "
         f"tokens, not the {wanted} the workload needs",
-        [Fix("--max-num-seqs", str(served), f"{served} × {length:,} tokens fit with 10 % spare; "
-             "more GPU memory (tensor parallelism, fp8 KV cache, a quantized model) serves more")],
+        [
+            Fix(
+                "--max-num-seqs",
+                str(served),
+                f"{served} × {length:,} tokens fit with 10 % spare; "
+                "more GPU memory (tensor parallelism, fp8 KV cache, a quantized model) serves more",
+            )
+        ],
         "oomguard plan with --p99-tokens and --concurrency finds a configuration that serves "
-        "the whole workload.")
+        "the whole workload.",
+    )
 
 
 def _check_length_against_p99(c: _Command) -> LintFinding | None:
@@ -222,22 +282,36 @@ def _check_length_against_p99(c: _Command) -> LintFinding | None:
         return None
     target = int(math.ceil(p99 * 1.1 / 256) * 256)
     return _finding(
-        c, "max_model_len_above_p99", f"max_model_len {length:,} is far above the P99 of {p99:,}",
+        c,
+        "max_model_len_above_p99",
+        f"max_model_len {length:,} is far above the P99 of {p99:,}",
         [Fix("--max-model-len", str(target), f"covers the P99 ({p99:,}) with 10 % margin")],
         "The KV cache is paged, so an unused context costs no memory by itself; but one request "
         "may then grow to max_model_len and take that much of the pool from the others.",
-        severity="tip", confidence=0.5)
+        severity="tip",
+        confidence=0.5,
+    )
 
 
 def _check_prefix_caching(c: _Command) -> LintFinding | None:
     if not c.args.get("enable_prefix_caching") or c.workload.shared_prefix_tokens > 0:
         return None
     return _finding(
-        c, "prefix_caching_unused", "prefix caching is on but the prompts are not known to "
-        "share prefixes",
-        [Fix("--no-enable-prefix-caching", None, "without shared prefixes (hit rate < 30 %) the "
-             "cached blocks only hold memory; keep it if prompts share a system prompt")],
-        "", severity="tip", confidence=0.5)
+        c,
+        "prefix_caching_unused",
+        "prefix caching is on but the prompts are not known to share prefixes",
+        [
+            Fix(
+                "--no-enable-prefix-caching",
+                None,
+                "without shared prefixes (hit rate < 30 %) the "
+                "cached blocks only hold memory; keep it if prompts share a system prompt",
+            )
+        ],
+        "",
+        severity="tip",
+        confidence=0.5,
+    )
 
 
 def _check_sleep_expandable(c: _Command) -> LintFinding | None:
@@ -246,9 +320,18 @@ def _check_sleep_expandable(c: _Command) -> LintFinding | None:
     if not (sleep and "expandable_segments:true" in text):
         return None
     return _finding(
-        c, "other", "expandable_segments is set together with sleep mode",
-        [Fix("PYTORCH_CUDA_ALLOC_CONF", "(unset)",
-             "sleep mode's memory pool rejects expandable segments")], "")
+        c,
+        "other",
+        "expandable_segments is set together with sleep mode",
+        [
+            Fix(
+                "PYTORCH_CUDA_ALLOC_CONF",
+                "(unset)",
+                "sleep mode's memory pool rejects expandable segments",
+            )
+        ],
+        "",
+    )
 
 
 _CHECKS: tuple[Callable[[_Command], LintFinding | None], ...] = (

@@ -65,9 +65,7 @@ def cotenant_expected(s: Situation) -> bool:
     """Whether another workload is meant to share the device: the user says so, or set the
     utilization well below vLLM's default (a budget planned for sharing)."""
     util = s.util
-    return s.context.expect_cotenant or (
-        s.util_stated and util is not None and util <= SHARED_UTIL
-    )
+    return s.context.expect_cotenant or (s.util_stated and util is not None and util <= SHARED_UTIL)
 
 
 def _total(s: Situation) -> float | None:
@@ -200,13 +198,19 @@ def check_budget(s: Situation) -> Verdict | None:
     if held is not None and held >= HELD_BEFORE_SHARE * total and s.get("platform") != "cpu":
         if not cotenant_expected(s):
             return _budget_verdict(
-                s, ev, "leak_or_other_process", {"held_before_gib": held, "total_gib": total},
+                s,
+                ev,
+                "leak_or_other_process",
+                {"held_before_gib": held, "total_gib": total},
                 f"{held:.1f} GiB were in use before this engine started",
             )
     graphs = s.get("cudagraph_estimate_gib")
     if graphs is not None and float(graphs) >= max(2.0, GRAPH_SHARE * budget):
         return _budget_verdict(
-            s, ev, "cuda_graph", {"cudagraph_estimate_gib": float(graphs), "budget_gib": budget},
+            s,
+            ev,
+            "cuda_graph",
+            {"cudagraph_estimate_gib": float(graphs), "budget_gib": budget},
             f"vLLM reserved {float(graphs):.2f} GiB for CUDA graphs of a {budget:.1f} GiB budget",
         )
     weights = s.known("weights_per_gpu_gib")
@@ -218,11 +222,17 @@ def check_budget(s: Situation) -> Verdict | None:
         act = float(s.get("activation_gib") or 1.0)
         if MAX_UTIL * total - w - act < ROOM_FOR_KV_SHARE * total:
             return _budget_verdict(
-                s, ev, "weights_dont_fit", numbers,
+                s,
+                ev,
+                "weights_dont_fit",
+                numbers,
                 f"the weights take {w:.1f} GiB of a {total:.1f} GiB device",
             )
         return _budget_verdict(
-            s, ev, "kv_too_small_for_max_len", numbers,
+            s,
+            ev,
+            "kv_too_small_for_max_len",
+            numbers,
             f"utilization {float(util):g} gives {budget:.1f} GiB; the weights alone take {w:.1f}",
         )
     return _activation_verdict(s, ev, budget)
@@ -240,7 +250,10 @@ def _activation_verdict(s: Situation, ev: Evidence, budget: float) -> Verdict | 
     if act is None or float(act) < ACTIVATION_SHARE * budget:
         return None
     return _budget_verdict(
-        s, ev, "concurrency_or_batch", {"activation_gib": float(act), "budget_gib": budget},
+        s,
+        ev,
+        "concurrency_or_batch",
+        {"activation_gib": float(act), "budget_gib": budget},
         f"the profiling batch peaked at {float(act):.2f} GiB of a {budget:.1f} GiB budget",
     )
 
@@ -255,8 +268,13 @@ def _budget_verdict(
         summary + ": nothing was left for the KV cache",
         "vLLM gives the KV cache utilization × total memory minus the weights, the profiled "
         "activation peak, non-torch memory and the CUDA-graph estimate; here that is zero.",
-        _ev(ev, p.evidence("weights_gib"), p.evidence("activation_gib"),
-            p.evidence("cudagraph_estimate_gib"), p.evidence("initial_used_gib")),
+        _ev(
+            ev,
+            p.evidence("weights_gib"),
+            p.evidence("activation_gib"),
+            p.evidence("cudagraph_estimate_gib"),
+            p.evidence("initial_used_gib"),
+        ),
         numbers,
     )
 

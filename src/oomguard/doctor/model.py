@@ -74,8 +74,14 @@ class CauseModel:
         classes, features = tuple(data["classes"]), tuple(data["features"])
         if coef.shape != (len(classes), len(features)) or intercept.shape != (len(classes),):
             raise ValueError("cause model: coefficient shapes do not match classes × features")
-        return cls(classes, features, coef, intercept, float(data.get("temperature", 1.0)),
-                   dict(data.get("meta", {})))
+        return cls(
+            classes,
+            features,
+            coef,
+            intercept,
+            float(data.get("temperature", 1.0)),
+            dict(data.get("meta", {})),
+        )
 
 
 @lru_cache(maxsize=4)

@@ -24,8 +24,10 @@ def _has_budget_lines(s: Situation) -> bool:
 
 def _has_process_view(s: Situation) -> bool:
     oom = s.parsed.first_oom
-    return bool(s.parsed.gpu_processes) or s.get("startup_free_gib") is not None or (
-        oom is not None and oom.other_processes_gib is not None
+    return (
+        bool(s.parsed.gpu_processes)
+        or s.get("startup_free_gib") is not None
+        or (oom is not None and oom.other_processes_gib is not None)
     )
 
 
@@ -44,8 +46,16 @@ _FACTS = (
         "'Available KV cache memory: … GiB', and 'GPU KV cache size: … tokens'",
         "keep the whole start-up log (VLLM_LOGGING_LEVEL=INFO, the default), not only the "
         "traceback",
-        frozenset({"kv_too_small_for_max_len", "concurrency_or_batch", "weights_dont_fit",
-                   "cuda_graph", "util_overshoot", "multimodal_encoder"}),
+        frozenset(
+            {
+                "kv_too_small_for_max_len",
+                "concurrency_or_batch",
+                "weights_dont_fit",
+                "cuda_graph",
+                "util_overshoot",
+                "multimodal_encoder",
+            }
+        ),
         _has_budget_lines,
     ),
     _Fact(
@@ -59,16 +69,24 @@ _FACTS = (
         "the traceback down to the exception",
         "paste it whole: its frames show the phase that failed (weight loading, profiling, "
         "sampler warm-up, CUDA-graph capture, serving)",
-        frozenset({"cuda_graph", "concurrency_or_batch", "weights_dont_fit",
-                   "multimodal_encoder", "kv_too_small_for_max_len"}),
+        frozenset(
+            {
+                "cuda_graph",
+                "concurrency_or_batch",
+                "weights_dont_fit",
+                "multimodal_encoder",
+                "kv_too_small_for_max_len",
+            }
+        ),
         lambda s: s.parsed.failure_phase is not None,
     ),
     _Fact(
         "PyTorch's whole out-of-memory message",
         "it states the request, the free memory, this process's share and what is reserved "
         "but unallocated",
-        frozenset({"fragmentation", "leak_or_other_process", "concurrency_or_batch",
-                   "weights_dont_fit"}),
+        frozenset(
+            {"fragmentation", "leak_or_other_process", "concurrency_or_batch", "weights_dont_fit"}
+        ),
         # only a PyTorch OOM whose figures were cut lacks it
         lambda s: s.parsed.first_oom is None or s.parsed.first_oom.total_gib is not None,
     ),
@@ -76,8 +94,15 @@ _FACTS = (
         "the command line",
         "pass it with --command 'vllm serve …' (max_model_len, max_num_seqs, "
         "gpu_memory_utilization, limits per prompt)",
-        frozenset({"util_overshoot", "kv_too_small_for_max_len", "concurrency_or_batch",
-                   "multimodal_encoder", "cuda_graph"}),
+        frozenset(
+            {
+                "util_overshoot",
+                "kv_too_small_for_max_len",
+                "concurrency_or_batch",
+                "multimodal_encoder",
+                "cuda_graph",
+            }
+        ),
         _has_command,
     ),
     _Fact(

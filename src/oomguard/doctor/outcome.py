@@ -106,7 +106,11 @@ def predict_run(
         try:
             terms = _anchored_terms(s, gpu, attempt) if anchor else _measured_terms(s)
             return predict(
-                s.model_spec, gpu, EngineSettings(**attempt), free_bytes=free, measured=terms,
+                s.model_spec,
+                gpu,
+                EngineSettings(**attempt),
+                free_bytes=free,
+                measured=terms,
                 strict=False,
             )
         except Exception:  # a version string or model the predictor rejects: try without it

@@ -70,8 +70,10 @@ def render_diagnosis(console: Console, diagnosis: Diagnosis) -> None:
             )
         return
     if diagnosis.abstained:
-        title = (f"An out-of-memory failure ({parsed.lines:,} lines read), but the log does not "
-                 "say which cause: these are the candidates, none likely enough to answer")
+        title = (
+            f"An out-of-memory failure ({parsed.lines:,} lines read), but the log does not "
+            "say which cause: these are the candidates, none likely enough to answer"
+        )
     else:
         title = f"Diagnosis ({parsed.lines:,} lines read)"
     render_findings(console, diagnosis.findings, title, fixes_of_first_only=True)

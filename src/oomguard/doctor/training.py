@@ -45,7 +45,9 @@ class Example:
 def context_of(row: dict[str, Any]) -> Context:
     """What the reporter stated, as the doctor's --model/--gpu/--command context."""
     settings = row.get("settings")
-    args = {k: v for k, v in settings.items() if v is not None} if isinstance(settings, dict) else {}
+    args = (
+        {k: v for k, v in settings.items() if v is not None} if isinstance(settings, dict) else {}
+    )
     return Context(model=row.get("model"), gpu=row.get("gpu"), args=args)
 
 

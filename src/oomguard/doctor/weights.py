@@ -12,8 +12,21 @@ from oomguard.doctor.situation import GIB, Situation
 # the weights may take this share of the per-GPU budget: the rest is activations and KV cache
 WEIGHTS_SHARE = 0.8
 _INT4_ORDER = ("awq", "gptq", "compressed-tensors", "bitsandbytes")
-_QUANTIZED_WORDS = ("awq", "gptq", "fp8", "int8", "int4", "4bit", "8bit", "w4a16", "w8a8",
-                    "gguf", "nvfp4", "mxfp4", "bnb")
+_QUANTIZED_WORDS = (
+    "awq",
+    "gptq",
+    "fp8",
+    "int8",
+    "int4",
+    "4bit",
+    "8bit",
+    "w4a16",
+    "w8a8",
+    "gguf",
+    "nvfp4",
+    "mxfp4",
+    "bnb",
+)
 
 
 def rank_weights_gib(spec: Any, tp: int, quantization: str | None = None) -> float | None:
@@ -24,7 +37,9 @@ def rank_weights_gib(spec: Any, tp: int, quantization: str | None = None) -> flo
         from oomguard.memory.weights import resolve_model_dtype, weight_bytes_per_stage
 
         dtype = resolve_model_dtype(spec, "auto")
-        per_stage = weight_bytes_per_stage(spec, model_dtype=dtype, tp=tp, quantization=quantization)
+        per_stage = weight_bytes_per_stage(
+            spec, model_dtype=dtype, tp=tp, quantization=quantization
+        )
         return float(per_stage.max_bytes) / GIB
     except Exception:  # an exotic format the weight model does not price
         return None
@@ -61,8 +76,13 @@ def catalogued_int4(s: Situation) -> tuple[str, Any] | None:
             variants = [v for v in known_quantized_variants(name) if v[1].weight_bits <= 4]
         except OomguardError:
             continue
-        ranked = sorted(variants, key=lambda v: (
-            _INT4_ORDER.index(v[1].method) if v[1].method in _INT4_ORDER else 99, v[0].lower()))
+        ranked = sorted(
+            variants,
+            key=lambda v: (
+                _INT4_ORDER.index(v[1].method) if v[1].method in _INT4_ORDER else 99,
+                v[0].lower(),
+            ),
+        )
         for repo, _quant in ranked:
             try:
                 return repo, resolve_model(repo, allow_hub=False)
@@ -79,10 +99,13 @@ def _quantized_fix(s: Situation, current: float, limit: float) -> Fix | None:
     fp8_hardware = not cc or _float(cc) >= 8.0
     fp8 = rank_weights_gib(s.model_spec, s.tp, "fp8")
     if fp8_hardware and fp8 is not None and fp8 <= limit:
-        return Fix("--quantization", "fp8",
-                   f"online fp8 weights take {fp8:.1f} GiB per GPU instead of {current:.1f} "
-                   f"(the memory model on the model's config); ≤ {WEIGHTS_SHARE:.0%} of the "
-                   "budget leaves room for the KV cache")
+        return Fix(
+            "--quantization",
+            "fp8",
+            f"online fp8 weights take {fp8:.1f} GiB per GPU instead of {current:.1f} "
+            f"(the memory model on the model's config); ≤ {WEIGHTS_SHARE:.0%} of the "
+            "budget leaves room for the KV cache",
+        )
     variant = catalogued_int4(s)
     if variant is None:
         return None
@@ -90,8 +113,12 @@ def _quantized_fix(s: Situation, current: float, limit: float) -> Fix | None:
     gib = rank_weights_gib(spec, s.tp)
     if gib is None or gib > limit:
         return None
-    return Fix("--model", repo, f"the catalogue's 4-bit checkpoint takes {gib:.1f} GiB per GPU "
-               f"instead of {current:.1f} (the memory model on its config)")
+    return Fix(
+        "--model",
+        repo,
+        f"the catalogue's 4-bit checkpoint takes {gib:.1f} GiB per GPU "
+        f"instead of {current:.1f} (the memory model on its config)",
+    )
 
 
 def _tp_fix(s: Situation, weights_total_gib: float, limit: float) -> Fix | None:
@@ -104,9 +131,12 @@ def _tp_fix(s: Situation, weights_total_gib: float, limit: float) -> Fix | None:
         if per_rank is None:
             per_rank, basis = weights_total_gib / tp, f"{weights_total_gib:.1f} GiB ÷ {tp}"
         if per_rank <= limit:
-            return Fix("--tensor-parallel-size", str(tp),
-                       f"{per_rank:.1f} GiB of weights per GPU ({basis}) leaves room for the "
-                       "KV cache; needs that many GPUs")
+            return Fix(
+                "--tensor-parallel-size",
+                str(tp),
+                f"{per_rank:.1f} GiB of weights per GPU ({basis}) leaves room for the "
+                "KV cache; needs that many GPUs",
+            )
     return None
 
 

@@ -114,13 +114,24 @@ def wait_memory_released(
             time.sleep(poll_s)
             continue
         if used_before_start is None:
-            return Release(True, time.monotonic() - started, "nvml-process",
-                           "no process of the engine listed by NVML")  # fmt: skip
-        high = [d.index for d in devices
-                if d.used_bytes > used_before_start.get(d.index, d.used_bytes) + (256 << 20)]  # fmt: skip
+            return Release(
+                True,
+                time.monotonic() - started,
+                "nvml-process",
+                "no process of the engine listed by NVML",
+            )
+        high = [
+            d.index
+            for d in devices
+            if d.used_bytes > used_before_start.get(d.index, d.used_bytes) + (256 << 20)
+        ]
         if not high:
-            return Release(True, time.monotonic() - started, "nvml-device",
-                           "device memory back to its level before the start")  # fmt: skip
+            return Release(
+                True,
+                time.monotonic() - started,
+                "nvml-device",
+                "device memory back to its level before the start",
+            )
         time.sleep(poll_s)
     return Release(False, time.monotonic() - started, "nvml-device", "device memory still held")
 

@@ -194,9 +194,11 @@ class EngineProcess:
             ) from None
         self.started_at = time.monotonic()
         self._reader = threading.Thread(
-            target=self._read_output, args=(self.proc.stdout, log), daemon=True,
+            target=self._read_output,
+            args=(self.proc.stdout, log),
+            daemon=True,
             name=f"engine-{self.proc.pid}-output",
-        )  # fmt: skip
+        )
         self._reader.start()
 
     def add_line_callback(self, callback: LineCallback) -> None:

@@ -125,8 +125,10 @@ class CatalogueEntry:
         that copy added. Raises :class:`MalformedConfig` when no published count is recorded.
         """
         if not self.published_params:
-            raise MalformedConfig(f"catalogue entry {self.id} records no published_params",
-                                  f"add published_params to {self.path.name}")  # fmt: skip
+            raise MalformedConfig(
+                f"catalogue entry {self.id} records no published_params",
+                f"add published_params to {self.path.name}",
+            )
         spec = spec or self.spec()
         # weights vLLM allocates beyond the checkpoint (Gemma 4's V copy) are not published
         total = spec.total_params - sum(g.count for g in spec.params if g.name == "runtime_copy")
@@ -137,9 +139,12 @@ class CatalogueEntry:
         candidates = {total + extra, total - mtp + extra}
         computed = min(candidates, key=lambda n: abs(n - self.published_params))  # type: ignore[operator]
         return ParamCheck(
-            entry_id=self.id, computed=computed, published=self.published_params,
-            rounding=self.published_params_rounding, tolerance=self.published_params_tolerance,
-        )  # fmt: skip
+            entry_id=self.id,
+            computed=computed,
+            published=self.published_params,
+            rounding=self.published_params_rounding,
+            tolerance=self.published_params_tolerance,
+        )
 
 
 def load_entry(path: Path) -> CatalogueEntry:
@@ -173,8 +178,10 @@ def load_entry(path: Path) -> CatalogueEntry:
         observed = observed.get("value")
     base_model = data.get("base_model") or ""
     if not isinstance(base_model, str):
-        raise MalformedConfig(f"catalogue file {path}: base_model is not a string",
-                              "set base_model to the base repo id, e.g. meta-llama/Llama-3.1-8B")  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: base_model is not a string",
+            "set base_model to the base repo id, e.g. meta-llama/Llama-3.1-8B",
+        )
     return CatalogueEntry(
         id=str(data["id"]),
         config=data["config"],
@@ -203,11 +210,16 @@ def load_entry(path: Path) -> CatalogueEntry:
 def _tolerance(data: dict[str, Any], path: Path) -> float:
     """``published_params_tolerance`` (relative), at least the default 1 %, at most 5 %."""
     value = data.get("published_params_tolerance", PARAM_TOLERANCE)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        PARAM_TOLERANCE <= value <= 0.05
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (PARAM_TOLERANCE <= value <= 0.05)
     ):
-        raise MalformedConfig(f"catalogue file {path}: published_params_tolerance is {value!r}, "
-                              "not between 0.01 and 0.05", f"fix it in {path.name}")  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: published_params_tolerance is {value!r}, "
+            "not between 0.01 and 0.05",
+            f"fix it in {path.name}",
+        )
     return float(value)
 
 
@@ -218,20 +230,28 @@ def _published_params(data: dict[str, Any], path: Path) -> tuple[int | None, int
     if published is not None and (
         not isinstance(published, (int, float)) or isinstance(published, bool) or published <= 0
     ):
-        raise MalformedConfig(f"catalogue file {path}: published_params is {published!r}, "
-                              "not a positive number", fix)  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: published_params is {published!r}, not a positive number", fix
+        )
     rounding = data.get("published_params_rounding")
     if rounding is None:
         return (int(published) if published is not None else None), None
     if not isinstance(rounding, (int, float)) or isinstance(rounding, bool) or rounding <= 0:
-        raise MalformedConfig(f"catalogue file {path}: published_params_rounding is {rounding!r}, "
-                              "not a positive number", fix)  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: published_params_rounding is {rounding!r}, "
+            "not a positive number",
+            fix,
+        )
     if published is None:
-        raise MalformedConfig(f"catalogue file {path}: published_params_rounding without "
-                              "published_params", fix)  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: published_params_rounding without published_params", fix
+        )
     if int(published) % int(rounding):
-        raise MalformedConfig(f"catalogue file {path}: published_params {int(published):,} is not "
-                              f"a multiple of its rounding {int(rounding):,}", fix)  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue file {path}: published_params {int(published):,} is not "
+            f"a multiple of its rounding {int(rounding):,}",
+            fix,
+        )
     return int(published), int(rounding)
 
 
@@ -304,10 +324,11 @@ class AliasEntry:
         base = find_entry(self.base, directory)
         changed = ", ".join(f"{k} {v}" for k, v in self.overrides.items())
         return spec_from_config(
-            self.config(base), name=self.id,
+            self.config(base),
+            name=self.id,
             source=f"alias of catalogue {base.id} ({changed}; {self.source})",
             param_bytes_by_dtype=base.param_bytes_by_dtype or None,
-        )  # fmt: skip
+        )
 
 
 @lru_cache(maxsize=4)
@@ -318,13 +339,19 @@ def _load_aliases(path: Path) -> tuple[AliasEntry, ...]:
         data = json.loads(path.read_text(encoding="utf-8"))
         rows = data["aliases"]
         return tuple(
-            AliasEntry(id=str(r["id"]), base=str(r["base"]), overrides=dict(r.get("overrides") or {}),
-                       source=str(r.get("source") or ""))  # fmt: skip
+            AliasEntry(
+                id=str(r["id"]),
+                base=str(r["base"]),
+                overrides=dict(r.get("overrides") or {}),
+                source=str(r.get("source") or ""),
+            )
             for r in rows
         )
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise MalformedConfig(f"catalogue alias file {path} is malformed ({exc})",
-                              "fix the file or reinstall oomguard") from None  # fmt: skip
+        raise MalformedConfig(
+            f"catalogue alias file {path} is malformed ({exc})",
+            "fix the file or reinstall oomguard",
+        ) from None
 
 
 def list_aliases(path: Path | None = None) -> list[AliasEntry]:

@@ -71,6 +71,7 @@ def models_command(
         ],
     )
 
+
 def gpus_command(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the GPU catalogue: the total memory CUDA reports for each card, and its source."""
     from oomguard.facts.gpus import list_gpus

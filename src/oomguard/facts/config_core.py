@@ -59,9 +59,16 @@ def read_llama_like(c: Cfg, acc: Acc, model_type: str) -> None:
     mlp_bias = bool(c.get("mlp_bias", False))
     for _ in range(n_layers):
         add_attention(
-            acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-            q_bias=qkv_bias, kv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm,
-        )  # fmt: skip
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=qkv_bias,
+            kv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
+        )
         acc.add("mlp", gated_mlp(hidden, inter, mlp_bias))
         acc.add("norm", norms_per_layer * hidden)
     acc.add("norm", hidden)
@@ -79,8 +86,16 @@ def read_phi(c: Cfg, acc: Acc) -> None:
     hidden, n_layers, heads, kv_heads, hd = dense_core(c)
     inter = c.int("intermediate_size")
     for _ in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=True, kv_bias=True, o_bias=True)  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=True,
+            kv_bias=True,
+            o_bias=True,
+        )
         acc.add("mlp", plain_mlp(hidden, inter, True))
         acc.add("norm", 2 * hidden)
     acc.add("norm", 2 * hidden)
@@ -94,8 +109,16 @@ def read_opt(c: Cfg, acc: Acc) -> None:
     inter = c.int("ffn_dim")
     bias = bool(c.get("enable_bias", True))
     for _ in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bias, kv_bias=bias, o_bias=bias)  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bias,
+            kv_bias=bias,
+            o_bias=bias,
+        )
         acc.add("mlp", plain_mlp(hidden, inter, bias))
         acc.add("norm", 4 * hidden if c.get("layer_norm_elementwise_affine", True) else 0)
     acc.add("pos_embed", (c.int("max_position_embeddings") + 2) * hidden)
@@ -148,9 +171,16 @@ def read_qwen_moe(c: Cfg, acc: Acc, model_type: str) -> None:
     is_q2 = model_type == "qwen2_moe"
     sparse = _moe_layer_indices(c, n_layers)
     for i in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=is_q2 or bool(c.get("attention_bias")), kv_bias=is_q2 or bool(c.get("attention_bias")),
-                       qk_norm=not is_q2)  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=is_q2 or bool(c.get("attention_bias")),
+            kv_bias=is_q2 or bool(c.get("attention_bias")),
+            qk_norm=not is_q2,
+        )
         if sparse[i]:
             acc.add("router", hidden * n_exp)
             acc.add("experts", n_exp * gated_mlp(hidden, moe_inter))
@@ -255,9 +285,13 @@ def read_deepseek(c: Cfg, acc: Acc, vocab: int) -> None:
         moe_inter = c.int("moe_intermediate_size")
         n_shared = c.int("n_shared_experts", 0)
         acc.moe = MoESpec(
-            n_exp, c.int("num_experts_per_tok"), moe_inter, n_shared, moe_inter * n_shared,
+            n_exp,
+            c.int("num_experts_per_tok"),
+            moe_inter,
+            n_shared,
+            moe_inter * n_shared,
             sum(_deepseek_moe_layer(c, i) for i in range(n_layers)),
-        )  # fmt: skip
+        )
 
 
 # vLLM's DeepSeek-V3.2 indexer keeps one fp8 key per token plus an fp32 scale per 128 elements
@@ -287,12 +321,19 @@ def read_gpt_oss(c: Cfg, acc: Acc) -> None:
     n_exp, inter = c.int("num_local_experts"), c.int("intermediate_size")
     topk = c.int("num_experts_per_tok", c.int("experts_per_token", 4))
     for _ in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=True, kv_bias=True, o_bias=True, sinks=True)  # fmt: skip
-        acc.add("router", linear(hidden, n_exp, True))
-        acc.add(
-            "experts", n_exp * (linear(hidden, 2 * inter, True) + linear(inter, hidden, True))
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=True,
+            kv_bias=True,
+            o_bias=True,
+            sinks=True,
         )
+        acc.add("router", linear(hidden, n_exp, True))
+        acc.add("experts", n_exp * (linear(hidden, 2 * inter, True) + linear(inter, hidden, True)))
         acc.add("norm", 2 * hidden)
     acc.add("norm", hidden)
     acc.moe = MoESpec(n_exp, topk, inter, num_moe_layers=n_layers)
@@ -325,9 +366,16 @@ def read_llama4_text(c: Cfg, acc: Acc) -> None:
         no_rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
     chunk = c.get("attention_chunk_size")
     for i in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bool(c.get("attention_bias")), kv_bias=bool(c.get("attention_bias")),
-                       o_bias=bool(c.get("attention_bias")))  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bool(c.get("attention_bias")),
+            kv_bias=bool(c.get("attention_bias")),
+            o_bias=bool(c.get("attention_bias")),
+        )
         if i in moe_set:
             acc.add("router", hidden * n_exp)
             acc.add("experts", n_exp * gated_mlp(hidden, inter))
@@ -356,9 +404,16 @@ def read_granite_moe(c: Cfg, acc: Acc, model_type: str) -> None:
     )
     shared = c.int("shared_intermediate_size", 0) if model_type == "granitemoeshared" else 0
     for _ in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bool(c.get("attention_bias")), kv_bias=bool(c.get("attention_bias")),
-                       o_bias=bool(c.get("attention_bias")))  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bool(c.get("attention_bias")),
+            kv_bias=bool(c.get("attention_bias")),
+            o_bias=bool(c.get("attention_bias")),
+        )
         acc.add("router", hidden * n_exp)
         acc.add("experts", n_exp * gated_mlp(hidden, inter))
         if shared:
@@ -379,8 +434,16 @@ def read_phimoe(c: Cfg, acc: Acc) -> None:
     )
     bias = bool(c.get("attention_bias", True))
     for _ in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bias, kv_bias=bias, o_bias=bias)  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bias,
+            kv_bias=bias,
+            o_bias=bias,
+        )
         acc.add("router", hidden * n_exp)
         acc.add("experts", n_exp * gated_mlp(hidden, inter))
         acc.add("norm", 4 * hidden)
@@ -394,8 +457,17 @@ def read_phimoe(c: Cfg, acc: Acc) -> None:
 # hybrid (Mamba / linear attention) families
 
 
-def _mamba2_params(hidden: int, inter: int, n_groups: int, state: int, n_heads: int, conv_k: int,
-                   conv_bias: bool, proj_bias: bool, gated_norm: bool = True) -> int:  # fmt: skip
+def _mamba2_params(
+    hidden: int,
+    inter: int,
+    n_groups: int,
+    state: int,
+    n_heads: int,
+    conv_k: int,
+    conv_bias: bool,
+    proj_bias: bool,
+    gated_norm: bool = True,
+) -> int:
     conv_dim = inter + 2 * n_groups * state
     in_proj = linear(hidden, inter + conv_dim + n_heads, proj_bias)
     conv = conv_dim * conv_k + (conv_dim if conv_bias else 0)
@@ -403,16 +475,28 @@ def _mamba2_params(hidden: int, inter: int, n_groups: int, state: int, n_heads: 
     return in_proj + conv + 3 * n_heads + (inter if gated_norm else 0) + out
 
 
-def _mamba2_state(inter: int, n_groups: int, state: int, n_heads: int, head_dim: int, conv_k: int,
-                  ssm_dtype: str | None = None) -> LayerSpec:  # fmt: skip
+def _mamba2_state(
+    inter: int,
+    n_groups: int,
+    state: int,
+    n_heads: int,
+    head_dim: int,
+    conv_k: int,
+    ssm_dtype: str | None = None,
+) -> LayerSpec:
     return LayerSpec(
         kind=AttentionKind.MAMBA,
         mamba=MambaStateSpec(
-            variant=MambaVariant.MAMBA2, conv_kernel=conv_k, intermediate_size=inter,
-            state_size=state, n_groups=n_groups, num_heads=n_heads, head_dim=head_dim,
+            variant=MambaVariant.MAMBA2,
+            conv_kernel=conv_k,
+            intermediate_size=inter,
+            state_size=state,
+            n_groups=n_groups,
+            num_heads=n_heads,
+            head_dim=head_dim,
             ssm_dtype=ssm_dtype,
         ),
-    )  # fmt: skip
+    )
 
 
 def _gdn_state(
@@ -466,10 +550,19 @@ def read_jamba(c: Cfg, acc: Acc) -> None:
         if i % a_period == a_off:
             add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd)
         else:
-            acc.add("mamba", linear(hidden, 2 * m_inter, proj_bias) + m_inter * d_conv
-                    + (m_inter if conv_bias else 0) + linear(m_inter, dt_rank + 2 * d_state)
-                    + linear(dt_rank, m_inter, True) + m_inter * d_state + m_inter
-                    + linear(m_inter, hidden, proj_bias) + dt_rank + 2 * d_state)  # fmt: skip
+            acc.add(
+                "mamba",
+                linear(hidden, 2 * m_inter, proj_bias)
+                + m_inter * d_conv
+                + (m_inter if conv_bias else 0)
+                + linear(m_inter, dt_rank + 2 * d_state)
+                + linear(dt_rank, m_inter, True)
+                + m_inter * d_state
+                + m_inter
+                + linear(m_inter, hidden, proj_bias)
+                + dt_rank
+                + 2 * d_state,
+            )
             acc.layers.append(
                 LayerSpec(
                     kind=AttentionKind.MAMBA,
@@ -479,7 +572,7 @@ def read_jamba(c: Cfg, acc: Acc) -> None:
                         intermediate_size=m_inter,
                         state_size=d_state,
                     ),
-                )  # fmt: skip
+                )
             )
         if n_exp > 1 and i % e_period == e_off:
             acc.add("router", hidden * n_exp)
@@ -508,17 +601,26 @@ def read_nemotron_h(c: Cfg, acc: Acc) -> None:
     m_inter = m_heads * m_hd
     inter = c.int("intermediate_size", 0)
     mlp_bias = bool(c.get("mlp_bias", False))
+    biases = bool(c.get("use_conv_bias", True)), bool(c.get("use_bias", False))
+    ssm = c.get("mamba_ssm_cache_dtype") or "float32"
     n_moe = 0
     for ch in str(pattern):
         if ch == "M":
-            acc.add("mamba", _mamba2_params(hidden, m_inter, n_groups, d_state, m_heads, conv_k,
-                                            bool(c.get("use_conv_bias", True)), bool(c.get("use_bias", False))))  # fmt: skip
-            acc.layers.append(_mamba2_state(m_inter, n_groups, d_state, m_heads, m_hd, conv_k,
-                                            c.get("mamba_ssm_cache_dtype") or "float32"))  # fmt: skip
+            params = _mamba2_params(hidden, m_inter, n_groups, d_state, m_heads, conv_k, *biases)
+            acc.add("mamba", params)
+            acc.layers.append(_mamba2_state(m_inter, n_groups, d_state, m_heads, m_hd, conv_k, ssm))
         elif ch == "*":
             b = bool(c.get("attention_bias", False))
-            add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                                q_bias=b, kv_bias=b, o_bias=b)  # fmt: skip
+            add_full_attention(
+                acc,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=hd,
+                q_bias=b,
+                kv_bias=b,
+                o_bias=b,
+            )
         elif ch == "-":
             acc.add("mlp", plain_mlp(hidden, inter, mlp_bias))
             acc.layers.append(LayerSpec(kind=AttentionKind.NONE))
@@ -543,8 +645,14 @@ def read_nemotron_h(c: Cfg, acc: Acc) -> None:
         acc.add("norm", hidden)
     acc.add("norm", hidden)
     if n_moe:
-        acc.moe = MoESpec(c.int("n_routed_experts"), c.int("num_experts_per_tok"), c.int("moe_intermediate_size"),
-                          c.int("n_shared_experts", 1), c.int("moe_shared_expert_intermediate_size", 0), n_moe)  # fmt: skip
+        acc.moe = MoESpec(
+            c.int("n_routed_experts"),
+            c.int("num_experts_per_tok"),
+            c.int("moe_intermediate_size"),
+            c.int("n_shared_experts", 1),
+            c.int("moe_shared_expert_intermediate_size", 0),
+            n_moe,
+        )
 
 
 def read_falcon_h1(c: Cfg, acc: Acc) -> None:
@@ -570,9 +678,20 @@ def read_falcon_h1(c: Cfg, acc: Acc) -> None:
             kv_bias=b,
             o_bias=b,
         )
-        acc.add("mamba", _mamba2_params(hidden, m_inter, n_groups, d_state, m_heads, conv_k,
-                                        bool(c.get("mamba_conv_bias", True)), bool(c.get("mamba_proj_bias", False)),
-                                        gated_norm=bool(c.get("mamba_rms_norm", False))))  # fmt: skip
+        acc.add(
+            "mamba",
+            _mamba2_params(
+                hidden,
+                m_inter,
+                n_groups,
+                d_state,
+                m_heads,
+                conv_k,
+                bool(c.get("mamba_conv_bias", True)),
+                bool(c.get("mamba_proj_bias", False)),
+                gated_norm=bool(c.get("mamba_rms_norm", False)),
+            ),
+        )
         acc.add("mlp", gated_mlp(hidden, inter, bool(c.get("mlp_bias", False))))
         acc.add("norm", 2 * hidden)
         acc.layers.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
@@ -598,8 +717,19 @@ def read_granite_hybrid(c: Cfg, acc: Acc) -> None:
     shared = c.int("shared_intermediate_size", 0)
     for i in range(n_layers):
         if layer_types[i] == "mamba":
-            acc.add("mamba", _mamba2_params(hidden, m_inter, n_groups, d_state, m_heads, conv_k,
-                                            bool(c.get("mamba_conv_bias", True)), bool(c.get("mamba_proj_bias", False))))  # fmt: skip
+            acc.add(
+                "mamba",
+                _mamba2_params(
+                    hidden,
+                    m_inter,
+                    n_groups,
+                    d_state,
+                    m_heads,
+                    conv_k,
+                    bool(c.get("mamba_conv_bias", True)),
+                    bool(c.get("mamba_proj_bias", False)),
+                ),
+            )
             acc.layers.append(_mamba2_state(m_inter, n_groups, d_state, m_heads, m_hd, conv_k))
         elif layer_types[i] == "attention":
             b = bool(c.get("attention_bias", False))
@@ -637,8 +767,7 @@ def _qwen3_next_layer_types(c: Cfg, n_layers: int) -> list[str]:
         return list(layer_types)
     interval = c.int("full_attention_interval", 4)
     return [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-        for i in range(n_layers)
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
     ]
 
 
@@ -647,6 +776,14 @@ def _gdn_params(hidden: int, nk: int, dk: int, nv: int, dv: int, conv_k: int) ->
     qkvz = 2 * nk * dk + 2 * nv * dv
     conv_dim = 2 * nk * dk + nv * dv
     return hidden * qkvz + hidden * 2 * nv + conv_dim * conv_k + 2 * nv + dv + nv * dv * hidden
+
+
+_GDN_HEAD_KEYS = (
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+)
 
 
 def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
@@ -658,15 +795,7 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     Qwen3_5ForConditionalGenerationConfig)."""
     dense = model_type == "qwen3_5_text"
     hidden, n_layers, heads, kv_heads, hd = dense_core(c)
-    nk, dk, nv, dv = (
-        int(v)
-        for v in c.req(
-            "linear_num_key_heads",
-            "linear_key_head_dim",
-            "linear_num_value_heads",
-            "linear_value_head_dim",
-        )
-    )
+    nk, dk, nv, dv = (int(v) for v in c.req(*_GDN_HEAD_KEYS))
     conv_k = c.int("linear_conv_kernel_dim", 4)
     layer_types = _qwen3_next_layer_types(c, n_layers)
     if dense:
@@ -694,8 +823,15 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
 
     for i in range(n_layers):
         if layer_types[i] == "full_attention":
-            add_full_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                               qk_norm=True, q_gate=True)  # fmt: skip
+            add_full_attention(
+                acc,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=hd,
+                qk_norm=True,
+                q_gate=True,
+            )
         else:
             acc.add("mamba", _gdn_params(hidden, nk, dk, nv, dv, conv_k))
             acc.layers.append(_gdn_state(conv_k, nk, dk, nv, dv, ssm_dtype))
@@ -706,8 +842,15 @@ def read_qwen3_next(c: Cfg, acc: Acc, model_type: str = "qwen3_next") -> None:
     if n_mtp:
         scratch = Acc()
         for _ in range(n_mtp):
-            add_attention(scratch, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                          qk_norm=True, q_gate=True)  # fmt: skip
+            add_attention(
+                scratch,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=hd,
+                qk_norm=True,
+                q_gate=True,
+            )
             add_ffn(n_layers, scratch)
             scratch.add("norm", 2 * hidden)
         # fc (2H -> H), two pre-fc norms, final norm
@@ -732,8 +875,10 @@ def read_kimi_linear(c: Cfg, acc: Acc) -> None:
         k for k in ("kda_layers", "full_attn_layers", "num_heads", "head_dim") if k not in lac
     ]
     if missing:
-        raise UnsupportedArchitecture(f"{c.arch}: linear_attn_config lacks {', '.join(missing)}",
-                                      "use the model's original config.json")  # fmt: skip
+        raise UnsupportedArchitecture(
+            f"{c.arch}: linear_attn_config lacks {', '.join(missing)}",
+            "use the model's original config.json",
+        )
     full = [int(x) for x in lac["full_attn_layers"]]
     one_based = bool(full) and (
         max(full) >= n_layers or 0 not in full and 0 not in lac["kda_layers"]
@@ -747,8 +892,20 @@ def read_kimi_linear(c: Cfg, acc: Acc) -> None:
             acc.layers.append(_add_mla(acc, c, hidden, heads))
         else:
             # q/k/v projections, their short convs, decay (f_a/f_b, A_log, dt_bias), beta, output gate
-            acc.add("mamba", 3 * hidden * proj + 3 * proj * conv_k + hidden * hd + hd * proj + nh
-                    + proj + hidden * nh + hidden * hd + hd * proj + hd + proj * hidden)  # fmt: skip
+            acc.add(
+                "mamba",
+                3 * hidden * proj
+                + 3 * proj * conv_k
+                + hidden * hd
+                + hd * proj
+                + nh
+                + proj
+                + hidden * nh
+                + hidden * hd
+                + hd * proj
+                + hd
+                + proj * hidden,
+            )
             acc.layers.append(_gdn_state(conv_k, nh, hd, nh, hd))
         _add_deepseek_ffn(acc, c, hidden, i)
         acc.add("norm", 2 * hidden)
@@ -758,8 +915,14 @@ def read_kimi_linear(c: Cfg, acc: Acc) -> None:
         moe_inter = c.int("moe_intermediate_size")
         n_shared = c.int("num_shared_experts", c.int("n_shared_experts", 0))
         topk = c.int("num_experts_per_token", c.int("num_experts_per_tok", 0))
-        acc.moe = MoESpec(n_exp, topk, moe_inter, n_shared, moe_inter * n_shared,
-                          sum(_deepseek_moe_layer(c, i) for i in range(n_layers)))  # fmt: skip
+        acc.moe = MoESpec(
+            n_exp,
+            topk,
+            moe_inter,
+            n_shared,
+            moe_inter * n_shared,
+            sum(_deepseek_moe_layer(c, i) for i in range(n_layers)),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -806,9 +969,7 @@ def vision_qwen2_5_vl(config: Mapping[str, Any], arch: str, text_hidden: int) ->
         + linear(iv, hv, True)
     )
     mh = hv * merge * merge
-    params = (
-        3 * tp * p * p * hv + depth * block + hv + linear(mh, mh, True) + linear(mh, out, True)
-    )
+    params = 3 * tp * p * p * hv + depth * block + hv + linear(mh, mh, True) + linear(mh, out, True)
     # default processor max_pixels 12845056 → 16384 merged tokens for the largest image
     tokens = 12845056 // (p * p * merge * merge)
     return VisionSpec(params=params, max_tokens_per_item=tokens, hidden_size=hv, num_layers=depth)
@@ -867,14 +1028,12 @@ def vision_mllama(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vis
     positions = (img // p) ** 2 + 1
     out_dim = v.int("vision_output_dim", hv * (len(v.get("intermediate_layers_indices") or []) + 1))
     params = 3 * p * p * hv + hv  # patch conv (no bias) + class embedding
-    params += (
-        positions * hv + 1 + n_ratios * tiles * positions * hv
-    )  # gated + tile position embeddings
+    # gated + tile position embeddings
+    params += positions * hv + 1 + n_ratios * tiles * positions * hv
     params += 2 * (n_ratios * tiles * hv + 1)  # pre/post tile positional embeddings with gates
     params += 4 * hv  # layernorm_pre / layernorm_post
-    params += n * vit_block(hv, iv, bias=False) + n * (
-        hv + iv
-    )  # q/k/v/o without bias, fc with bias
+    # q/k/v/o without bias, fc with bias
+    params += n * vit_block(hv, iv, bias=False) + n * (hv + iv)
     params += n_global * (vit_block(hv, iv, bias=False) + hv + iv + 2)
     params += linear(out_dim, text_hidden, True)
     return VisionSpec(
@@ -916,7 +1075,6 @@ def vision_moonvit(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vi
         hidden_size=hv,
         num_layers=n,
     )
-
 
 
 def read_mllama_text(c: Cfg, acc: Acc) -> None:

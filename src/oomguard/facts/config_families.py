@@ -69,8 +69,10 @@ def read_gemma3n_text(c: Cfg, acc: Acc, model_type: str) -> None:
     inter = c.get("intermediate_size")
     inters = [int(x) for x in inter] if isinstance(inter, list) else [int(inter)] * n_layers
     if len(inters) != n_layers:
-        raise MalformedConfig(f"{c.arch}: intermediate_size lists {len(inters)} layers",
-                              "give one size per layer or one for all")  # fmt: skip
+        raise MalformedConfig(
+            f"{c.arch}: intermediate_size lists {len(inters)} layers",
+            "give one size per layer or one for all",
+        )
     n_alt = c.int("altup_num_inputs", 4)
     rank = c.int("laurel_rank", 64)
     hpl = c.int("hidden_size_per_layer_input", 0)
@@ -220,14 +222,16 @@ def _gemma4_audio_params(audio: Mapping[str, Any], text_hidden: int) -> int:
     model (transformers Gemma4AudioModel / embed_audio; clipped linears add buffers only)."""
     h = int(audio.get("hidden_size") or 1024)
     out = int(audio.get("output_proj_dims") or h)
-    tower = _gemma3n_audio_params({
-        "hidden_size": h,
-        "conf_num_hidden_layers": audio.get("num_hidden_layers") or 12,
-        "conf_num_attention_heads": audio.get("num_attention_heads") or 8,
-        "conf_conv_kernel_size": audio.get("conv_kernel_size") or 5,
-        "sscp_conv_channel_size": audio.get("subsampling_conv_channels") or [128, 32],
-        "input_feat_size": audio.get("num_mel_bins") or 128,
-    })  # fmt: skip
+    tower = _gemma3n_audio_params(
+        {
+            "hidden_size": h,
+            "conf_num_hidden_layers": audio.get("num_hidden_layers") or 12,
+            "conf_num_attention_heads": audio.get("num_attention_heads") or 8,
+            "conf_conv_kernel_size": audio.get("conv_kernel_size") or 5,
+            "sscp_conv_channel_size": audio.get("subsampling_conv_channels") or [128, 32],
+            "input_feat_size": audio.get("num_mel_bins") or 128,
+        }
+    )
     return tower + h * out + out + out * text_hidden
 
 
@@ -248,7 +252,9 @@ def vision_gemma4(config: Mapping[str, Any], arch: str, text_hidden: int) -> Vis
     audio = config.get("audio_config")
     if isinstance(audio, Mapping):
         params += _gemma4_audio_params(audio, text_hidden)
-    tokens = int(config.get("vision_soft_tokens_per_image") or v.get("default_output_length") or 280)
+    tokens = int(
+        config.get("vision_soft_tokens_per_image") or v.get("default_output_length") or 280
+    )
     return VisionSpec(params=params, max_tokens_per_item=tokens, hidden_size=hv, num_layers=n)
 
 
@@ -284,8 +290,7 @@ def read_exaone4(c: Cfg, acc: Acc, model_type: str) -> None:
     inter = c.int("intermediate_size")
     window = c.get("sliding_window")
     for kind in exaone4_layer_types(c, n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       qk_norm=True)  # fmt: skip
+        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd, qk_norm=True)
         acc.add("mlp", gated_mlp(hidden, inter))
         acc.add("norm", 2 * hidden)
         if kind == "sliding_attention" and window:
@@ -314,8 +319,16 @@ def read_glm4_moe(c: Cfg, acc: Acc, model_type: str) -> None:
     vocab = c.int("vocab_size")
 
     def layer(target: Acc, i: int) -> None:
-        add_attention(target, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bias, kv_bias=bias, qk_norm=qk_norm)  # fmt: skip
+        add_attention(
+            target,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bias,
+            kv_bias=bias,
+            qk_norm=qk_norm,
+        )
         if i < first_dense:
             target.add("mlp", gated_mlp(hidden, c.int("intermediate_size")))
         else:
@@ -338,7 +351,9 @@ def read_glm4_moe(c: Cfg, acc: Acc, model_type: str) -> None:
         extra = 2 * hidden + 2 * hidden * hidden + hidden + 2 * vocab * hidden
         acc.add("mtp", sum(scratch.counts.values()) + n_mtp * extra)
         acc.num_mtp_layers = n_mtp
-    acc.moe = MoESpec(n_exp, topk, moe_inter, n_shared, moe_inter * n_shared, n_layers - first_dense)
+    acc.moe = MoESpec(
+        n_exp, topk, moe_inter, n_shared, moe_inter * n_shared, n_layers - first_dense
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,8 +381,12 @@ def vision_llava_next(config: Mapping[str, Any], arch: str, text_hidden: int) ->
     spec = vision_clip_llava(config, arch, text_hidden)
     v = vision_cfg(config, arch)
     tokens = llava_next_max_tokens(config, v.int("image_size"), v.int("patch_size"))
-    return VisionSpec(params=spec.params + text_hidden, max_tokens_per_item=tokens,
-                      hidden_size=spec.hidden_size, num_layers=spec.num_layers)  # fmt: skip
+    return VisionSpec(
+        params=spec.params + text_hidden,
+        max_tokens_per_item=tokens,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+    )
 
 
 def vision_qwen3_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> VisionSpec:
@@ -375,14 +394,21 @@ def vision_qwen3_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> V
     blocks with biases, a 2×2 patch merger and one more merger per DeepStack level."""
     v = vision_cfg(config, arch)
     hv, iv, depth = (int(x) for x in v.req("hidden_size", "intermediate_size", "depth"))
-    p, tp, merge = v.int("patch_size", 16), v.int("temporal_patch_size", 2), v.int("spatial_merge_size", 2)
+    p, tp, merge = (
+        v.int("patch_size", 16),
+        v.int("temporal_patch_size", 2),
+        v.int("spatial_merge_size", 2),
+    )
     channels = v.int("in_channels", 3)
     out = v.int("out_hidden_size", text_hidden)
     mh = hv * merge * merge
     block = (
-        4 * hv + linear(hv, 3 * hv, True) + linear(hv, hv, True) + linear(hv, iv, True)
+        4 * hv
+        + linear(hv, 3 * hv, True)
+        + linear(hv, hv, True)
+        + linear(hv, iv, True)
         + linear(iv, hv, True)
-    )  # fmt: skip
+    )
     params = linear(channels * tp * p * p, hv, True) + v.int("num_position_embeddings", 2304) * hv
     params += depth * block
     merger = linear(mh, mh, True) + linear(mh, out, True)
@@ -391,4 +417,3 @@ def vision_qwen3_vl(config: Mapping[str, Any], arch: str, text_hidden: int) -> V
     # the default processor caps an image at 16,777,216 pixels: 16,384 merged tokens at patch 16
     tokens = 16_777_216 // (p * p * merge * merge)
     return VisionSpec(params=params, max_tokens_per_item=tokens, hidden_size=hv, num_layers=depth)
-

@@ -71,16 +71,21 @@ def _refuse(arch: str, model_type: str, why: str) -> UnsupportedArchitecture:
     )
 
 
-def generic_caveats(text: Mapping[str, Any], config: Mapping[str, Any], arch: str,
-                    model_type: str) -> list[str]:  # fmt: skip
+def generic_caveats(
+    text: Mapping[str, Any], config: Mapping[str, Any], arch: str, model_type: str
+) -> list[str]:
     """Check that ``text`` can be read generically; the caveats to show with the plan.
 
     Raises :class:`UnsupportedArchitecture` (naming the field) when a field that may change the
     cache is not understood, when the config is multimodal, or when it is not a decoder.
     """
     if not (arch.endswith("ForCausalLM") or arch == model_type):
-        raise _refuse(arch, model_type, "only decoder-only language models (…ForCausalLM) "
-                      "are read without an architecture-specific reader")  # fmt: skip
+        raise _refuse(
+            arch,
+            model_type,
+            "only decoder-only language models (…ForCausalLM) "
+            "are read without an architecture-specific reader",
+        )
     for key in ("vision_config", "audio_config", "encoder_config", "vision_tower"):
         if config.get(key) is not None:
             raise _refuse(arch, model_type, f"its {key} is a tower no reader accounts for")
@@ -89,17 +94,25 @@ def generic_caveats(text: Mapping[str, Any], config: Mapping[str, Any], arch: st
         if key in _NEUTRAL or key in _READ or value is None or value is False:
             continue
         if any(hint in key.lower() for hint in _CACHE_HINTS):
-            raise _refuse(arch, model_type,
-                          f"its config field {key!r} may change the KV cache and is not understood")  # fmt: skip
+            raise _refuse(
+                arch,
+                model_type,
+                f"its config field {key!r} may change the KV cache and is not understood",
+            )
         ignored.append(key)
     for kind in text.get("layer_types") or ():
         if kind not in _LAYER_KINDS:
             raise _refuse(arch, model_type, f"layer type {kind!r} is not understood")
-    if text.get("sliding_window") and not text.get("layer_types") and text.get(
-        "use_sliding_window", True
+    if (
+        text.get("sliding_window")
+        and not text.get("layer_types")
+        and text.get("use_sliding_window", True)
     ):
-        raise _refuse(arch, model_type, "sliding_window without layer_types: which layers "
-                      "slide is model-specific")  # fmt: skip
+        raise _refuse(
+            arch,
+            model_type,
+            "sliding_window without layer_types: which layers slide is model-specific",
+        )
     note = (
         f"architecture not verified: {arch} (model_type {model_type!r}) has no reader of its "
         "own; read as a standard decoder (attention per layer_types, gated MLP"
@@ -135,8 +148,17 @@ def read_generic(c: Cfg, acc: Acc, model_type: str) -> None:
     shared = c.int("shared_expert_intermediate_size", moe_inter * c.int("n_shared_experts", 0))
     moe_layers = 0
     for i in range(n_layers):
-        add_attention(acc, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hd,
-                       q_bias=bias, kv_bias=bias, o_bias=bias, qk_norm=qk_norm)  # fmt: skip
+        add_attention(
+            acc,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            q_bias=bias,
+            kv_bias=bias,
+            o_bias=bias,
+            qk_norm=qk_norm,
+        )
         if n_exp and _is_moe_layer(c, i):
             moe_layers += 1
             acc.add("router", hidden * n_exp)
@@ -154,5 +176,6 @@ def read_generic(c: Cfg, acc: Acc, model_type: str) -> None:
             acc.layers.append(attn_layer(AttentionKind.FULL, kv_heads, hd))
     acc.add("norm", hidden)
     if n_exp:
-        acc.moe = MoESpec(n_exp, c.int("num_experts_per_tok"), moe_inter,
-                          1 if shared else 0, shared, moe_layers)  # fmt: skip
+        acc.moe = MoESpec(
+            n_exp, c.int("num_experts_per_tok"), moe_inter, 1 if shared else 0, shared, moe_layers
+        )

@@ -113,6 +113,7 @@ class Acc:
         if n:
             self.counts[group] = self.counts.get(group, 0) + int(n)
 
+
 # --------------------------------------------------------------------------------------------
 # building blocks
 
@@ -235,6 +236,7 @@ def dense_core(c: Cfg) -> tuple[int, int, int, int, int]:
 # --------------------------------------------------------------------------------------------
 # vision towers
 
+
 def vit_block(
     hv: int, iv: int, *, bias: bool = True, gated: bool = False, layernorm: bool = True
 ) -> int:
@@ -246,8 +248,10 @@ def vit_block(
 def vision_cfg(config: Mapping[str, Any], arch: str) -> Cfg:
     vc = config.get("vision_config")
     if not isinstance(vc, Mapping):
-        raise UnsupportedArchitecture(f"{arch}: multimodal config without vision_config",
-                                      "use the model's original config.json")  # fmt: skip
+        raise UnsupportedArchitecture(
+            f"{arch}: multimodal config without vision_config",
+            "use the model's original config.json",
+        )
     return Cfg(vc, f"{arch} vision_config", None)
 
 

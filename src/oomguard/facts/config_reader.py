@@ -129,7 +129,6 @@ def apply_config_defaults(
     return out
 
 
-
 def _rope_params(text: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     rp = text.get("rope_parameters") or text.get("rope_scaling")
     if not isinstance(rp, Mapping):
@@ -214,8 +213,11 @@ def rope_caches(
         params = [{"rope_theta": text["rope_local_base_freq"]}, params[0]]
     head = acc.rope_head or head_size
     partial = next(
-        (text[k] for k in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
-         if isinstance(text.get(k), (int, float))),
+        (
+            text[k]
+            for k in ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+            if isinstance(text.get(k), (int, float))
+        ),
         1.0,
     )
     seen: list[Mapping[str, Any]] = []
@@ -254,14 +256,18 @@ class TextConfig:
 def resolve_text_config(config: Mapping[str, Any], source: str) -> TextConfig:
     """Find the text config and the model type its reader is registered under."""
     if not isinstance(config, Mapping):
-        raise MalformedConfig(f"{source}: config is a {type(config).__name__}, not a JSON object",
-                              "point at the model's config.json")  # fmt: skip
+        raise MalformedConfig(
+            f"{source}: config is a {type(config).__name__}, not a JSON object",
+            "point at the model's config.json",
+        )
     archs = config.get("architectures") or []
     top_type = str(config.get("model_type") or "")
     arch = str(archs[0]) if archs else (top_type or "unknown")
     if not top_type:
-        raise UnsupportedArchitecture(f"{arch}: config.json has no model_type",
-                                      "use the model's original config.json (it names model_type)")  # fmt: skip
+        raise UnsupportedArchitecture(
+            f"{arch}: config.json has no model_type",
+            "use the model's original config.json (it names model_type)",
+        )
     config = apply_config_defaults(config)
     text, nested = _text_config(config)
     text_type = str(text.get("model_type") or top_type) if nested else top_type
@@ -329,20 +335,37 @@ def param_groups(c: Cfg, acc: Acc) -> tuple[ParamGroup, ...]:
             rows = c.int("vocab_size_per_layer_input", vocab)
             cols = acc.counts[gname] // rows
         groups.append(
-            ParamGroup(name=gname, count=acc.counts[gname], sharding=sharding,
-                       quantizable=quantizable, per_layer=per_layer, stage=stage,
-                       rows=rows, cols=cols)
+            ParamGroup(
+                name=gname,
+                count=acc.counts[gname],
+                sharding=sharding,
+                quantizable=quantizable,
+                per_layer=per_layer,
+                stage=stage,
+                rows=rows,
+                cols=cols,
+            )
         )
     return tuple(groups)
 
 
 _ATTENTION_KINDS = (
-    AttentionKind.FULL, AttentionKind.SLIDING, AttentionKind.CHUNKED, AttentionKind.MLA
+    AttentionKind.FULL,
+    AttentionKind.SLIDING,
+    AttentionKind.CHUNKED,
+    AttentionKind.MLA,
 )
 
 
 def assemble_spec(
-    tc: TextConfig, c: Cfg, acc: Acc, *, tie: bool, caveats: list[str], name: str, source: str,
+    tc: TextConfig,
+    c: Cfg,
+    acc: Acc,
+    *,
+    tie: bool,
+    caveats: list[str],
+    name: str,
+    source: str,
     param_bytes_by_dtype: Mapping[str, int] | None,
 ) -> ModelSpec:
     """The :class:`ModelSpec` from the reader's counts and the config's own fields."""
@@ -351,8 +374,11 @@ def assemble_spec(
     first_attn = next((ly for ly in acc.layers if ly.kind in _ATTENTION_KINDS), None)
     text, config = tc.text, tc.config
     dtype = str(
-        text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
-        or config.get("dtype") or "float32"
+        text.get("torch_dtype")
+        or text.get("dtype")
+        or config.get("torch_dtype")
+        or config.get("dtype")
+        or "float32"
     )
     inter = c.get("intermediate_size") or c.get("moe_intermediate_size") or c.get("ffn_dim") or 0
     if isinstance(inter, list):  # per-layer sizes (Gemma 3n): the widest sets the peak
@@ -372,7 +398,9 @@ def assemble_spec(
         tie_word_embeddings=tie,
         derived_max_model_len=derive_max_model_len(text, tc.text_type),
         rope_caches=rope_caches(
-            text, acc, first_attn.head_size if first_attn else 0,
+            text,
+            acc,
+            first_attn.head_size if first_attn else 0,
             derive_max_model_len(text, tc.text_type),
         ),
         layers=tuple(acc.layers),
@@ -407,7 +435,13 @@ def spec_from_config(
     c, acc, caveats = run_reader(tc)
     tie = add_embeddings(tc, c, acc)
     return assemble_spec(
-        tc, c, acc, tie=tie, caveats=caveats, name=name, source=source,
+        tc,
+        c,
+        acc,
+        tie=tie,
+        caveats=caveats,
+        name=name,
+        source=source,
         param_bytes_by_dtype=param_bytes_by_dtype,
     )
 

@@ -107,11 +107,19 @@ def read_header(path: str | Path) -> GGUFHeader:
     try:
         reader = GGUFReader(str(p))
     except Exception as exc:  # noqa: BLE001 - the gguf package raises plain ValueError/struct errors
-        raise MalformedConfig(f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc})",
-                              "check the file; it may be truncated") from None  # fmt: skip
+        raise MalformedConfig(
+            f"{p} is not a readable GGUF file ({type(exc).__name__}: {exc})",
+            "check the file; it may be truncated",
+        ) from None
     tensors = tuple(
-        GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape),
-                       int(t.data_offset), int(t.n_elements), int(t.n_bytes))  # fmt: skip
+        GGUFTensorInfo(
+            t.name,
+            t.tensor_type.name,
+            tuple(int(d) for d in t.shape),
+            int(t.data_offset),
+            int(t.n_elements),
+            int(t.n_bytes),
+        )
         for t in reader.tensors
     )
     header = GGUFHeader(path=p, architecture="", tensors=tensors, reader=reader)
@@ -162,10 +170,13 @@ def _hf_config(header: GGUFHeader) -> dict[str, Any]:
     if kv("attention.sliding_window"):
         config["sliding_window"] = kv("attention.sliding_window")
     if kv("expert_count"):
-        config.update(num_experts=kv("expert_count"), num_local_experts=kv("expert_count"),
-                      num_experts_per_tok=kv("expert_used_count"),
-                      moe_intermediate_size=kv("expert_feed_forward_length") or kv("feed_forward_length"),
-                      shared_expert_intermediate_size=kv("expert_shared_feed_forward_length") or 0)  # fmt: skip
+        config.update(
+            num_experts=kv("expert_count"),
+            num_local_experts=kv("expert_count"),
+            num_experts_per_tok=kv("expert_used_count"),
+            moe_intermediate_size=kv("expert_feed_forward_length") or kv("feed_forward_length"),
+            shared_expert_intermediate_size=kv("expert_shared_feed_forward_length") or 0,
+        )
         if model_type == "llama":
             config["model_type"] = "mixtral"
     factor = kv("rope.scaling.factor")
@@ -224,6 +235,9 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
         gguf_bits_per_weight=bpw,
     )
     return dataclasses.replace(
-        base, params=tuple(groups), quant=quant, checkpoint_bytes_by_dtype=bytes_by_type,
+        base,
+        params=tuple(groups),
+        quant=quant,
+        checkpoint_bytes_by_dtype=bytes_by_type,
         architecture=f"gguf:{header.architecture}",
-    )  # fmt: skip
+    )

@@ -264,8 +264,12 @@ def custom_gpu(total_gib: float, name: str = "custom") -> GPUSpec:
             f"GPU memory must be positive, got {total_gib} GiB",
             "pass --gpu-memory-gib as CUDA reports it",
         )
-    return GPUSpec(name=name, total_bytes=round(total_gib * GIB), marketing_gb=total_gib,
-                   source="user-given total")  # fmt: skip
+    return GPUSpec(
+        name=name,
+        total_bytes=round(total_gib * GIB),
+        marketing_gb=total_gib,
+        source="user-given total",
+    )
 
 
 @dataclass(frozen=True)
@@ -306,11 +310,15 @@ def detect_gpus() -> list[DetectedGPU]:
         devices = read_devices()
     except NvmlUnavailable as exc:
         if exc.reason == "not_installed":
-            raise NoGPUDetected("--gpu auto needs nvidia-ml-py, which is not installed",
-                                "pip install nvidia-ml-py, or name the GPU with --gpu NAME") from None  # fmt: skip
+            raise NoGPUDetected(
+                "--gpu auto needs nvidia-ml-py, which is not installed",
+                "pip install nvidia-ml-py, or name the GPU with --gpu NAME",
+            ) from None
         if exc.reason == "no_driver":
-            raise NoGPUDetected(f"--gpu auto found no NVIDIA driver ({exc.detail})",
-                                "name the GPU with --gpu NAME (e.g. --gpu 'H100 SXM') or --gpu-memory-gib N") from None  # fmt: skip
+            raise NoGPUDetected(
+                f"--gpu auto found no NVIDIA driver ({exc.detail})",
+                "name the GPU with --gpu NAME (e.g. --gpu 'H100 SXM') or --gpu-memory-gib N",
+            ) from None
         raise
     if not devices:
         raise NoGPUDetected("--gpu auto: NVML reports no GPUs", "name the GPU with --gpu NAME")
@@ -325,12 +333,23 @@ def _detected(device: NvmlDevice) -> DetectedGPU:
     try:
         spec = find_gpu(device.name)
     except UnknownGPU:
-        spec = GPUSpec(name=device.name, total_bytes=device.total_bytes - device.reserved_bytes,
-                       marketing_gb=round(device.total_bytes / 1e9), device_name=device.name,
-                       source="NVML total minus driver reserve (not in catalogue)")  # fmt: skip
-    return DetectedGPU(index=device.index, name=device.name, total_bytes=device.total_bytes,
-                       free_bytes=device.free_bytes, used_bytes=device.used_bytes,
-                       reserved_bytes=device.reserved_bytes, processes=tuple(procs), spec=spec)  # fmt: skip
+        spec = GPUSpec(
+            name=device.name,
+            total_bytes=device.total_bytes - device.reserved_bytes,
+            marketing_gb=round(device.total_bytes / 1e9),
+            device_name=device.name,
+            source="NVML total minus driver reserve (not in catalogue)",
+        )
+    return DetectedGPU(
+        index=device.index,
+        name=device.name,
+        total_bytes=device.total_bytes,
+        free_bytes=device.free_bytes,
+        used_bytes=device.used_bytes,
+        reserved_bytes=device.reserved_bytes,
+        processes=tuple(procs),
+        spec=spec,
+    )
 
 
 # The name the planner, doctor and benchmarks use for the lookup.

@@ -80,12 +80,15 @@ def spec_from_hub(
     try:
         config_path = _with_deadline(
             lambda: _fetch_config(repo_id, revision, timeout_s, endpoint, token),
-            timeout_s, "config.json",
-        )  # fmt: skip
+            timeout_s,
+            "config.json",
+        )
     except Exception as exc:  # noqa: BLE001 - every hub failure means "no facts from the hub"
         reason = _describe(exc)
-        raise UnknownModel(f"model {repo_id!r} could not be fetched from the hub ({reason})",
-                           _alternatives(repo_id)) from None  # fmt: skip
+        raise UnknownModel(
+            f"model {repo_id!r} could not be fetched from the hub ({reason})",
+            _alternatives(repo_id),
+        ) from None
     from pathlib import Path
 
     config = read_json(Path(config_path))
@@ -98,15 +101,21 @@ def spec_from_hub(
     try:
         meta = _with_deadline(
             lambda: HfApi(endpoint=endpoint).get_safetensors_metadata(
-                repo_id, revision=revision, token=token, timeout=timeout_s),
-            timeout_s, "safetensors metadata",
-        )  # fmt: skip
+                repo_id, revision=revision, token=token, timeout=timeout_s
+            ),
+            timeout_s,
+            "safetensors metadata",
+        )
         for dtype, count in dict(meta.parameter_count).items():
             bytes_by_dtype[dtype] = int(count * SAFETENSORS_DTYPE_BYTES.get(dtype, 2))
     except Exception:  # noqa: BLE001 - bytes are an optional refinement
         bytes_by_dtype = {}
-    return spec_from_config(config, name=repo_id, source=f"hub {repo_id}" + (f"@{revision}" if revision else ""),
-                            param_bytes_by_dtype=bytes_by_dtype)  # fmt: skip
+    return spec_from_config(
+        config,
+        name=repo_id,
+        source=f"hub {repo_id}" + (f"@{revision}" if revision else ""),
+        param_bytes_by_dtype=bytes_by_dtype,
+    )
 
 
 def _no_retry_kwargs(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -149,14 +158,30 @@ def _fetch_config(
         raise
     except Exception as exc:  # noqa: BLE001 - connection refused, DNS failure, read timeout
         try:
-            return str(hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint,
-                                       token=token, local_files_only=True))  # fmt: skip
+            return str(
+                hf_hub_download(
+                    repo_id,
+                    "config.json",
+                    revision=revision,
+                    endpoint=endpoint,
+                    token=token,
+                    local_files_only=True,
+                )
+            )
         except Exception:  # noqa: BLE001 - not cached either
             raise HubUnreachable(
                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
             ) from None
-    return str(hf_hub_download(repo_id, "config.json", revision=revision, endpoint=endpoint,
-                               token=token, etag_timeout=timeout_s))  # fmt: skip
+    return str(
+        hf_hub_download(
+            repo_id,
+            "config.json",
+            revision=revision,
+            endpoint=endpoint,
+            token=token,
+            etag_timeout=timeout_s,
+        )
+    )
 
 
 def _describe(exc: BaseException) -> str:

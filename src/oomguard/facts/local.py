@@ -87,8 +87,10 @@ def bytes_by_dtype_from_header(header: dict[str, Any], path: Path) -> dict[str, 
             dtype = str(info["dtype"])
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise MalformedConfig(f"{path}: tensor {tensor!r} has no valid dtype/data_offsets",
-                                  "download the file again") from None  # fmt: skip
+            raise MalformedConfig(
+                f"{path}: tensor {tensor!r} has no valid dtype/data_offsets",
+                "download the file again",
+            ) from None
         if end < start:
             raise MalformedConfig(
                 f"{path}: tensor {tensor!r} has a negative byte range", "download the file again"

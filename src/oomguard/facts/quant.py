@@ -19,8 +19,13 @@ from oomguard.memory.spec import QuantSpec
 DEFAULT_UNQUANTIZED: tuple[str, ...] = ("embed", "pos_embed", "lm_head", "router", "norm", "vision")
 # gpt-oss MXFP4: only the MoE experts are packed (attention, router, embeddings, LM head in bf16).
 MXFP4_UNQUANTIZED: tuple[str, ...] = DEFAULT_UNQUANTIZED + (
-    "attn_qo", "attn_kv", "mlp", "shared_experts", "mamba", "mtp",
-)  # fmt: skip
+    "attn_qo",
+    "attn_kv",
+    "mlp",
+    "shared_experts",
+    "mamba",
+    "mtp",
+)
 
 # Module names in ignore / modules_to_not_convert lists → our parameter groups. A name is read
 # as dotted path components (``model.layers.0.post_attention_layernorm``); each rule names the
@@ -32,15 +37,24 @@ _COMPONENT_TO_GROUP: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple
     for pattern, groups in (
         (r"^lm_head$", ("lm_head",)),
         (r"^(embed_tokens|embeddings?|wte|word_embeddings|embed_tokens_per_layer)$", ("embed",)),
-        (r"^(self_attn|attn|attention|self_attention|linear_attn|cross_attn)$", ("attn_qo", "attn_kv")),
-        (r"^(q_proj|k_proj|v_proj|o_proj|qkv_proj|c_attn|query_key_value|wqkv|wo)$", ("attn_qo", "attn_kv")),
+        (
+            r"^(self_attn|attn|attention|self_attention|linear_attn|cross_attn)$",
+            ("attn_qo", "attn_kv"),
+        ),
+        (
+            r"^(q_proj|k_proj|v_proj|o_proj|qkv_proj|c_attn|query_key_value|wqkv|wo)$",
+            ("attn_qo", "attn_kv"),
+        ),
         (r"^shared_experts?$", ("shared_experts",)),
         (r"^(router|gate|shared_expert_gate)$", ("router",)),
-        (r"^(visual|vision_tower|vision_model|vision|multi_modal_projector|mm_projector|audio_tower)$", ("vision",)),
+        (
+            r"^(visual|vision_tower|vision_model|vision|multi_modal_projector|mm_projector|audio_tower)$",
+            ("vision",),
+        ),
         (r"^(mamba|mixer)$", ("mamba",)),
         (r"^mtp$", ("mtp",)),
     )
-)  # fmt: skip
+)
 
 
 def _module_groups(module: Any) -> tuple[str, ...]:
@@ -113,17 +127,35 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> QuantSpec:
     unq = _merge(DEFAULT_UNQUANTIZED, ignored)
     fmt = str(qc.get("format", ""))
     if bits == 4 and wtype == "float":
-        return QuantSpec(method="nvfp4", weight_bits=4, group_size=group or 16,
-                         scale_granularity="group", unquantized_groups=unq)  # fmt: skip
-    granularity = {"tensor": "tensor", "channel": "channel", "group": "group", "block": "block",
-                   "tensor_group": "group"}.get(strategy, strategy)  # fmt: skip
+        return QuantSpec(
+            method="nvfp4",
+            weight_bits=4,
+            group_size=group or 16,
+            scale_granularity="group",
+            unquantized_groups=unq,
+        )
+    granularity = {
+        "tensor": "tensor",
+        "channel": "channel",
+        "group": "group",
+        "block": "block",
+        "tensor_group": "group",
+    }.get(strategy, strategy)
     zero_point = not bool(weights.get("symmetric", True))
     method = "fp8" if (bits == 8 and wtype == "float") else "compressed-tensors"
     if fmt == "marlin-24" or weights.get("sparsity_structure"):
-        raise UnsupportedArchitecture("compressed-tensors 2:4 sparse checkpoints are not modelled",
-                                      "use a dense quantized checkpoint")  # fmt: skip
-    return QuantSpec(method=method, weight_bits=bits, group_size=group, zero_point=zero_point,
-                     scale_granularity=granularity, unquantized_groups=unq)  # fmt: skip
+        raise UnsupportedArchitecture(
+            "compressed-tensors 2:4 sparse checkpoints are not modelled",
+            "use a dense quantized checkpoint",
+        )
+    return QuantSpec(
+        method=method,
+        weight_bits=bits,
+        group_size=group,
+        zero_point=zero_point,
+        scale_granularity=granularity,
+        unquantized_groups=unq,
+    )
 
 
 def _modelopt(qc: Mapping[str, Any]) -> QuantSpec:
@@ -138,13 +170,46 @@ def _modelopt(qc: Mapping[str, Any]) -> QuantSpec:
             method="fp8", weight_bits=8, scale_granularity=gran, unquantized_groups=unq
         )
     if algo in ("NVFP4", "W4A16_NVFP4", "NVFP4_AWQ"):
-        return QuantSpec(method="nvfp4", weight_bits=4, group_size=_int(inner, "group_size", default=16),
-                         scale_granularity="group", unquantized_groups=unq)  # fmt: skip
+        return QuantSpec(
+            method="nvfp4",
+            weight_bits=4,
+            group_size=_int(inner, "group_size", default=16),
+            scale_granularity="group",
+            unquantized_groups=unq,
+        )
     if algo == "MXFP8":
-        return QuantSpec(method="fp8", weight_bits=8, group_size=32, scale_granularity="group",
-                         unquantized_groups=unq)  # fmt: skip
-    raise UnsupportedArchitecture(f"ModelOpt quant_algo {algo or '(none)'!r} is not modelled",
-                                  "supported ModelOpt formats: FP8, NVFP4")  # fmt: skip
+        return QuantSpec(
+            method="fp8",
+            weight_bits=8,
+            group_size=32,
+            scale_granularity="group",
+            unquantized_groups=unq,
+        )
+    raise UnsupportedArchitecture(
+        f"ModelOpt quant_algo {algo or '(none)'!r} is not modelled",
+        "supported ModelOpt formats: FP8, NVFP4",
+    )
+
+
+def _fp8(qc: Mapping[str, Any], method: str) -> QuantSpec:
+    """FP8 weights: block-, channel- (fbgemm) or tensor-scaled."""
+    block = qc.get("weight_block_size")
+    ignored = _groups_for_modules(
+        qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+    )
+    if block:
+        gran = "block"
+    elif method == "fbgemm-fp8":
+        gran = "channel"
+    else:
+        gran = "tensor"
+    return QuantSpec(
+        method="fp8",
+        weight_bits=8,
+        scale_granularity=gran,
+        group_size=int(block[0]) if block else None,
+        unquantized_groups=_merge(DEFAULT_UNQUANTIZED, ignored),
+    )
 
 
 def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
@@ -163,32 +228,31 @@ def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
         unq = _merge(
             DEFAULT_UNQUANTIZED, _groups_for_modules(qc.get("modules_to_not_convert") or [])
         )
-        return QuantSpec(method="awq", weight_bits=bits, group_size=group,
-                         zero_point=bool(qc.get("zero_point", True)), scale_granularity="group",
-                         unquantized_groups=unq)  # fmt: skip
+        return QuantSpec(
+            method="awq",
+            weight_bits=bits,
+            group_size=group,
+            zero_point=bool(qc.get("zero_point", True)),
+            scale_granularity="group",
+            unquantized_groups=unq,
+        )
     if method in ("gptq", "gptq-marlin"):
         bits = _int(qc, "bits", default=4) or 4
         group = _group_size(_int(qc, "group_size", default=_AWQ_GPTQ_DEFAULT_GROUP))
         unq = _merge(
             DEFAULT_UNQUANTIZED, _groups_for_modules(qc.get("modules_to_not_convert") or [])
         )
-        return QuantSpec(method="gptq", weight_bits=bits, group_size=group, zero_point=True,
-                         scale_granularity="group" if group else "channel",
-                         desc_act=bool(qc.get("desc_act", False)), unquantized_groups=unq)  # fmt: skip
-    if method in ("fp8", "fbgemm-fp8"):
-        block = qc.get("weight_block_size")
-        ignored = _groups_for_modules(
-            qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+        return QuantSpec(
+            method="gptq",
+            weight_bits=bits,
+            group_size=group,
+            zero_point=True,
+            scale_granularity="group" if group else "channel",
+            desc_act=bool(qc.get("desc_act", False)),
+            unquantized_groups=unq,
         )
-        if block:
-            gran = "block"
-        elif method == "fbgemm-fp8":
-            gran = "channel"
-        else:
-            gran = "tensor"
-        return QuantSpec(method="fp8", weight_bits=8, scale_granularity=gran,
-                         group_size=int(block[0]) if block else None,
-                         unquantized_groups=_merge(DEFAULT_UNQUANTIZED, ignored))  # fmt: skip
+    if method in ("fp8", "fbgemm-fp8"):
+        return _fp8(qc, method)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
     if method == "bitsandbytes":
@@ -197,12 +261,22 @@ def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
         else:
             bits, group, gran = 4, 64, "group"
         skip = _groups_for_modules(qc.get("llm_int8_skip_modules") or [])
-        return QuantSpec(method="bitsandbytes", weight_bits=bits, group_size=group, scale_granularity=gran,
-                         zero_point=bool(qc.get("bnb_4bit_use_double_quant", False)),
-                         unquantized_groups=_merge(DEFAULT_UNQUANTIZED, skip))  # fmt: skip
+        return QuantSpec(
+            method="bitsandbytes",
+            weight_bits=bits,
+            group_size=group,
+            scale_granularity=gran,
+            zero_point=bool(qc.get("bnb_4bit_use_double_quant", False)),
+            unquantized_groups=_merge(DEFAULT_UNQUANTIZED, skip),
+        )
     if method == "mxfp4":
-        return QuantSpec(method="mxfp4", weight_bits=4, group_size=32, scale_granularity="group",
-                         unquantized_groups=MXFP4_UNQUANTIZED)  # fmt: skip
+        return QuantSpec(
+            method="mxfp4",
+            weight_bits=4,
+            group_size=32,
+            scale_granularity="group",
+            unquantized_groups=MXFP4_UNQUANTIZED,
+        )
     if method == "modelopt" or method == "modelopt-fp4":
         return _modelopt(qc)
     if method == "gguf":

@@ -79,8 +79,19 @@ Reader = Callable[[Cfg, Acc, str], None]
 
 
 def _readers() -> dict[str, Reader]:
-    llama_like = ("llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
-                  "olmo2")  # fmt: skip
+    llama_like = (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "granite",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+    )
     table: dict[str, Reader] = {t: read_llama_like for t in llama_like}
     table.update(
         {
@@ -153,7 +164,7 @@ def pick_reader(
         caveats = config_generic.generic_caveats(text, config, arch, text_type)
     except UnsupportedArchitecture as exc:
         raise UnsupportedArchitecture(
-            exc.message, f"{exc.hint}; model types with their own reader: "
-            f"{', '.join(supported_model_types())}",
-        ) from None  # fmt: skip
+            exc.message,
+            f"{exc.hint}; model types with their own reader: {', '.join(supported_model_types())}",
+        ) from None
     return config_generic.read_generic, caveats

@@ -89,11 +89,17 @@ def _quantized(ref: str, find: Callable[[str], ModelSpec | None]) -> ModelSpec |
     if base is None:
         return None
     return dataclasses.replace(
-        base, name=ref, quant=quant, checkpoint_bytes_by_dtype={},
+        base,
+        name=ref,
+        quant=quant,
+        checkpoint_bytes_by_dtype={},
         source=f"{base.source}; weight format {quant.method} from the name {ref!r}",
-        caveats=(*base.caveats, f"{ref} is not catalogued: {base.name}'s config with the "
-                 f"{quant.method} weight format its name states"),
-    )  # fmt: skip
+        caveats=(
+            *base.caveats,
+            f"{ref} is not catalogued: {base.name}'s config with the "
+            f"{quant.method} weight format its name states",
+        ),
+    )
 
 
 # release suffixes of the same architecture: a base model and its instruction-tuned,
@@ -127,9 +133,11 @@ def _sibling(ref: str) -> ModelSpec | None:
             f"the repo's own config.json, or pass its path)"
         )
         return dataclasses.replace(
-            spec, name=ref, source=f"{spec.source}; sibling of {ref}",
+            spec,
+            name=ref,
+            source=f"{spec.source}; sibling of {ref}",
             caveats=(*spec.caveats, caveat),
-        )  # fmt: skip
+        )
     return None
 
 

@@ -776,7 +776,9 @@ class GuardApp:
         assert self.session is not None
         if llama_backend.is_llama(backend):
             try:
-                return await llama_backend.count_tokens(self.session, backend, payload, self._tokenize_timeout)
+                return await llama_backend.count_tokens(
+                    self.session, backend, payload, self._tokenize_timeout
+                )
             except (*_UPSTREAM_ERRORS, ValueError):
                 return None
         try:

@@ -65,9 +65,13 @@ class Backend:
         self.llama_layout = layout
         a = self.admission
         a.settings = dataclasses.replace(
-            a.settings, high_watermark=1.0, low_watermark=1.0, projected_watermark=1.0,
-            track_mode="off", stagger=False,
-        )  # fmt: skip
+            a.settings,
+            high_watermark=1.0,
+            low_watermark=1.0,
+            projected_watermark=1.0,
+            track_mode="off",
+            stagger=False,
+        )
         a.set_capacity(layout.slots + 1, layout.block_tokens)
         return first
 

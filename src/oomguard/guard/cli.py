@@ -13,9 +13,7 @@ BackendOption = Annotated[
     typer.Option("--backend", help="vLLM server base URL (repeatable)."),
 ]
 PortOption = Annotated[int | None, typer.Option(help="Port to listen on (default 8100).")]
-HostOption = Annotated[
-    str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")
-]
+HostOption = Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")]
 ConfigOption = Annotated[
     Path | None, typer.Option("--config", help="YAML file with guard settings.")
 ]

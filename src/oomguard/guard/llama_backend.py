@@ -64,7 +64,9 @@ class SlotLayout:
     @property
     def block_tokens(self) -> int:
         """Tokens of one admission block: a slot's context, or its share of a shared pool."""
-        return max(1, self.n_ctx_per_slot // self.slots) if self.shared_pool else self.n_ctx_per_slot
+        return (
+            max(1, self.n_ctx_per_slot // self.slots) if self.shared_pool else self.n_ctx_per_slot
+        )
 
     @property
     def capacity_tokens(self) -> int:
@@ -74,8 +76,10 @@ class SlotLayout:
     def basis(self) -> str:
         """How the capacity was read, in words."""
         if self.kv_unified is None:
-            return (f"/props: {self.slots} slots × {self.n_ctx_per_slot} tokens; one shared KV pool "
-                    "assumed (set kv_unified: false for this backend if each slot has its own)")  # fmt: skip
+            return (
+                f"/props: {self.slots} slots × {self.n_ctx_per_slot} tokens; one shared KV pool "
+                "assumed (set kv_unified: false for this backend if each slot has its own)"
+            )
         layout = "one shared KV pool" if self.kv_unified else "a KV pool per slot"
         return f"/props: {self.slots} slots × {self.n_ctx_per_slot} tokens, {layout} (config)"
 
@@ -126,8 +130,14 @@ async def poll(session: aiohttp.ClientSession, backend: SlotServer) -> VllmSnaps
     layout = backend.llama_layout
     assert layout is not None
     busy = await _busy_slots(session, backend)
-    return VllmSnapshot(kv_cache_usage=None if busy is None else busy * layout.block_tokens / layout.capacity_tokens,
-                       requests_running=busy, num_gpu_blocks=layout.slots + 1, block_size=layout.block_tokens)  # fmt: skip
+    return VllmSnapshot(
+        kv_cache_usage=None
+        if busy is None
+        else busy * layout.block_tokens / layout.capacity_tokens,
+        requests_running=busy,
+        num_gpu_blocks=layout.slots + 1,
+        block_size=layout.block_tokens,
+    )
 
 
 async def _props(session: aiohttp.ClientSession, backend: SlotServer) -> dict[str, Any] | None:
@@ -155,9 +165,12 @@ def _adopt(backend: SlotServer, props: dict[str, Any]) -> None:
     layout = SlotLayout(slots, n_ctx, backend.config.kv_unified)
     if not backend.admit_by_slots(layout):
         return
-    log.info("backend %s is llama-server: %s; it exposes no KV-usage metric and no preemption counter, "
-             "so the guard admits by slots (one request per slot, within a slot's context)",
-             backend.url, layout.basis())  # fmt: skip
+    log.info(
+        "backend %s is llama-server: %s; it exposes no KV-usage metric and no preemption counter, "
+        "so the guard admits by slots (one request per slot, within a slot's context)",
+        backend.url,
+        layout.basis(),
+    )
 
 
 async def _busy_slots(session: aiohttp.ClientSession, backend: SlotServer) -> int | None:
@@ -186,28 +199,38 @@ def status_fields(backend: SlotServer) -> dict[str, Any]:
     if layout is None:
         return {"engine": backend.engine}
     return {
-        "engine": LLAMA_CPP, "capacity_source": "props", "capacity_basis": layout.basis(),
-        "slots": layout.slots, "n_ctx_per_slot": layout.n_ctx_per_slot, "kv_unified": layout.kv_unified,
+        "engine": LLAMA_CPP,
+        "capacity_source": "props",
+        "capacity_basis": layout.basis(),
+        "slots": layout.slots,
+        "n_ctx_per_slot": layout.n_ctx_per_slot,
+        "kv_unified": layout.kv_unified,
         "cannot_see": list(BLIND_SPOTS),
-    }  # fmt: skip
+    }
 
 
-async def count_tokens(session: aiohttp.ClientSession, backend: SlotServer, payload: dict[str, Any],
-                       timeout: aiohttp.ClientTimeout) -> int | None:  # fmt: skip
+async def count_tokens(
+    session: aiohttp.ClientSession,
+    backend: SlotServer,
+    payload: dict[str, Any],
+    timeout: aiohttp.ClientTimeout,
+) -> int | None:
     """Prompt tokens by llama-server's ``/tokenize`` (a chat rendered by ``/apply-template``
     first); None when it cannot say."""
     text = payload.get("prompt")
     if "messages" in payload:
-        async with session.post(backend.url + "/apply-template", json={"messages": payload["messages"]},
-                                timeout=timeout) as resp:  # fmt: skip
+        async with session.post(
+            backend.url + "/apply-template", json={"messages": payload["messages"]}, timeout=timeout
+        ) as resp:
             if resp.status != 200:
                 return None
             rendered = await resp.json(content_type=None)
         text = rendered.get("prompt") if isinstance(rendered, dict) else None
     if not isinstance(text, str):
         return None
-    async with session.post(backend.url + "/tokenize", json={"content": text, "add_special": True},
-                            timeout=timeout) as resp:  # fmt: skip
+    async with session.post(
+        backend.url + "/tokenize", json={"content": text, "add_special": True}, timeout=timeout
+    ) as resp:
         if resp.status != 200:
             return None
         answer = await resp.json(content_type=None)

@@ -864,7 +864,11 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "cuda_driver_too_old",
-        ("driver version is insufficient", "insufficientdriver", "driver on your system is too old"),
+        (
+            "driver version is insufficient",
+            "insufficientdriver",
+            "driver on your system is too old",
+        ),
         r"CUDA driver version is insufficient for CUDA runtime version|cudaErrorInsufficientDriver"
         r"|The NVIDIA driver on your system is too old",
         signature="cuda_driver_too_old",

@@ -95,8 +95,12 @@ class TermBands:
 
     def table(self, term: str) -> Mapping[str, Band]:
         """The bands of ``term`` (one of :data:`TERMS`)."""
-        return {"activation": self.activation, "non_torch": self.non_torch_gib,
-                "graph": self.graph_gib, "weights": self.weights}[term]  # fmt: skip
+        return {
+            "activation": self.activation,
+            "non_torch": self.non_torch_gib,
+            "graph": self.graph_gib,
+            "weights": self.weights,
+        }[term]
 
 
 ZERO_BAND = Band(0.0)
@@ -221,8 +225,9 @@ def conformal_quantile(sizes: Sequence[float], sources: Sequence[str], level: fl
 
 def band_from(residuals: Sequence[Residual], pooled_from: str = "") -> Band:
     """The band ``±q`` holding :data:`TERM_COVERAGE` of ``residuals`` (see the module notes)."""
-    q = conformal_quantile([abs(r.value) for r in residuals], [r.source for r in residuals],
-                           TERM_COVERAGE)  # fmt: skip
+    q = conformal_quantile(
+        [abs(r.value) for r in residuals], [r.source for r in residuals], TERM_COVERAGE
+    )
     return Band(q, len(residuals), len({r.source for r in residuals}), pooled_from)
 
 

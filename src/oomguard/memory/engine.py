@@ -416,6 +416,55 @@ class _BudgetInputs:
     block_size: int
 
 
+def _stage_weights(
+    b: _BudgetInputs, weights_bytes: int, weights_basis: str, measured_names: list[str]
+) -> Estimate:
+    """One stage's weights: the computed count with its band, or the measured figure."""
+    settings, measured = b.settings, b.measured
+    # parameters × bytes per format; the band is what such counts missed by on real logs
+    quantized = bool(b.model.quant.method or settings.quantization)
+    half = b.coef.bands.weights[weights_group(quantized, b.model.vision is not None)].half_width
+    if not b.model.verified:
+        # read by the generic reader: modules it does not know may add or remove weights
+        half = max(half, UNVERIFIED_WEIGHTS_BAND)
+    w_est = Estimate(
+        weights_bytes,
+        int(weights_bytes * (1 - half)),
+        int(weights_bytes * (1 + half)),
+        f"computed: {weights_basis}",
+    )
+    if measured and measured.weights_bytes is not None:
+        w_est = Estimate.measured(measured.weights_bytes, measured.source)
+        _note(measured_names, "weights")
+    return w_est
+
+
+def _stage_blocks(
+    b: _BudgetInputs, stage_layout: kvm.KVLayout, stage_state_entries: int
+) -> tuple[int, Callable[[int], int]]:
+    """One stage's bytes per KV block, and how many blocks a number of bytes holds."""
+    settings = b.settings
+    if b.era.engine == "v0":
+        bpb = kvm.v0_cache_block_bytes(
+            b.model,
+            tp=b.tp,
+            model_dtype=b.model_dtype,
+            kv_cache_dtype=settings.kv_cache_dtype,
+            block_size=b.block_size,
+            num_layers=stage_state_entries,
+        )
+
+        def blocks_of(avail: int) -> int:
+            return max(0, int(avail // bpb)) if avail > 0 else 0
+    else:
+        bpb = stage_layout.bytes_per_block
+
+        def blocks_of(avail: int) -> int:
+            return kvm.num_blocks(avail, stage_layout, None)
+
+    return bpb, blocks_of
+
+
 def _stage_memory(
     b: _BudgetInputs,
     idx: int,
@@ -435,58 +484,55 @@ def _stage_memory(
     """
     settings, era, measured = b.settings, b.era, b.measured
     pp = settings.pipeline_parallel_size
-    # parameters × bytes per format; the band is what such counts missed by on real logs
-    quantized = bool(b.model.quant.method or settings.quantization)
-    half = b.coef.bands.weights[weights_group(quantized, b.model.vision is not None)].half_width
-    if not b.model.verified:
-        # read by the generic reader: modules it does not know may add or remove weights
-        half = max(half, UNVERIFIED_WEIGHTS_BAND)
-    w_est = Estimate(
-        weights_bytes, int(weights_bytes * (1 - half)), int(weights_bytes * (1 + half)),
-        f"computed: {weights_basis}",
-    )  # fmt: skip
-    if measured and measured.weights_bytes is not None:
-        w_est = Estimate.measured(measured.weights_bytes, measured.source)
-        _note(measured_names, "weights")
+    w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names)
     a_est = activation_peak(
-        b.model, era=era, max_num_batched_tokens=b.tokens, max_num_seqs=b.seqs, tp=b.tp,
-        dtype_bytes=b.dbytes, has_sampler=idx == pp - 1, ep=b.ep,
-        dp=settings.data_parallel_size, coef=b.coef,
-    )  # fmt: skip
+        b.model,
+        era=era,
+        max_num_batched_tokens=b.tokens,
+        max_num_seqs=b.seqs,
+        tp=b.tp,
+        dtype_bytes=b.dbytes,
+        has_sampler=idx == pp - 1,
+        ep=b.ep,
+        dp=settings.data_parallel_size,
+        coef=b.coef,
+    )
     if measured and measured.activation_bytes is not None:
         a_est = Estimate.measured(measured.activation_bytes, measured.source)
         _note(measured_names, "activation")
     g_est = cudagraph_estimate(
-        b.model, era, stage_layers=len(layers), max_num_seqs=b.seqs,
-        max_num_batched_tokens=b.tokens, enforce_eager=settings.enforce_eager,
-        platform=settings.platform, compute_capability=b.gpu.compute_capability, tp=b.tp,
+        b.model,
+        era,
+        stage_layers=len(layers),
+        max_num_seqs=b.seqs,
+        max_num_batched_tokens=b.tokens,
+        enforce_eager=settings.enforce_eager,
+        platform=settings.platform,
+        compute_capability=b.gpu.compute_capability,
+        tp=b.tp,
         coef=b.coef,
-    )  # fmt: skip
+    )
     if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
         # only where this version subtracts a graph estimate at all (else the term stays 0)
         g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
         _note(measured_names, "cudagraph")
     available, low, high = _available_kv(b, w_est, a_est, nt, g_est)
-    if era.engine == "v0":
-        bpb = kvm.v0_cache_block_bytes(
-            b.model, tp=b.tp, model_dtype=b.model_dtype, kv_cache_dtype=settings.kv_cache_dtype,
-            block_size=b.block_size, num_layers=stage_state_entries,
-        )  # fmt: skip
-
-        def blocks_of(avail: int) -> int:
-            return max(0, int(avail // bpb)) if avail > 0 else 0
-    else:
-        bpb = stage_layout.bytes_per_block
-
-        def blocks_of(avail: int) -> int:
-            return kvm.num_blocks(avail, stage_layout, None)
-
+    bpb, blocks_of = _stage_blocks(b, stage_layout, stage_state_entries)
     stage = StageMemory(
-        idx, len(layers), w_est.value_bytes, a_est.value_bytes, nt.value_bytes,
-        g_est.value_bytes, available, bpb, blocks_of(available),
-        kv_cache_bytes_low=low, kv_cache_bytes_high=high,
-        num_blocks_low=blocks_of(low), num_blocks_high=blocks_of(high),
-    )  # fmt: skip
+        idx,
+        len(layers),
+        w_est.value_bytes,
+        a_est.value_bytes,
+        nt.value_bytes,
+        g_est.value_bytes,
+        available,
+        bpb,
+        blocks_of(available),
+        kv_cache_bytes_low=low,
+        kv_cache_bytes_high=high,
+        num_blocks_low=blocks_of(low),
+        num_blocks_high=blocks_of(high),
+    )
     return stage, (w_est, a_est, g_est)
 
 
@@ -509,9 +555,7 @@ def _available_kv(
             rss_high = w.high_bytes + a.high_bytes + runtime + spread
             req = b.requested
             return int(req - rss), int(req - rss_high), int(req - rss_low)
-        fixed = (
-            int(b.total * 0.5 / GIB) * GIB if b.era.cpu_kv_budget == "half_numa" else 4 * GIB
-        )
+        fixed = int(b.total * 0.5 / GIB) * GIB if b.era.cpu_kv_budget == "half_numa" else 4 * GIB
         return fixed, fixed, fixed
     value = int(b.requested - w.value_bytes - a.value_bytes - n.value_bytes - g.value_bytes)
     low = int(b.requested - w.high_bytes - a.high_bytes - n.high_bytes - g.high_bytes)
@@ -685,15 +729,25 @@ def resolve_settings(
     else:
         requested = total * util  # a float before 0.14
     return ResolvedSettings(
-        era=era, coef=coefficients or DEFAULT_COEFFICIENTS, tp=tp,
+        era=era,
+        coef=coefficients or DEFAULT_COEFFICIENTS,
+        tp=tp,
         ep=tp * settings.data_parallel_size if settings.enable_expert_parallel else 1,
-        model_dtype=model_dtype, dbytes=kvm.dtype_bytes(model_dtype), util=util,
-        auto_fit=auto_fit, max_len=max_len, seqs=seqs, tokens=tokens,
-        prefix_caching=prefix_caching, mamba_mode=_mamba_cache_mode(model, era, prefix_caching),
+        model_dtype=model_dtype,
+        dbytes=kvm.dtype_bytes(model_dtype),
+        util=util,
+        auto_fit=auto_fit,
+        max_len=max_len,
+        seqs=seqs,
+        tokens=tokens,
+        prefix_caching=prefix_caching,
+        mamba_mode=_mamba_cache_mode(model, era, prefix_caching),
         block_size=settings.block_size or _default_block_size(model, gpu, settings, era),
-        hybrid_manager=hybrid_manager, total=total, requested=requested,
+        hybrid_manager=hybrid_manager,
+        total=total,
+        requested=requested,
         kv_override=_kv_override(settings),
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)
@@ -713,10 +767,15 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
     """Build the layer specs, group them, and bound one request's blocks."""
     era, pp, tokens = r.era, settings.pipeline_parallel_size, r.tokens
     built = kvm.build_layer_specs(
-        model, tp=r.tp, model_dtype=r.model_dtype, kv_cache_dtype=settings.kv_cache_dtype,
-        block_size=r.block_size, era=era, hybrid_manager=r.hybrid_manager,
+        model,
+        tp=r.tp,
+        model_dtype=r.model_dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        block_size=r.block_size,
+        era=era,
+        hybrid_manager=r.hybrid_manager,
         mamba_cache_mode=r.mamba_mode,
-    )  # fmt: skip
+    )
     indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
     if era.sliding_bound == "batched":
         in_flight = tokens
@@ -764,6 +823,31 @@ def _stage_layout(kv: KVPlan, era: VllmEra, idx: int) -> kvm.KVLayout:
     return kv.layout
 
 
+def _non_torch_term(
+    gpu: GPUSpec,
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    measured: MeasuredTerms | None,
+    measured_names: list[str],
+) -> Estimate:
+    """The memory outside torch's allocator on each GPU: estimated, or the measured figure."""
+    nt = non_torch(
+        r.era,
+        tp=r.tp,
+        pp=settings.pipeline_parallel_size,
+        platform=settings.platform,
+        nvlink=gpu.nvlink,
+        nvls=gpu.nvls,
+        coef=r.coef,
+    )
+    if measured and measured.non_torch_bytes is not None:
+        # on the CPU backend the term is the worker's runtime outside weights and activations
+        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
+        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
+        measured_names.append("non_torch")
+    return nt
+
+
 def budget_stages(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -775,42 +859,64 @@ def budget_stages(
     """Weights, activation, non-torch, graphs and the KV budget of every pipeline stage."""
     era, pp = r.era, settings.pipeline_parallel_size
     wb = weight_bytes_per_stage(
-        model, model_dtype=r.model_dtype, tp=r.tp, pp=pp, ep=r.ep,
-        quantization=settings.quantization, cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
-        pad_intermediate=era.mxfp4_pad_intermediate, load_mtp="mtp" in (settings.speculative_method or "").lower(),
-    )  # fmt: skip
+        model,
+        model_dtype=r.model_dtype,
+        tp=r.tp,
+        pp=pp,
+        ep=r.ep,
+        quantization=settings.quantization,
+        cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
+        pad_intermediate=era.mxfp4_pad_intermediate,
+        load_mtp="mtp" in (settings.speculative_method or "").lower(),
+    )
     measured_names: list[str] = []
-    nt = non_torch(
-        era, tp=r.tp, pp=pp, platform=settings.platform, nvlink=gpu.nvlink, nvls=gpu.nvls,
-        coef=r.coef,
-    )  # fmt: skip
-    if measured and measured.non_torch_bytes is not None:
-        # on the CPU backend the term is the worker's runtime outside weights and activations
-        # (interpreter, torch, oneDNN, vLLM), otherwise estimated as CPU_RSS_BASELINE_BYTES
-        nt = Estimate.measured(measured.non_torch_bytes, measured.source)
-        measured_names.append("non_torch")
+    nt = _non_torch_term(gpu, settings, r, measured, measured_names)
     budget = _BudgetInputs(
-        model=model, gpu=gpu, settings=settings, era=era, coef=r.coef, measured=measured,
-        tp=r.tp, ep=r.ep, dbytes=r.dbytes, tokens=r.tokens, seqs=r.seqs, requested=r.requested,
-        total=r.total, kv_override=r.kv_override, model_dtype=r.model_dtype,
+        model=model,
+        gpu=gpu,
+        settings=settings,
+        era=era,
+        coef=r.coef,
+        measured=measured,
+        tp=r.tp,
+        ep=r.ep,
+        dbytes=r.dbytes,
+        tokens=r.tokens,
+        seqs=r.seqs,
+        requested=r.requested,
+        total=r.total,
+        kv_override=r.kv_override,
+        model_dtype=r.model_dtype,
         block_size=kv.block_size,
-    )  # fmt: skip
+    )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []
     for idx, layers in enumerate(pp_layer_ranges(model.num_layers, pp)):
         stage, terms = _stage_memory(
-            budget, idx, layers, wb.per_stage_bytes[idx], wb.basis, nt,
-            _stage_layout(kv, era, idx), len(kv.stage_entries[idx]), measured_names,
-        )  # fmt: skip
+            budget,
+            idx,
+            layers,
+            wb.per_stage_bytes[idx],
+            wb.basis,
+            nt,
+            _stage_layout(kv, era, idx),
+            len(kv.stage_entries[idx]),
+            measured_names,
+        )
         stages.append(stage)
         estimates.append(terms)
     # the stage with the fewest blocks decides (ties: the most loaded)
     worst = min(range(pp), key=lambda i: (stages[i].num_blocks, stages[i].kv_cache_bytes))
     return StageBudgets(
-        stages=stages, estimates=estimates, non_torch=nt, weights_max_bytes=wb.max_bytes,
-        measured_names=measured_names, worst=worst, worst_layout=_stage_layout(kv, era, worst),
+        stages=stages,
+        estimates=estimates,
+        non_torch=nt,
+        weights_max_bytes=wb.max_bytes,
+        measured_names=measured_names,
+        worst=worst,
+        worst_layout=_stage_layout(kv, era, worst),
         blocks=settings.num_gpu_blocks_override or min(s.num_blocks for s in stages),
-    )  # fmt: skip
+    )
 
 
 def startup_checks(
@@ -829,11 +935,15 @@ def startup_checks(
         problems.append(Problem("free_memory_below_requested", msg))
     if platform == "cpu" and era.cpu_kv_budget == "util" and era.engine == "v1":
         cpu_problem, cpu_line = _cpu_worker_budget(
-            era, node=settings.cpu_numa_node, total=total, available_on_node=free_bytes,
-            util=r.util, requested=int(requested),
+            era,
+            node=settings.cpu_numa_node,
+            total=total,
+            available_on_node=free_bytes,
+            util=r.util,
+            requested=int(requested),
             explicit_kv=None if r.kv_override is None else int(r.kv_override),
             kv_bytes=sb.stages[sb.worst].kv_cache_bytes,
-        )  # fmt: skip
+        )
         if cpu_problem is not None:
             problems.append(cpu_problem)
         if cpu_line:
@@ -863,12 +973,28 @@ def _startup_context(
 ) -> _StartupContext:
     w, a, g = sb.estimates[sb.worst]
     return _StartupContext(
-        model=model, gpu=gpu, settings=settings, era=r.era, util=r.util, seqs=r.seqs,
-        tokens=r.tokens, block_size=kv.block_size, prefix_caching=r.prefix_caching,
-        total=r.total, free_bytes=free_bytes, requested=r.requested, w=w, a=a,
-        n=sb.non_torch, g=g, bpb=sb.stages[sb.worst].bytes_per_block, blocks=sb.blocks,
-        kv_per_token=kv.kv_bytes_per_token, stages=sb.stages, measured_names=sb.measured_names,
-    )  # fmt: skip
+        model=model,
+        gpu=gpu,
+        settings=settings,
+        era=r.era,
+        util=r.util,
+        seqs=r.seqs,
+        tokens=r.tokens,
+        block_size=kv.block_size,
+        prefix_caching=r.prefix_caching,
+        total=r.total,
+        free_bytes=free_bytes,
+        requested=r.requested,
+        w=w,
+        a=a,
+        n=sb.non_torch,
+        g=g,
+        bpb=sb.stages[sb.worst].bytes_per_block,
+        blocks=sb.blocks,
+        kv_per_token=kv.kv_bytes_per_token,
+        stages=sb.stages,
+        measured_names=sb.measured_names,
+    )
 
 
 def v0_fit(
@@ -895,14 +1021,24 @@ def v0_fit(
     else:
         logs.extend(kv_capacity_lines(era, ctx.settings.platform, tokens_cap, max_len, conc))
     capacity = _capacity_range(
-        sb.stages, ctx.settings.num_gpu_blocks_override,
-        lambda n: n * block_size, lambda n: n * block_size / max_len if max_len else 0.0,
-    )  # fmt: skip
+        sb.stages,
+        ctx.settings.num_gpu_blocks_override,
+        lambda n: n * block_size,
+        lambda n: n * block_size / max_len if max_len else 0.0,
+    )
     return _finish(
-        ctx, max_len=max_len, available=available, tokens_cap=tokens_cap, conc=conc,
-        needed=max_len * kv.kv_bytes_per_token, est_len=est_len, problems=problems, logs=logs,
-        num_groups=1, capacity=capacity,
-    )  # fmt: skip
+        ctx,
+        max_len=max_len,
+        available=available,
+        tokens_cap=tokens_cap,
+        conc=conc,
+        needed=max_len * kv.kv_bytes_per_token,
+        est_len=est_len,
+        problems=problems,
+        logs=logs,
+        num_groups=1,
+        capacity=capacity,
+    )
 
 
 def v1_fit(
@@ -942,22 +1078,33 @@ def v1_fit(
             problems.append(Problem("no_kv_memory", no_memory_error_text(era)))
         elif needed > check_mem:
             est_len = kvm.estimate_max_model_len(sb.worst_layout, bound, check_mem, era, specs)
-            problems.append(Problem(
-                "max_len_exceeds_kv", fit_error_text(era, max_len, needed, check_mem, est_len)
-            ))  # fmt: skip
+            problems.append(
+                Problem(
+                    "max_len_exceeds_kv", fit_error_text(era, max_len, needed, check_mem, est_len)
+                )
+            )
     conc = kvm.max_concurrency(sb.blocks, layout, bound)
     tokens_cap = kvm.kv_cache_tokens(sb.blocks, layout, bound, era)
     logs.extend(v1_outcome_lines(era, platform, problems, tokens_cap, max_len, conc))
     capacity = _capacity_range(
-        sb.stages, settings.num_gpu_blocks_override,
+        sb.stages,
+        settings.num_gpu_blocks_override,
         lambda n: kvm.kv_cache_tokens(n, layout, bound, era),
         lambda n: kvm.max_concurrency(n, layout, bound),
-    )  # fmt: skip
+    )
     return _finish(
-        ctx, max_len=max_len, available=available, tokens_cap=tokens_cap, conc=conc,
-        needed=needed, est_len=est_len, problems=problems, logs=logs,
-        num_groups=layout.num_groups, capacity=capacity,
-    )  # fmt: skip
+        ctx,
+        max_len=max_len,
+        available=available,
+        tokens_cap=tokens_cap,
+        conc=conc,
+        needed=needed,
+        est_len=est_len,
+        problems=problems,
+        logs=logs,
+        num_groups=layout.num_groups,
+        capacity=capacity,
+    )
 
 
 def v1_outcome_lines(
@@ -1082,6 +1229,30 @@ class _StartupContext:
     measured_names: list[str]
 
 
+# problems that stop vLLM's startup: the prediction does not fit
+_BLOCKING_CODES = frozenset(
+    {
+        "no_kv_memory",
+        "max_len_exceeds_kv",
+        "free_memory_below_requested",
+        "weights_exceed_gpu",
+        "tp_not_divisible",
+        "max_len_exceeds_derived",
+        *CPU_STARTUP_ERRORS,
+    }
+)
+# log lines vLLM prints only after the weights have loaded
+_AFTER_LOAD_LINES = (
+    "Available KV cache memory",
+    "No available memory",
+    "To serve at least",
+    "Auto-fit",
+    "Add ",
+    "Overriding num_gpu_blocks",
+    "Cannot auto-fit",
+)
+
+
 def _finish(
     ctx: _StartupContext,
     *,
@@ -1107,15 +1278,11 @@ def _finish(
         block_size=ctx.block_size,
         enable_prefix_caching=ctx.prefix_caching,
     )
-    blocking = {"no_kv_memory", "max_len_exceeds_kv", "free_memory_below_requested",
-                "weights_exceed_gpu", "tp_not_divisible", "max_len_exceeds_derived",
-                *CPU_STARTUP_ERRORS}  # fmt: skip
-    fits = not any(p.code in blocking for p in problems)
+    fits = not any(p.code in _BLOCKING_CODES for p in problems)
     if any(p.code == "weights_exceed_gpu" for p in problems):
         # vLLM stops in load_model: nothing after the weights is ever computed or printed
         problems = [p for p in problems if p.code not in {"no_kv_memory", "max_len_exceeds_kv"}]
-        after_load = ("Available KV cache memory", "No available memory", "To serve at least",
-                      "Auto-fit", "Add ", "Overriding num_gpu_blocks", "Cannot auto-fit")  # fmt: skip
+        after_load = _AFTER_LOAD_LINES
         logs = [
             line for line in logs if not line.startswith(after_load) and "KV cache size" not in line
         ]

@@ -484,8 +484,12 @@ def build_layer_specs(
             mamba = layer.mamba
             ckpt = int(mamba is not None and mamba.variant in era.mamba_checkpoint_variants)
             specs.append(
-                Mamba(block_size=bs, state_bytes=mamba_bytes[i], cache_mode=mamba_cache_mode,
-                      checkpoint_blocks=ckpt)
+                Mamba(
+                    block_size=bs,
+                    state_bytes=mamba_bytes[i],
+                    cache_mode=mamba_cache_mode,
+                    checkpoint_blocks=ckpt,
+                )
             )
         else:
             specs.append(attention_spec(layer, bs, fmt))

@@ -15,6 +15,7 @@ from oomguard.memory.spec import ModelSpec, ParamGroup, ParamSharding, QuantSpec
 
 VOCAB_PADDING = 64  # vLLM DEFAULT_VOCAB_PADDING_SIZE
 
+
 def resolve_model_dtype(model: ModelSpec, dtype: str, compute_capability: str = "") -> str:
     """The dtype vLLM loads the model in: ``auto`` keeps bf16/fp16, turns fp32 into bf16.
 
@@ -266,9 +267,7 @@ def rope_cache_bytes(model: ModelSpec, model_dtype: str) -> int:
     caches = model.rope_caches
     if caches is None:
         caches = (RopeCache(model.derived_max_model_len, model.head_size),)
-    return sum(
-        c.positions * c.rotary_dim * dtype_bytes(c.dtype or model_dtype) for c in caches
-    )
+    return sum(c.positions * c.rotary_dim * dtype_bytes(c.dtype or model_dtype) for c in caches)
 
 
 def weight_bytes_per_stage(
@@ -294,9 +293,7 @@ def weight_bytes_per_stage(
     mbytes = dtype_bytes(model_dtype)
     quant = _served_quant(model, quantization)
     q_bytes = (
-        quantized_bytes_per_element(quant, model.hidden_size)
-        if quant.method
-        else float(mbytes)
+        quantized_bytes_per_element(quant, model.hidden_size) if quant.method else float(mbytes)
     )
     expert_pad = _expert_padding(model, quant, tp, ep, pad_intermediate)
     has_lm_head = any(g.name == "lm_head" for g in model.params)

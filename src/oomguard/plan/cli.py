@@ -6,6 +6,8 @@ command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no trac
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from oomguard import cli_options as opt
@@ -14,24 +16,48 @@ from oomguard.workload import DEFAULT_MARGIN
 
 _CONTEXT = {"allow_extra_args": True, "allow_interspersed_args": True}
 
+ModelArgument = Annotated[
+    str | None,
+    typer.Argument(
+        help="Catalogue name, hub id or local path (or, after --, a pasted vllm serve command).",
+    ),
+]
+GpuOption = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu", help="GPU name from the catalogue, or 'auto' (NVML). Omit for a sizing table."
+    ),
+]
+GpuCountOption = Annotated[
+    int | None,
+    typer.Option("--gpu-count", help="GPUs available (default: TP × PP, or all detected)."),
+]
+GpuMemoryGibOption = Annotated[
+    float | None,
+    typer.Option("--gpu-memory-gib", help="GPU memory as CUDA reports it (custom GPU)."),
+]
+HostMemoryGibOption = Annotated[
+    float | None,
+    typer.Option(
+        "--host-memory-gib",
+        help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's).",
+    ),
+]
+OfflineOption = Annotated[
+    bool, typer.Option("--offline", help="Never contact the Hugging Face hub.")
+]
+NoCalibrationOption = Annotated[
+    bool, typer.Option("--no-calibration", help="Ignore the calibration store.")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
 
 def plan_command(
     ctx: typer.Context,
-    model: str = typer.Argument(
-        None,
-        help="Catalogue name, hub id or local path (or, after --, a pasted vllm serve command).",
-    ),
-    gpu: str = typer.Option(
-        None,
-        "--gpu",
-        help="GPU name from the catalogue, or 'auto' (NVML). Omit for a sizing table.",
-    ),
-    gpu_count: int = typer.Option(
-        None, "--gpu-count", help="GPUs available (default: TP × PP, or all detected)."
-    ),
-    gpu_memory_gib: float = typer.Option(
-        None, "--gpu-memory-gib", help="GPU memory as CUDA reports it (custom GPU)."
-    ),
+    model: ModelArgument = None,
+    gpu: GpuOption = None,
+    gpu_count: GpuCountOption = None,
+    gpu_memory_gib: GpuMemoryGibOption = None,
     tensor_parallel_size: opt.TensorParallelSize = None,
     pipeline_parallel_size: opt.PipelineParallelSize = None,
     data_parallel_size: opt.DataParallelSize = None,
@@ -54,14 +80,10 @@ def plan_command(
     shared_prefix: opt.SharedPrefix = None,
     headroom_gib: opt.HeadroomGib = 0.0,
     margin: opt.Margin = DEFAULT_MARGIN,
-    host_memory_gib: float = typer.Option(
-        None, "--host-memory-gib", help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
-    ),
-    offline: bool = typer.Option(False, "--offline", help="Never contact the Hugging Face hub."),
-    no_calibration: bool = typer.Option(
-        False, "--no-calibration", help="Ignore the calibration store."
-    ),
-    json_output: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    host_memory_gib: HostMemoryGibOption = None,
+    offline: OfflineOption = False,
+    no_calibration: NoCalibrationOption = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
     from rich.console import Console
@@ -73,18 +95,28 @@ def plan_command(
     command: list[str] | None = None
     if ctx.args:
         command = ([model] if model else []) + list(ctx.args)
-        model = None  # type: ignore[assignment]
+        model = None
     elif model in ("vllm", "python", "python3"):
         raise BadInput(
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
     flags = {name: value for name, value in locals().items() if name in _ENGINE_FLAGS}
     result = plan(
-        model, gpu, gpu_count=gpu_count, gpu_memory_gib=gpu_memory_gib, p99_tokens=p99_tokens,
-        concurrency=concurrency, shared_prefix=shared_prefix, headroom_gib=headroom_gib,
-        margin=margin, host_memory_gib=host_memory_gib, command=command,
-        allow_hub=not offline, use_calibration=not no_calibration, **settings_from_flags(flags),
-    )  # fmt: skip
+        model,
+        gpu,
+        gpu_count=gpu_count,
+        gpu_memory_gib=gpu_memory_gib,
+        p99_tokens=p99_tokens,
+        concurrency=concurrency,
+        shared_prefix=shared_prefix,
+        headroom_gib=headroom_gib,
+        margin=margin,
+        host_memory_gib=host_memory_gib,
+        command=command,
+        allow_hub=not offline,
+        use_calibration=not no_calibration,
+        **settings_from_flags(flags),
+    )
     if json_output:
         typer.echo(result.to_json())
     else:

@@ -176,8 +176,15 @@ class SearchSpace:
         check = pred
         reason = ""
         if max_len is not None and max_len < w.p99_tokens:
-            return ServeCheck(False, 0.0, required, effective, needed_tokens, -1.0,
-                              f"max_model_len {max_len} is below the P99 of {w.p99_tokens} tokens")  # fmt: skip
+            return ServeCheck(
+                False,
+                0.0,
+                required,
+                effective,
+                needed_tokens,
+                -1.0,
+                f"max_model_len {max_len} is below the P99 of {w.p99_tokens} tokens",
+            )
         if max_len != w.p99_tokens:
             check = self.price(
                 weights, dataclasses.replace(settings, max_model_len=w.p99_tokens), gpu
@@ -193,8 +200,16 @@ class SearchSpace:
             )
         achieved = conc / effective - 1 if effective else 0.0
         spread = tuple(float(c) for c in check.max_concurrency_range) if pred.fits else (0.0, 0.0)
-        return ServeCheck(served, conc, required, effective, needed_tokens, achieved, reason,
-                          (spread[0], spread[1]))  # fmt: skip
+        return ServeCheck(
+            served,
+            conc,
+            required,
+            effective,
+            needed_tokens,
+            achieved,
+            reason,
+            (spread[0], spread[1]),
+        )
 
     def candidate(
         self,
@@ -322,8 +337,15 @@ def weights_options(
     The int4 option is the catalogue's own quantized repo of the model, priced with that repo's
     ModelSpec; when the catalogue lists none, it is a hypothetical AWQ int4 (``known=False``).
     """
-    native = WeightsOption("native", _dtype_label(model, gpu, base.dtype) if not base.quantization else
-                           f"--quantization {base.quantization}", model_ref, model, base.quantization)  # fmt: skip
+    native = WeightsOption(
+        "native",
+        _dtype_label(model, gpu, base.dtype)
+        if not base.quantization
+        else f"--quantization {base.quantization}",
+        model_ref,
+        model,
+        base.quantization,
+    )
     options = [native]
     if model.quant.method or base.quantization or "quantization" in fixed:
         return options
@@ -423,8 +445,12 @@ def _batch_caps(space: SearchSpace, default_pred: MemoryPrediction) -> list[int 
 
 
 def _steps_taken(
-    space: SearchSpace, steps: list[str], chosen: Candidate, weights: WeightsOption,
-    kv_dtype: str, tp: int,
+    space: SearchSpace,
+    steps: list[str],
+    chosen: Candidate,
+    weights: WeightsOption,
+    kv_dtype: str,
+    tp: int,
 ) -> tuple[str, ...]:
     """The checklist steps ``chosen`` took from the given settings."""
     base = space.base
@@ -468,9 +494,11 @@ def search(
     for weights, kv_dtype, tp in itertools.product(options, kv_dtypes, tps):
         settings, steps = base_settings(space, default_util, tp)
         settings = dataclasses.replace(
-            settings, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+            settings,
+            kv_cache_dtype=kv_dtype,
+            tensor_parallel_size=tp,
             quantization=weights.quantization,
-        )  # fmt: skip
+        )
         default_pred = space.price(weights, settings)
         if not default_pred.settings.max_num_batched_tokens:
             continue
@@ -519,17 +547,23 @@ def apply_prefix_caching(
                 else "; this model's sliding-window/Mamba layers keep per-request state, so no "
                 "capacity is counted for it"
             )
-            return c, FlagReason("enable-prefix-caching", True,
-                                 f"requests share a {shared}-token prefix: its KV blocks are computed once and reused{saving}")  # fmt: skip
+            return c, FlagReason(
+                "enable-prefix-caching",
+                True,
+                f"requests share a {shared}-token prefix: its KV blocks are computed once and reused{saving}",
+            )
         return chosen, None
     if space.model.has_mamba and default_on:
         c = space.candidate(
             weights, dataclasses.replace(chosen.settings, enable_prefix_caching=False)
         )
         if c.serves:
-            return c, FlagReason("enable-prefix-caching", False,
-                                 "no shared prefix: on this hybrid model prefix caching keeps extra Mamba "
-                                 "state pages per request ('align' mode) for no benefit")  # fmt: skip
+            return c, FlagReason(
+                "enable-prefix-caching",
+                False,
+                "no shared prefix: on this hybrid model prefix caching keeps extra Mamba "
+                "state pages per request ('align' mode) for no benefit",
+            )
     return chosen, None
 
 
@@ -540,10 +574,15 @@ def _weights_reasons(
     w, s, p = space.workload, chosen.settings, chosen.prediction
     reasons: list[FlagReason] = []
     if chosen.model_ref != space.model_ref:
-        reasons.append(FlagReason("model", chosen.model_ref,
-                                  f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
-                                  f"{gib_label(p.weights.value_bytes)} per GPU instead of {gib_label(given.weights.value_bytes)}; "
-                                  "small accuracy cost"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "model",
+                chosen.model_ref,
+                f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
+                f"{gib_label(p.weights.value_bytes)} per GPU instead of {gib_label(given.weights.value_bytes)}; "
+                "small accuracy cost",
+            )
+        )
     if (
         s.quantization
         and "quantization" not in space.fixed
@@ -551,36 +590,50 @@ def _weights_reasons(
     ):
         twin = fp8_checkpoint(space.model_ref)
         also = f" ({twin} is the same, pre-quantized)" if twin else ""
-        reasons.append(FlagReason("quantization", s.quantization,
-                                  f"online fp8 weights: {gib_label(p.weights.value_bytes)} per GPU instead of "
-                                  f"{gib_label(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "quantization",
+                s.quantization,
+                f"online fp8 weights: {gib_label(p.weights.value_bytes)} per GPU instead of "
+                f"{gib_label(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost",
+            )
+        )
     if s.tensor_parallel_size != 1 and "tensor_parallel_size" not in space.fixed:
-        reasons.append(FlagReason("tensor-parallel-size", s.tensor_parallel_size,
-                                  f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
-                                  f"split over {s.tensor_parallel_size} GPUs: {gib_label(p.weights.value_bytes)} of weights per GPU"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "tensor-parallel-size",
+                s.tensor_parallel_size,
+                f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
+                f"split over {s.tensor_parallel_size} GPUs: {gib_label(p.weights.value_bytes)} of weights per GPU",
+            )
+        )
     return reasons
 
 
-def _utilization_reason(
-    space: SearchSpace, chosen: Candidate, default_util: float
-) -> FlagReason:
+def _utilization_reason(space: SearchSpace, chosen: Candidate, default_util: float) -> FlagReason:
     """Why the utilization is the default, or capped below it."""
     s, p = chosen.settings, chosen.prediction
     util = s.gpu_memory_utilization
     if util is None:
         free_now = "" if space.free_bytes is None else f" ({gib_label(space.free_bytes)} free now)"
-        return FlagReason("gpu-memory-utilization", f"default ({default_util})",
-                          f"vLLM's default leaves {gib_label(p.total_bytes - p.requested_bytes)} for the CUDA "
-                          f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
-                          "processes share it")  # fmt: skip
+        return FlagReason(
+            "gpu-memory-utilization",
+            f"default ({default_util})",
+            f"vLLM's default leaves {gib_label(p.total_bytes - p.requested_bytes)} for the CUDA "
+            f"context and anything else on the GPU{free_now}; pass --headroom-gib if other "
+            "processes share it",
+        )
     why = []
     if space.workload.headroom_bytes:
         why.append(f"{gib_label(space.workload.headroom_bytes)} kept free for co-tenants")
     if space.free_bytes is not None:
         why.append(f"only {gib_label(space.free_bytes)} free now (NVML)")
-    return FlagReason("gpu-memory-utilization", util,
-                      f"vLLM refuses to start when free memory < util × total; capped below the default "
-                      f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context")  # fmt: skip
+    return FlagReason(
+        "gpu-memory-utilization",
+        util,
+        f"vLLM refuses to start when free memory < util × total; capped below the default "
+        f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context",
+    )
 
 
 def _workload_reasons(
@@ -591,27 +644,50 @@ def _workload_reasons(
     reasons: list[FlagReason] = []
     if "max_model_len" in steps:
         derived = space.model.derived_max_model_len
-        reasons.append(FlagReason("max-model-len", s.max_model_len,
-                                  f"your P99 prompt+output is {w.p99_tokens} tokens; the model's default "
-                                  f"{derived} would size every request's worst case for context you never use"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "max-model-len",
+                s.max_model_len,
+                f"your P99 prompt+output is {w.p99_tokens} tokens; the model's default "
+                f"{derived} would size every request's worst case for context you never use",
+            )
+        )
     if "max_num_seqs" in steps:
         default_seqs = given.settings.max_num_seqs
-        whose = ("your peak concurrency" if space.dp == 1 else
-                 f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel ranks "
-                 "(each rank is its own engine with its own KV pool)")  # fmt: skip
-        reasons.append(FlagReason("max-num-seqs", s.max_num_seqs,
-                                  f"{whose}; vLLM's default {default_seqs} would admit more sequences than "
-                                  "the KV pool holds and grows the sampler's profiled peak"))  # fmt: skip
+        whose = (
+            "your peak concurrency"
+            if space.dp == 1
+            else f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel ranks "
+            "(each rank is its own engine with its own KV pool)"
+        )
+        reasons.append(
+            FlagReason(
+                "max-num-seqs",
+                s.max_num_seqs,
+                f"{whose}; vLLM's default {default_seqs} would admit more sequences than "
+                "the KV pool holds and grows the sampler's profiled peak",
+            )
+        )
     if s.max_num_batched_tokens is not None and "max_num_batched_tokens" not in space.fixed:
         before = given.activation.value_bytes
-        reasons.append(FlagReason("max-num-batched-tokens", s.max_num_batched_tokens,
-                                  f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation peak drops "
-                                  f"from ~{gib_label(before)} to ~{gib_label(p.activation.value_bytes)}, which goes to the KV cache; "
-                                  "long prompts prefill in more steps"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "max-num-batched-tokens",
+                s.max_num_batched_tokens,
+                f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation peak drops "
+                f"from ~{gib_label(before)} to ~{gib_label(p.activation.value_bytes)}, which goes to the KV cache; "
+                "long prompts prefill in more steps",
+            )
+        )
     if s.kv_cache_dtype != "auto" and "kv_cache_dtype" not in space.fixed:
-        reasons.append(FlagReason("kv-cache-dtype", s.kv_cache_dtype,
-                                  f"fp8 KV halves the bytes per token ({p.kv_bytes_per_token} B/token per GPU); "
-                                  "small accuracy cost, fastest on Ada/Hopper/Blackwell"))  # fmt: skip
+        reasons.append(
+            FlagReason(
+                "kv-cache-dtype",
+                s.kv_cache_dtype,
+                f"fp8 KV halves the bytes per token ({p.kv_bytes_per_token} B/token per GPU); "
+                "small accuracy cost, fastest on Ada/Hopper/Blackwell",
+            )
+        )
     return reasons
 
 
@@ -621,15 +697,21 @@ def _verdict_reason(space: SearchSpace, chosen: Candidate) -> FlagReason | None:
     if check is None:
         return None
     per_rank = space.concurrency_per_rank()
-    need = (f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
-            "with the shared prefix" if check.effective_concurrency < per_rank
-            else f"{per_rank} needed")  # fmt: skip
+    need = (
+        f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
+        "with the shared prefix"
+        if check.effective_concurrency < per_rank
+        else f"{per_rank} needed"
+    )
     if space.dp > 1:
         need += f" per data-parallel rank ({w.concurrency} over {space.dp} ranks)"
-    return FlagReason("(verdict)", None,
-                      f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
-                      f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
-                      f"(margin asked: {w.margin:.0%})")  # fmt: skip
+    return FlagReason(
+        "(verdict)",
+        None,
+        f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
+        f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
+        f"(margin asked: {w.margin:.0%})",
+    )
 
 
 def explain(
@@ -645,8 +727,16 @@ def explain(
     if "gpu_memory_utilization" in taken:
         reasons.append(_utilization_reason(space, chosen, default_util))
     reasons += _workload_reasons(space, chosen, taken, given)
-    order = ["model", "gpu-memory-utilization", "max-model-len", "max-num-seqs", "max-num-batched-tokens",
-             "tensor-parallel-size", "kv-cache-dtype", "quantization"]  # fmt: skip
+    order = [
+        "model",
+        "gpu-memory-utilization",
+        "max-model-len",
+        "max-num-seqs",
+        "max-num-batched-tokens",
+        "tensor-parallel-size",
+        "kv-cache-dtype",
+        "quantization",
+    ]
     reasons.sort(key=lambda r: order.index(r.flag) if r.flag in order else len(order))
     verdict = _verdict_reason(space, chosen)
     if verdict is not None:
@@ -693,10 +783,17 @@ def recommend(
 
 def _sub_space(space: SearchSpace, gpu: GPUSpec, count: int) -> SearchSpace:
     return SearchSpace(
-        model_ref=space.model_ref, model=space.model, gpu=gpu, gpu_count=count,
-        base=space.base, fixed=space.fixed - {"tensor_parallel_size"}, workload=space.workload,
-        free_bytes=None, measured=None, cache=space.cache,
-    )  # fmt: skip
+        model_ref=space.model_ref,
+        model=space.model,
+        gpu=gpu,
+        gpu_count=count,
+        base=space.base,
+        fixed=space.fixed - {"tensor_parallel_size"},
+        workload=space.workload,
+        free_bytes=None,
+        measured=None,
+        cache=space.cache,
+    )
 
 
 def _more_gpus(space: SearchSpace) -> list[Candidate]:
@@ -761,12 +858,13 @@ def _smallest_count(
             space.base,
             tensor_parallel_size=tp,
             max_model_len=space.workload.p99_tokens
-            if "max_model_len" not in space.fixed else space.base.max_model_len,
+            if "max_model_len" not in space.fixed
+            else space.base.max_model_len,
             max_num_seqs=space.concurrency_per_rank()
             if "max_num_seqs" not in space.fixed and space.workload.stated
             else space.base.max_num_seqs,
             gpu_memory_utilization=space.base.gpu_memory_utilization,
-        )  # fmt: skip
+        )
         c = space.candidate(native, settings, gpu=gpu, count=tp * space.gpus_per_replica)
         last = c
         if c.serves:
@@ -849,8 +947,16 @@ def _alt(
     caveats: tuple[str, ...] = (),
 ) -> Alternative:
     """An alternative not ranked yet (:func:`rank` numbers them)."""
-    return Alternative(rank=0, kind=kind, title=title, serves_workload=serves, numbers=numbers,
-                       command=command, caveats=tuple(x for x in caveats if x), candidate=c)  # fmt: skip
+    return Alternative(
+        rank=0,
+        kind=kind,
+        title=title,
+        serves_workload=serves,
+        numbers=numbers,
+        command=command,
+        caveats=tuple(x for x in caveats if x),
+        candidate=c,
+    )
 
 
 def _hardware_alts(
@@ -885,8 +991,15 @@ def _shorter_context_alt(space: SearchSpace, best: Candidate) -> Alternative:
     caveat = (
         "requests longer than the context are rejected; fewer sequences queue instead of running"
     )
-    return _alt("shorter_context", title, False, nums, render_serve(best.model_ref, settings), best,
-                (caveat,))  # fmt: skip
+    return _alt(
+        "shorter_context",
+        title,
+        False,
+        nums,
+        render_serve(best.model_ref, settings),
+        best,
+        (caveat,),
+    )
 
 
 def _quantization_alt(space: SearchSpace, best: Candidate) -> Alternative:
@@ -896,8 +1009,14 @@ def _quantization_alt(space: SearchSpace, best: Candidate) -> Alternative:
     repo = f" ({best.model_ref})" if best.model_ref != space.model_ref else ""
     where = f"{space.gpu_count}× {space.gpu.name}"
     title = f"even {best.weights_label}{repo} does not start on {where}"
-    return _alt("quantization", title, False, {**_numbers(best), "problem": reason},
-                render_serve(best.model_ref, best.settings), best)  # fmt: skip
+    return _alt(
+        "quantization",
+        title,
+        False,
+        {**_numbers(best), "problem": reason},
+        render_serve(best.model_ref, best.settings),
+        best,
+    )
 
 
 def _quantize_yourself_alt(space: SearchSpace) -> Alternative | None:
@@ -922,9 +1041,15 @@ def _quantize_yourself_alt(space: SearchSpace) -> Alternative | None:
         else f"on {where} would fit {conc:.2f} of the {need:.2f} concurrent requests needed"
     )
     placeholder = f"<your AWQ int4 of {space.model_ref.rstrip('/').split('/')[-1]}>"
-    return _alt("quantize_yourself", f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
-                own.serves, _numbers(own), render_serve(placeholder, own.settings), own,
-                ("int4 costs some accuracy; check it on your own prompts",))  # fmt: skip
+    return _alt(
+        "quantize_yourself",
+        f"an int4 AWQ/GPTQ checkpoint {what}; {NO_INT4_REPO}",
+        own.serves,
+        _numbers(own),
+        render_serve(placeholder, own.settings),
+        own,
+        ("int4 costs some accuracy; check it on your own prompts",),
+    )
 
 
 def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative | None:
@@ -938,21 +1063,47 @@ def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative |
         check = c.serve
         conc = check.max_concurrency if check else 0.0
         need = check.required_concurrency if check else 0
-        title = (f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
-                 f"in host RAM, {conc:.2f} requests of {p99:,} tokens fit ({need:.2f} needed)")  # fmt: skip
-        return _alt("cpu_offload", title, False, _numbers(c), render_serve(c.model_ref, c.settings), c,
-                    ("the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",))  # fmt: skip
+        title = (
+            f"vLLM --cpu-offload-gb cannot help: even with all {weights_gib:.0f} GiB of weights "
+            f"in host RAM, {conc:.2f} requests of {p99:,} tokens fit ({need:.2f} needed)"
+        )
+        return _alt(
+            "cpu_offload",
+            title,
+            False,
+            _numbers(c),
+            render_serve(c.model_ref, c.settings),
+            c,
+            (
+                "the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",
+            ),
+        )
     gb = c.settings.cpu_offload_gb
     step_s = gb * GIB / (PCIE_GBPS * 1e9)
-    nums = {**_numbers(c), "cpu_offload_gb": gb, "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
-            "pcie_s_per_step": round(step_s, 3), "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None}  # fmt: skip
-    return _alt("cpu_offload", f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}", True, nums,
-                render_serve(c.model_ref, c.settings), c,
-                (f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
-                 if step_s else "", "needs that much pinned host RAM per GPU (plan ~2× for loading)",
-                 "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
-                 "check that 'Model loading took' drops by the offloaded amount",
-                 "KV offloading / LMCache does not add room for active context; only weight offload does"))  # fmt: skip
+    nums = {
+        **_numbers(c),
+        "cpu_offload_gb": gb,
+        "host_ram_gib": round(gb * c.settings.tensor_parallel_size, 1),
+        "pcie_s_per_step": round(step_s, 3),
+        "decode_steps_per_s_bound": round(1 / step_s, 1) if step_s else None,
+    }
+    return _alt(
+        "cpu_offload",
+        f"vLLM --cpu-offload-gb {gb:g} on {space.gpu_count}× {space.gpu.name}",
+        True,
+        nums,
+        render_serve(c.model_ref, c.settings),
+        c,
+        (
+            f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
+            if step_s
+            else "",
+            "needs that much pinned host RAM per GPU (plan ~2× for loading)",
+            "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
+            "check that 'Model loading took' drops by the offloaded amount",
+            "KV offloading / LMCache does not add room for active context; only weight offload does",
+        ),
+    )
 
 
 _ALT_ORDER = {"more_gpus": 0, "larger_gpu": 0, "quantization": 1, "quantize_yourself": 1,
@@ -982,13 +1133,22 @@ def alternatives(
     """Ranked ways out when nothing on the given GPUs serves the workload, each with its numbers."""
     w = space.workload
     native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
-    tp1 = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1,
-                                                  max_model_len=w.p99_tokens, max_num_seqs=w.concurrency))  # fmt: skip
+    tp1 = space.price(
+        native,
+        dataclasses.replace(
+            space.base,
+            tensor_parallel_size=1,
+            max_model_len=w.p99_tokens,
+            max_num_seqs=w.concurrency,
+        ),
+    )
     found = _hardware_alts(space, catalogue, tp1.weights.value_bytes)
     best = outcome.most_capable
     if best is not None:
         serving = best.fits and best.serve is not None and best.serve.max_concurrency > 0
-        found.append(_shorter_context_alt(space, best) if serving else _quantization_alt(space, best))
+        found.append(
+            _shorter_context_alt(space, best) if serving else _quantization_alt(space, best)
+        )
     found += [a for a in (_quantize_yourself_alt(space), _cpu_offload_alt(space, native)) if a]
     return rank(found)
 
@@ -1002,9 +1162,15 @@ def sizing_table(
 ) -> list[tuple[SizingRow, Candidate]]:
     """For each catalogue GPU: the smallest count (1, 2, 4, 8) whose native weights serve the workload."""
     native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
-    probe = space.price(native, dataclasses.replace(space.base, tensor_parallel_size=1,
-                                                    max_model_len=space.workload.p99_tokens,
-                                                    max_num_seqs=space.workload.concurrency))  # fmt: skip
+    probe = space.price(
+        native,
+        dataclasses.replace(
+            space.base,
+            tensor_parallel_size=1,
+            max_model_len=space.workload.p99_tokens,
+            max_num_seqs=space.workload.concurrency,
+        ),
+    )
     weights_tp1 = probe.weights.value_bytes
     rows: list[tuple[SizingRow, Candidate]] = []
     for gpu in catalogue:
@@ -1012,16 +1178,23 @@ def sizing_table(
         if c is None:
             continue
         check = c.serve
-        rows.append((
-            SizingRow(
-                gpu=gpu.name, total_gib=gpu.total_gib, count=c.gpus_used, serves=c.serves,
-                kv_cache_tokens=c.prediction.kv_cache_tokens,
-                max_concurrency=check.max_concurrency if check else float(c.prediction.max_concurrency),
-                margin_achieved=check.margin_achieved if check else None,
-                command=render_serve(c.model_ref, c.settings),
-                weights_gib_per_gpu=round(c.prediction.weights.value_bytes / GIB, 2),
-            ),
-            c,
-        ))  # fmt: skip
+        rows.append(
+            (
+                SizingRow(
+                    gpu=gpu.name,
+                    total_gib=gpu.total_gib,
+                    count=c.gpus_used,
+                    serves=c.serves,
+                    kv_cache_tokens=c.prediction.kv_cache_tokens,
+                    max_concurrency=check.max_concurrency
+                    if check
+                    else float(c.prediction.max_concurrency),
+                    margin_achieved=check.margin_achieved if check else None,
+                    command=render_serve(c.model_ref, c.settings),
+                    weights_gib_per_gpu=round(c.prediction.weights.value_bytes / GIB, 2),
+                ),
+                c,
+            )
+        )
     rows.sort(key=lambda rc: (rc[1].gpus_used * rc[1].gpu.total_bytes, rc[1].gpus_used))
     return rows

@@ -141,11 +141,15 @@ def memory_table(c: Candidate, title: str = "Memory per GPU (GiB)") -> Table:
             "requested", gib_text(p.requested_bytes), "--kv-cache-memory-bytes fixes the KV size"
         )
     else:
-        table.add_row("requested", gib_text(p.requested_bytes), f"{s.gpu_memory_utilization} × total")
+        table.add_row(
+            "requested", gib_text(p.requested_bytes), f"{s.gpu_memory_utilization} × total"
+        )
     estimated, how = weights_known(c)
     weights_cell = f"{_estimate_cell(p.weights)}: {how.split(': ', 1)[-1]}" if estimated else how
     table.add_row("  weights", gib_text(p.weights.value_bytes), weights_cell)
-    table.add_row("  activation peak", gib_text(p.activation.value_bytes), _estimate_cell(p.activation))
+    table.add_row(
+        "  activation peak", gib_text(p.activation.value_bytes), _estimate_cell(p.activation)
+    )
     table.add_row("  non-torch", gib_text(p.non_torch.value_bytes), _estimate_cell(p.non_torch))
     if s.enforce_eager:
         graph_note = "--enforce-eager: none"
@@ -313,7 +317,11 @@ def _tier_figures(n: dict[str, object]) -> str:
     if n.get("host_gib"):
         parts.append(f"host {n['host_gib']} GiB")
     if n.get("decode_tokens_per_s_bound") is not None:
-        slow = f", ~{n['slowdown']}× the planned GPU's time per token" if n.get("slowdown") is not None else ""
+        slow = (
+            f", ~{n['slowdown']}× the planned GPU's time per token"
+            if n.get("slowdown") is not None
+            else ""
+        )
         parts.append(f"≤{n['decode_tokens_per_s_bound']} tokens/s per sequence{slow} (estimate)")
     return " · ".join(parts)
 
@@ -413,10 +421,15 @@ def sizing(result: PlanResult) -> RenderableType | None:
         table.add_column(col, justify="right", no_wrap=True)
     for names, row in merged[:SIZING_ROWS]:
         spare = "" if row.margin_achieved is None else f"{row.margin_achieved:+.0%}"
-        table.add_row(_join_names(names), f"{row.total_gib:.1f}", str(row.count),
-                      "" if row.weights_gib_per_gpu is None else f"{row.weights_gib_per_gpu:.1f}",
-                      f"{row.kv_cache_tokens:,}",
-                      f"{row.max_concurrency:.1f}", spare)  # fmt: skip
+        table.add_row(
+            _join_names(names),
+            f"{row.total_gib:.1f}",
+            str(row.count),
+            "" if row.weights_gib_per_gpu is None else f"{row.weights_gib_per_gpu:.1f}",
+            f"{row.kv_cache_tokens:,}",
+            f"{row.max_concurrency:.1f}",
+            spare,
+        )
     parts: list[RenderableType] = [table]
     rest = merged[SIZING_ROWS:]
     if rest:
@@ -445,8 +458,12 @@ def footer(result: PlanResult) -> Text:
     text = Text()
     cal = result.calibration
     if cal.used:
-        names = {"weights": "weights", "activation": "activation peak", "non_torch": "non-torch",
-                 "cudagraph": "CUDA graphs"}  # fmt: skip
+        names = {
+            "weights": "weights",
+            "activation": "activation peak",
+            "non_torch": "non-torch",
+            "cudagraph": "CUDA graphs",
+        }
         terms = ", ".join(names.get(t, t) for t in cal.terms)
         source = cal.source.removeprefix("calibration: ")
         text.append(f"Calibrated: {terms} measured in {source}", style="green")

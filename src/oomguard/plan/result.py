@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from oomguard.memory.spec import GPUSpec, ModelSpec
 
 
-
 @dataclass(frozen=True)
 class ServeCheck:
     """Whether a configuration serves the workload, in the binding sense.
@@ -89,10 +88,13 @@ class Candidate:
         s = self.settings
         parts = [
             f"{name} {size}"
-            for name, size in (("TP", s.tensor_parallel_size), ("PP", s.pipeline_parallel_size),
-                               ("DP", s.data_parallel_size))
+            for name, size in (
+                ("TP", s.tensor_parallel_size),
+                ("PP", s.pipeline_parallel_size),
+                ("DP", s.data_parallel_size),
+            )
             if size > 1
-        ]  # fmt: skip
+        ]
         text = " × ".join(parts)
         if s.enable_expert_parallel and text:
             text += " (EP)"
@@ -352,7 +354,9 @@ class PlanResult:
             "total_gib": round(self.plan.gpu.total_gib, 2),
             "count": self.plan.gpus_used,
             "available": self.plan.gpu_count,
-            "free_gib": gib_rounded(self.plan.prediction.free_bytes) if self.gpu_source == "nvml" else None,
+            "free_gib": gib_rounded(self.plan.prediction.free_bytes)
+            if self.gpu_source == "nvml"
+            else None,
             "source": self.gpu_source,
         }
 
@@ -381,7 +385,9 @@ class PlanResult:
             "kv_cache_gib": gib_rounded(given.prediction.kv_cache_bytes),
             "kv_cache_tokens": given.prediction.kv_cache_tokens,
             "max_concurrency": round(float(given.prediction.max_concurrency), 2),
-            "problems": [{"code": pr.code, "message": pr.message} for pr in given.prediction.problems],
+            "problems": [
+                {"code": pr.code, "message": pr.message} for pr in given.prediction.problems
+            ],
             "command": render_serve(given.model_ref, given.settings),
         }
 
@@ -390,7 +396,10 @@ class PlanResult:
         p = self.plan.prediction
         workload = None
         if self.workload is not None:
-            workload = {**self.workload.to_dict(), **(self.plan.serve.to_dict() if self.plan.serve else {})}
+            workload = {
+                **self.workload.to_dict(),
+                **(self.plan.serve.to_dict() if self.plan.serve else {}),
+            }
         return {
             "model": self.model_ref,
             "model_name": self.plan.model.name,
@@ -415,7 +424,9 @@ class PlanResult:
             "commands": self.commands(),
             "log_lines": list(p.log_lines),
             "workload": workload,
-            "recommendation": None if self.recommendation is None else self.recommendation.to_dict(),
+            "recommendation": None
+            if self.recommendation is None
+            else self.recommendation.to_dict(),
             "alternatives": [a.to_dict() for a in self.alternatives],
             "sizing": [row.to_dict() for row in self.sizing],
             "estimates": self._estimates_dict(),

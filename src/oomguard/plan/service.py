@@ -151,8 +151,10 @@ class PlanRequest:
         if self.headroom_gib < 0:
             raise BadInput(f"--headroom-gib {self.headroom_gib} is negative", "pass 0 or more GiB")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
-            raise BadInput(f"--host-memory-gib {self.host_memory_gib} must be positive",
-                           "pass the host's RAM in GiB")  # fmt: skip
+            raise BadInput(
+                f"--host-memory-gib {self.host_memory_gib} must be positive",
+                "pass the host's RAM in GiB",
+            )
         p99 = self.p99
         if p99 is not None and p99 <= 0:
             raise BadInput(
@@ -165,8 +167,9 @@ class PlanRequest:
                 "pass the peak number of concurrent requests",
             )
         if self.gpu_count is not None and self.gpu_count < 1:
-            raise BadInput(f"--gpu-count {self.gpu_count} must be at least 1",
-                           "pass the number of GPUs")  # fmt: skip
+            raise BadInput(
+                f"--gpu-count {self.gpu_count} must be at least 1", "pass the number of GPUs"
+            )
 
     @property
     def p99(self) -> int | None:
@@ -200,7 +203,9 @@ class PlanRequest:
 
 
 def read_request(
-    model: str | None, command: str | Sequence[str] | None, settings: dict[str, Any],
+    model: str | None,
+    command: str | Sequence[str] | None,
+    settings: dict[str, Any],
     **numbers: Any,
 ) -> PlanRequest:
     """The request from MODEL or a pasted ``vllm serve`` command, the settings and the numbers."""
@@ -229,8 +234,14 @@ def read_request(
         )
     kwargs.update({k: v for k, v in settings.items() if v is not None})
     fixed = frozenset(k for k in kwargs if k not in ("vllm_version", "platform", "usage_context"))
-    return PlanRequest(model=model, base=EngineSettings(**kwargs), fixed=fixed,
-                       notes=tuple(notes), other_flags=other_flags, **numbers)  # fmt: skip
+    return PlanRequest(
+        model=model,
+        base=EngineSettings(**kwargs),
+        fixed=fixed,
+        notes=tuple(notes),
+        other_flags=other_flags,
+        **numbers,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +255,10 @@ class Target:
 
 
 def resolve_target(
-    req: PlanRequest, spec: ModelSpec, gpu: str | GPUSpec | None, gpu_memory_gib: float | None,
+    req: PlanRequest,
+    spec: ModelSpec,
+    gpu: str | GPUSpec | None,
+    gpu_memory_gib: float | None,
     notes: list[str],
 ) -> Target:
     """The GPU and count, checked against the parallel sizes the settings ask for."""
@@ -335,8 +349,13 @@ def _calibration(plan: Candidate, measured: _CalibrationLookup | None) -> Calibr
 
 
 def assemble(
-    space: SearchSpace, target: Target, found: PlanOutcome, version: str,
-    notes: list[str], other_flags: dict[str, Any], started: float,
+    space: SearchSpace,
+    target: Target,
+    found: PlanOutcome,
+    version: str,
+    notes: list[str],
+    other_flags: dict[str, Any],
+    started: float,
 ) -> PlanResult:
     """The result: the search's outcome with the calibration used and the notes."""
     measured = space.measured if isinstance(space.measured, _CalibrationLookup) else None
@@ -397,10 +416,17 @@ def plan(
     """
     started = time.perf_counter()
     req = read_request(
-        model, command, settings, p99_tokens=p99_tokens, concurrency=concurrency,
-        shared_prefix=shared_prefix, headroom_gib=headroom_gib, margin=margin,
-        host_memory_gib=host_memory_gib, gpu_count=gpu_count,
-    )  # fmt: skip
+        model,
+        command,
+        settings,
+        p99_tokens=p99_tokens,
+        concurrency=concurrency,
+        shared_prefix=shared_prefix,
+        headroom_gib=headroom_gib,
+        margin=margin,
+        host_memory_gib=host_memory_gib,
+        gpu_count=gpu_count,
+    )
     from oomguard.facts.gpus import list_gpus
     from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
     from oomguard.memory.versions import resolve_era
@@ -413,13 +439,20 @@ def plan(
     version = resolve_era(req.base.vllm_version, req.base.engine).label
     catalogue = list_gpus()
     if target.gpu is None:
-        return _sizing_plan(model_ref, spec, req.base, req.fixed, workload, catalogue, notes,
-                            req.other_flags, started)  # fmt: skip
+        args = (model_ref, spec, req.base, req.fixed, workload, catalogue, notes)
+        return _sizing_plan(*args, req.other_flags, started)
     measured = _CalibrationLookup(target.gpu, version, spec.name) if use_calibration else None
     space = SearchSpace(
-        model_ref=model_ref, model=spec, gpu=target.gpu, gpu_count=target.count, base=req.base,
-        fixed=req.fixed, workload=workload, free_bytes=target.free_bytes, measured=measured,
-    )  # fmt: skip
+        model_ref=model_ref,
+        model=spec,
+        gpu=target.gpu,
+        gpu_count=target.count,
+        base=req.base,
+        fixed=req.fixed,
+        workload=workload,
+        free_bytes=target.free_bytes,
+        measured=measured,
+    )
     check_tp(spec, target.gpu, req.base)
     found = find_plan(space, req, target, catalogue)
     return assemble(space, target, found, version, notes, req.other_flags, started)
@@ -468,8 +501,15 @@ def _sizing_plan(
 ) -> PlanResult:
     """No GPU named: which catalogue GPUs and counts serve the workload."""
     first = catalogue[0]
-    space = SearchSpace(model_ref=model_ref, model=spec, gpu=first, gpu_count=8, base=base,
-                        fixed=fixed - {"tensor_parallel_size"}, workload=workload)  # fmt: skip
+    space = SearchSpace(
+        model_ref=model_ref,
+        model=spec,
+        gpu=first,
+        gpu_count=8,
+        base=base,
+        fixed=fixed - {"tensor_parallel_size"},
+        workload=workload,
+    )
     rows = sizing_table(space, catalogue)
     serving = [c for row, c in rows if c.serves]
     if serving:
@@ -477,8 +517,12 @@ def _sizing_plan(
     else:
         largest = max(catalogue, key=lambda g: g.total_bytes)
         native = weights_options(model_ref, spec, largest, base, fixed)[0]
-        chosen = space.candidate(native, dataclasses.replace(base, tensor_parallel_size=1,
-                                                             max_model_len=workload.p99_tokens), gpu=largest, count=1)  # fmt: skip
+        chosen = space.candidate(
+            native,
+            dataclasses.replace(base, tensor_parallel_size=1, max_model_len=workload.p99_tokens),
+            gpu=largest,
+            count=1,
+        )
         notes.append(
             "no catalogue GPU serves this workload with up to 8 GPUs at the checkpoint's precision"
         )

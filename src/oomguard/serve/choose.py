@@ -38,19 +38,34 @@ def choose_engine(options: Any) -> tuple[str, str]:
         settings["platform"] = device.platform
     w = options.workload
     try:
-        result = plan(options.model, device.spec if device else None, gpu_count=device.count if device else None,
-                      p99_tokens=w.p99_tokens, concurrency=w.concurrency, allow_hub=options.allow_hub,
-                      use_calibration=options.use_calibration, **settings)  # fmt: skip
+        result = plan(
+            options.model,
+            device.spec if device else None,
+            gpu_count=device.count if device else None,
+            p99_tokens=w.p99_tokens,
+            concurrency=w.concurrency,
+            allow_hub=options.allow_hub,
+            use_calibration=options.use_calibration,
+            **settings,
+        )
     except OomguardError as exc:
-        return "llama.cpp", f"plan cannot size {options.model} for vLLM ({exc.one_line()}): llama.cpp serves the GGUF"
+        return (
+            "llama.cpp",
+            f"plan cannot size {options.model} for vLLM ({exc.one_line()}): llama.cpp serves the GGUF",
+        )
     if result.fits:
         return "vllm", "plan: vLLM holds the model on this device"
     first = next((a for a in result.alternatives if _runs_here(a, device)), None)
     if first is None:
-        return "llama.cpp", ("plan: no tier of the fallback chain that runs on this machine serves the workload "
-                             "as asked; llama.cpp serves the GGUF")  # fmt: skip
+        return "llama.cpp", (
+            "plan: no tier of the fallback chain that runs on this machine serves the workload "
+            "as asked; llama.cpp serves the GGUF"
+        )
     if first.kind in LLAMA_TIERS:
-        return "llama.cpp", f"plan: vLLM cannot hold the model here; the chain's first tier that serves: {first.title}"
+        return (
+            "llama.cpp",
+            f"plan: vLLM cannot hold the model here; the chain's first tier that serves: {first.title}",
+        )
     return "vllm", f"plan: the chain's first tier that serves is vLLM's: {first.title}"
 
 
@@ -64,4 +79,6 @@ def _runs_here(alternative: Any, device: Any) -> bool:
     if alternative.kind == "cpu_offload" and (device is None or device.platform == "cpu"):
         return False
     host_gib = alternative.numbers.get("host_gib")
-    return not (isinstance(host_gib, (int, float)) and host_gib * GIB > psutil.virtual_memory().total)
+    return not (
+        isinstance(host_gib, (int, float)) and host_gib * GIB > psutil.virtual_memory().total
+    )

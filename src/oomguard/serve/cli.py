@@ -137,13 +137,24 @@ def serve_command(
     given = locals()
     plan_flags: dict[str, Any] = {name: given[name] for name in _PLAN_FLAGS}
     options = ServeOptions(
-        workload=_workload(p99_tokens, concurrency), max_attempts=max_attempts, probe=probe,
-        calibrate=record, use_calibration=not no_calibration,
-        allow_precision_change=allow_precision_change, guard_port=guard_port,
-        max_restarts=max_restarts, restart_window_s=restart_window,
-        startup_timeout_s=startup_timeout, log_dir=log_dir, vllm_python=vllm_python,
-        allow_hub=not offline, dry_run=dry_run, engine=engine, gguf=gguf, llama_server=llama_server,
-    )  # fmt: skip
+        workload=_workload(p99_tokens, concurrency),
+        max_attempts=max_attempts,
+        probe=probe,
+        calibrate=record,
+        use_calibration=not no_calibration,
+        allow_precision_change=allow_precision_change,
+        guard_port=guard_port,
+        max_restarts=max_restarts,
+        restart_window_s=restart_window,
+        startup_timeout_s=startup_timeout,
+        log_dir=log_dir,
+        vllm_python=vllm_python,
+        allow_hub=not offline,
+        dry_run=dry_run,
+        engine=engine,
+        gguf=gguf,
+        llama_server=llama_server,
+    )
     _read_form(options, model, list(ctx.args), plan_flags, host, port)
     raise SystemExit(_run(options, json_output=json_output, log_file=log_file))
 
@@ -153,7 +164,9 @@ def _workload(p99_tokens: str | None, concurrency: int | None) -> Any:
     from oomguard.workload import stated_workload
 
     stated = stated_workload(p99_tokens, concurrency)
-    return HealWorkload(p99_tokens=stated.p99_tokens or None, concurrency=stated.concurrency or None)
+    return HealWorkload(
+        p99_tokens=stated.p99_tokens or None, concurrency=stated.concurrency or None
+    )
 
 
 def _read_form(
@@ -179,27 +192,36 @@ def _read_form(
             )
         if given or host is not None or port is not None:
             flags = ", ".join("--" + k.replace("_", "-") for k in given) or "--host/--port"
-            raise BadInput(f"{flags} given beside a pasted command",
-                           "put the engine's flags in the pasted command itself")  # fmt: skip
+            raise BadInput(
+                f"{flags} given beside a pasted command",
+                "put the engine's flags in the pasted command itself",
+            )
         if _names_llama_server(words):
             from oomguard.serve.llama_session import PastedLlamaCommand
 
             if options.engine == "vllm":
-                raise BadInput("--engine vllm given with a llama-server command", "drop --engine or paste a vllm command")
+                raise BadInput(
+                    "--engine vllm given with a llama-server command",
+                    "drop --engine or paste a vllm command",
+                )
             options.engine = "llama.cpp"
             options.command = PastedLlamaCommand.from_tokens(words, base_dir=Path.cwd())
             return
         if options.engine == "llama.cpp":
-            raise BadInput("--engine llama.cpp given with a vLLM command",
-                           "paste a llama-server command, or serve MODEL.gguf --engine llama.cpp")  # fmt: skip
+            raise BadInput(
+                "--engine llama.cpp given with a vLLM command",
+                "paste a llama-server command, or serve MODEL.gguf --engine llama.cpp",
+            )
         options.command = EngineCommand.from_tokens(words, base_dir=Path.cwd())
         return
     if options.engine == "auto" and str(model).endswith(".gguf"):
         options.engine = "llama.cpp"
     if options.engine == "llama.cpp" and given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise BadInput(f"{flags} are vLLM flags; llama.cpp does not take them",
-                       "pass llama-server's own flags after --, e.g. -- --ctx-size 8192")  # fmt: skip
+        raise BadInput(
+            f"{flags} are vLLM flags; llama.cpp does not take them",
+            "pass llama-server's own flags after --, e.g. -- --ctx-size 8192",
+        )
     options.model = model
     options.engine_args = tuple(rest)
     options.host, options.port = host, port

@@ -189,8 +189,10 @@ def _server_launcher(words: list[str]) -> Launcher:
             f"serve launches vLLM itself and cannot supervise a {launcher.tool} container",
             "paste the 'vllm serve …' command the container runs (or run oomguard serve inside it)",
         )
-    raise BadInput(f"{words[0]!r} is not a vLLM server command",
-                   "write: oomguard serve -- vllm serve MODEL --flags…")  # fmt: skip
+    raise BadInput(
+        f"{words[0]!r} is not a vLLM server command",
+        "write: oomguard serve -- vllm serve MODEL --flags…",
+    )
 
 
 def _without_model(args: Sequence[str], model: str) -> tuple[str, ...]:

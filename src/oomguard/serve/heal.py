@@ -76,8 +76,10 @@ class HealAttempt:
         """The fix as a change to run (None for an action a person must take)."""
         if fix.is_flag:
             # the fix's flag with its companions (``also``): they are one change
-            changes = {name: None if value in (None, "") else str(value)
-                       for name, value in fix.flags().items()}  # fmt: skip
+            changes = {
+                name: None if value in (None, "") else str(value)
+                for name, value in fix.flags().items()
+            }
             return cls(changes, fix.why)
         if _ENV_NAME.fullmatch(fix.flag) and fix.value is not None:
             return cls({fix.flag: str(fix.value)}, fix.why)
@@ -262,7 +264,9 @@ def _margin_problem(ctx: HealContext, new: EngineCommand) -> str | None:
     return None
 
 
-def _pool_problem(ctx: HealContext, new: EngineCommand, prediction: Prediction | None) -> str | None:
+def _pool_problem(
+    ctx: HealContext, new: EngineCommand, prediction: Prediction | None
+) -> str | None:
     """A larger explicit pool (``--kv-cache-memory-bytes``) is allocated whatever the
     utilization: the engine's predicted non-KV memory (at the top of its range) and the new
     pool must fit in the memory free now, with the margin."""

@@ -49,8 +49,13 @@ class LlamaCommand:
 
     # --- reading -------------------------------------------------------------------------
     @classmethod
-    def from_args(cls, args: Sequence[str], table: FlagTable, env: Mapping[str, str] | None = None,
-                  base_dir: Path | None = None) -> tuple[LlamaCommand, LlamaArgs]:  # fmt: skip
+    def from_args(
+        cls,
+        args: Sequence[str],
+        table: FlagTable,
+        env: Mapping[str, str] | None = None,
+        base_dir: Path | None = None,
+    ) -> tuple[LlamaCommand, LlamaArgs]:
         """Read llama-server's arguments (without the binary); raises :class:`BadInput` for a
         flag this binary does not have, a missing model, or a model file that does not exist."""
         read = read_args(args, table, env)
@@ -58,7 +63,9 @@ class LlamaCommand:
         if not model.is_absolute() and base_dir is not None:
             model = base_dir / model
         if not model.is_file():
-            raise BadInput(f"model file does not exist: {model}", "pass --model PATH to a local .gguf file")
+            raise BadInput(
+                f"model file does not exist: {model}", "pass --model PATH to a local .gguf file"
+            )
         memory = {table.canonical(f) for f in MEMORY_FLAGS}
         extra: list[str] = []
         for written, value in split_args(args, table):
@@ -69,11 +76,28 @@ class LlamaCommand:
         port_text = read.values.get(table.canonical("--port")) or str(DEFAULT_PORT)
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise BadInput(f"--port {port_text} is not a port number", "pass 1-65535")
-        explicit = any(table.canonical(f) in read.values for f in ("--n-gpu-layers", "--n-cpu-moe", "--cpu-moe",
-                                                                   "--override-tensor", "--tensor-split"))  # fmt: skip
+        explicit = any(
+            table.canonical(f) in read.values
+            for f in (
+                "--n-gpu-layers",
+                "--n-cpu-moe",
+                "--cpu-moe",
+                "--override-tensor",
+                "--tensor-split",
+            )
+        )
         settings = read.llama_settings(0)
-        command = cls(str(model), settings, host, int(port_text), tuple(extra), dict(env or {}), read.rpc,
-                      read.devices, explicit)  # fmt: skip
+        command = cls(
+            str(model),
+            settings,
+            host,
+            int(port_text),
+            tuple(extra),
+            dict(env or {}),
+            read.rpc,
+            read.devices,
+            explicit,
+        )
         return command, read
 
     # --- what the loop needs ---------------------------------------------------------------
@@ -90,8 +114,14 @@ class LlamaCommand:
 
     def argv(self, binary: str) -> list[str]:
         """The process to start."""
-        return llama_server_argv(self.model, self.settings, binary=binary, host=self.host, port=self.port,
-                                 extra=self.extra)  # fmt: skip
+        return llama_server_argv(
+            self.model,
+            self.settings,
+            binary=binary,
+            host=self.host,
+            port=self.port,
+            extra=self.extra,
+        )
 
     def key(self) -> str:
         """What makes two commands the same configuration (not where it listens)."""

@@ -81,7 +81,9 @@ _PHASE_LINES = (
 )  # fmt: skip
 _ALLOC_FAILED = re.compile(r"failed to allocate (?P<name>\S+) buffer of size (?P<bytes>\d+)")
 # ggml-cuda.cu: "allocating %.2f MiB on device %d: cudaMalloc failed: …" (the line before the one above)
-_DEVICE_MALLOC_FAILED = re.compile(r"allocating (?P<mib>[\d.]+) MiB on device (?P<device>\d+): (?P<api>cuda|hip)Malloc failed")
+_DEVICE_MALLOC_FAILED = re.compile(
+    r"allocating (?P<mib>[\d.]+) MiB on device (?P<device>\d+): (?P<api>cuda|hip)Malloc failed"
+)
 _ERROR_LINE = re.compile(r"^\S*\s+E\s|\berror\b", re.IGNORECASE)
 
 
@@ -102,7 +104,9 @@ class LlamaEngine:
         if binary:
             path = Path(binary).expanduser()
             if not path.is_file():
-                raise BadInput(f"--llama-server {binary} is not a file", "point it at a llama-server binary")
+                raise BadInput(
+                    f"--llama-server {binary} is not a file", "point it at a llama-server binary"
+                )
             return cls(path)
         return cls(find_llama_server())
 
@@ -135,7 +139,8 @@ class LlamaLogReader:
     load_log: LoadLog = field(default_factory=LoadLog)
     lines: int = 0
     phases: dict[Phase, Evidence] = field(default_factory=dict)
-    buffer_lines: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, device) → first line
+    # (kind, device) → first line
+    buffer_lines: dict[tuple[str, str], int] = field(default_factory=dict)
     errors: list[Evidence] = field(default_factory=list)
     failure: Failure | None = None
     failed_buffer: tuple[str, int] | None = None  # (buffer type, bytes) that could not be allocated
@@ -168,7 +173,10 @@ class LlamaLogReader:
                     self.failed_buffer = (m.group("name"), int(m.group("bytes")))
                 elif d:
                     prefix = "CUDA" if d.group("api") == "cuda" else "ROCm"
-                    self.failed_buffer = (f"{prefix}{d.group('device')}", round(float(d.group("mib")) * MIB))
+                    self.failed_buffer = (
+                        f"{prefix}{d.group('device')}",
+                        round(float(d.group("mib")) * MIB),
+                    )
             elif _ERROR_LINE.search(line) and len(self.errors) < 5:
                 self.errors.append(evidence)
         return news
@@ -198,11 +206,15 @@ class LlamaPrediction:
         """Why it may not load."""
         out = []
         if self.devices and not self.plan.fits_gpu:
-            out.append(f"the fullest GPU needs {self.plan.gpu_need_bytes / GIB:.2f} GiB, over its "
-                       f"{self.plan.gpu_budget_bytes / GIB:.2f} GiB budget (free memory less a 1 GiB margin)")  # fmt: skip
+            out.append(
+                f"the fullest GPU needs {self.plan.gpu_need_bytes / GIB:.2f} GiB, over its "
+                f"{self.plan.gpu_budget_bytes / GIB:.2f} GiB budget (free memory less a 1 GiB margin)"
+            )
         if self.plan.fits_host is False:
-            out.append(f"host memory: needs {self.plan.host_need_bytes / GIB:.2f} GiB, "
-                       f"{(self.plan.host_budget_bytes or 0) / GIB:.2f} GiB usable")  # fmt: skip
+            out.append(
+                f"host memory: needs {self.plan.host_need_bytes / GIB:.2f} GiB, "
+                f"{(self.plan.host_budget_bytes or 0) / GIB:.2f} GiB usable"
+            )
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,15 +223,30 @@ class LlamaPrediction:
         devices = ["CPU", *m.gpu_devices()]
         return {
             "engine": "llama.cpp",
-            "split": {"n_gpu_layers": m.settings.n_gpu_layers, "n_cpu_moe": m.settings.n_cpu_moe,
-                      "cpu_moe": m.settings.cpu_moe, "gpu_layers": m.placement.gpu_layers(),
-                      "layers": m.model.n_layer},  # fmt: skip
-            "context": {"n_ctx": m.context.n_ctx, "n_ctx_per_slot": m.context.n_ctx_seq,
-                        "slots": m.context.n_seq_max},  # fmt: skip
-            "buffers": [{"kind": b.kind, "device": b.device, "name": b.name or b.device,
-                         "mib": round(b.size_bytes / MIB, 2), "low_mib": round(b.range_bytes()[0] / MIB, 2),
-                         "high_mib": round(b.range_bytes()[1] / MIB, 2), "estimated": b.estimated}
-                        for b in m.buffers],  # fmt: skip
+            "split": {
+                "n_gpu_layers": m.settings.n_gpu_layers,
+                "n_cpu_moe": m.settings.n_cpu_moe,
+                "cpu_moe": m.settings.cpu_moe,
+                "gpu_layers": m.placement.gpu_layers(),
+                "layers": m.model.n_layer,
+            },
+            "context": {
+                "n_ctx": m.context.n_ctx,
+                "n_ctx_per_slot": m.context.n_ctx_seq,
+                "slots": m.context.n_seq_max,
+            },
+            "buffers": [
+                {
+                    "kind": b.kind,
+                    "device": b.device,
+                    "name": b.name or b.device,
+                    "mib": round(b.size_bytes / MIB, 2),
+                    "low_mib": round(b.range_bytes()[0] / MIB, 2),
+                    "high_mib": round(b.range_bytes()[1] / MIB, 2),
+                    "estimated": b.estimated,
+                }
+                for b in m.buffers
+            ],
             "per_device_gib": {d: round(m.device_bytes(d, "high") / GIB, 4) for d in devices},
             "gpu_budget_gib": round(self.plan.gpu_budget_bytes / GIB, 3) if self.devices else None,
             "fits": not self.problems(),
@@ -237,17 +264,27 @@ def comparison_rows(memory: LlamaCppMemory, reader: LlamaLogReader) -> list[dict
         if check.observed_bytes is None:
             continue
         row: dict[str, Any] = {
-            "term": f"{check.kind}_buffer_{check.device}", "label": f"{check.kind} buffer {check.device}",
-            "unit": "GiB", "kind": check.kind, "device": check.device,
-            "observed": round(check.observed_bytes / GIB, 9), "predicted": round(check.predicted_bytes / GIB, 9),
+            "term": f"{check.kind}_buffer_{check.device}",
+            "label": f"{check.kind} buffer {check.device}",
+            "unit": "GiB",
+            "kind": check.kind,
+            "device": check.device,
+            "observed": round(check.observed_bytes / GIB, 9),
+            "predicted": round(check.predicted_bytes / GIB, 9),
             "range": [round(check.low_bytes / GIB, 9), round(check.high_bytes / GIB, 9)],
             "diff": round((check.predicted_bytes - check.observed_bytes) / GIB, 9),
-            "observed_bytes": check.observed_bytes, "predicted_bytes": check.predicted_bytes,
-            "diff_pct": None if check.error_fraction is None else round(check.error_fraction * 100, 2),
-            "in_range": check.agrees, "estimated": check.estimated,
+            "observed_bytes": check.observed_bytes,
+            "predicted_bytes": check.predicted_bytes,
+            "diff_pct": None
+            if check.error_fraction is None
+            else round(check.error_fraction * 100, 2),
+            "in_range": check.agrees,
+            "estimated": check.estimated,
             "line": reader.buffer_lines.get((check.kind, check.device)),
-            "basis": "estimate (range)" if check.estimated else "exact (llama.cpp's allocation rules)",
-        }  # fmt: skip
+            "basis": "estimate (range)"
+            if check.estimated
+            else "exact (llama.cpp's allocation rules)",
+        }
         rows.append(row)
     return rows
 
@@ -265,14 +302,22 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
 
     phase_labels = LLAMA_PHASE_LABELS
 
-    def __init__(self, options: ServeOptions, *, handlers: list[EventHandler] | None = None,
-                 line_sink: LineSink | None = None, engine: LlamaEngine | None = None,
-                 stop_event: threading.Event | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        options: ServeOptions,
+        *,
+        handlers: list[EventHandler] | None = None,
+        line_sink: LineSink | None = None,
+        engine: LlamaEngine | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> None:
         pasted = options.command
         super().__init__(
             options, handlers=handlers, line_sink=line_sink, engine=engine, stop_event=stop_event
         )
-        self.pasted: PastedLlamaCommand | None = pasted if isinstance(pasted, PastedLlamaCommand) else None
+        self.pasted: PastedLlamaCommand | None = (
+            pasted if isinstance(pasted, PastedLlamaCommand) else None
+        )
         self.command = None
         self.model: GGUFModel | None = None
         self.devices: list[LlamaDevice] = []
@@ -289,8 +334,9 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         except OomguardError:
             raise
         except Exception as exc:  # a file that is not a GGUF: gguf raises plain errors
-            raise BadInput(f"{command.model} is not a readable GGUF file ({exc})",
-                           "pass a .gguf model file") from None  # fmt: skip
+            raise BadInput(
+                f"{command.model} is not a readable GGUF file ({exc})", "pass a .gguf model file"
+            ) from None
         self.devices = self.engine.devices(command)
         command = self._with_split(command)
         self.command = command
@@ -298,14 +344,22 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         if self.options.guard_port is not None:
             check_port_free("127.0.0.1", self.options.guard_port, "--guard-port")
         prediction = self._predict(command)
-        device = self.devices[0].to_dict() if self.devices else {"name": "CPU only", "free_gib": None}
+        device = (
+            self.devices[0].to_dict() if self.devices else {"name": "CPU only", "free_gib": None}
+        )
         self.events.emit(
-            "plan", command=command.display(), engine=self.engine.name, engine_version=self.engine.version,
-            device=device, devices=[d.to_dict() for d in self.devices],
+            "plan",
+            command=command.display(),
+            engine=self.engine.name,
+            engine_version=self.engine.version,
+            device=device,
+            devices=[d.to_dict() for d in self.devices],
             prediction=prediction.to_dict() if prediction else None,
-            workload={"p99_tokens": self.options.workload.p99_tokens,
-                      "concurrency": self.options.workload.concurrency},
-        )  # fmt: skip
+            workload={
+                "p99_tokens": self.options.workload.p99_tokens,
+                "concurrency": self.options.workload.concurrency,
+            },
+        )
 
     def _read_command(self) -> LlamaCommand:
         """The pasted command, or one for ``oomguard serve MODEL.gguf`` with the workload's
@@ -313,18 +367,24 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         assert self.engine is not None
         o = self.options
         if self.pasted is not None:
-            command, read = LlamaCommand.from_args(self.pasted.args, self.engine.flags, self.pasted.env,
-                                                   self.pasted.base_dir)  # fmt: skip
+            command, read = LlamaCommand.from_args(
+                self.pasted.args, self.engine.flags, self.pasted.env, self.pasted.base_dir
+            )
             for note in read.notes:
                 self.events.emit("note", text=note)
             if read.fit:
-                self.events.emit("note", text="llama.cpp's own --fit is replaced by the planned split (--fit off)")
+                self.events.emit(
+                    "note",
+                    text="llama.cpp's own --fit is replaced by the planned split (--fit off)",
+                )
             self._read = read
             return command
         gguf = o.gguf or (Path(o.model) if o.model else None)
         if gguf is None or not gguf.expanduser().is_file():
-            raise BadInput(f"no GGUF file to serve with llama.cpp: {gguf}",
-                           "pass MODEL.gguf, or --gguf PATH beside a model id")  # fmt: skip
+            raise BadInput(
+                f"no GGUF file to serve with llama.cpp: {gguf}",
+                "pass MODEL.gguf, or --gguf PATH beside a model id",
+            )
         args = ["--model", str(gguf.expanduser().resolve()), *o.engine_args]
         w = o.workload
         if not _has_flag(o.engine_args, self.engine.flags, "--parallel"):
@@ -351,8 +411,11 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         if not self.devices or command.explicit_split:
             return command
         found = best_split(self.model, settings, self._gpu_free_bytes(), 0, _host_total_bytes())
-        self.events.emit("note", text=f"planned split: {command.with_settings(found.settings).split_text()} "
-                         f"(the most that fits each device's free memory less a 1 GiB margin)")  # fmt: skip
+        self.events.emit(
+            "note",
+            text=f"planned split: {command.with_settings(found.settings).split_text()} "
+            f"(the most that fits each device's free memory less a 1 GiB margin)",
+        )
         return command.with_settings(found.settings)
 
     def _gpu_free_bytes(self) -> int:
@@ -382,9 +445,17 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         self._report_phases(launch, state, news)
         for name, obs in news.fields.items():
             buffer = obs.value
-            self.events.emit("observed", launch=launch.number, field=name, value=round(buffer.size_bytes / GIB, 9),
-                             unit="GiB", buffer=buffer.name, device=buffer.device, line=obs.evidence.line,
-                             text=obs.evidence.text)  # fmt: skip
+            self.events.emit(
+                "observed",
+                launch=launch.number,
+                field=name,
+                value=round(buffer.size_bytes / GIB, 9),
+                unit="GiB",
+                buffer=buffer.name,
+                device=buffer.device,
+                line=obs.evidence.line,
+                text=obs.evidence.text,
+            )
 
     def _comparison(self, launch: _Launch, parsed: ParsedLog) -> list[dict[str, Any]]:
         if launch.prediction is None:
@@ -402,10 +473,15 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         assert self.model is not None
         launch = self.current
         failed = _reader(launch).failed_buffer if launch is not None else None
-        cause = f"llama-server could not allocate a {failed[0]} buffer of {failed[1] / MIB:.2f} MiB" if failed else \
-            "llama-server could not allocate a buffer"  # fmt: skip
+        cause = (
+            f"llama-server could not allocate a {failed[0]} buffer of {failed[1] / MIB:.2f} MiB"
+            if failed
+            else "llama-server could not allocate a buffer"
+        )
         if failed is None or not self.devices or _is_host_buffer(failed[0]):
-            self._emit_heal(cause, "a host buffer: no split to lower (host memory is short)", None, [])
+            self._emit_heal(
+                cause, "a host buffer: no split to lower (host memory is short)", None, []
+            )
             return None
         self._before_launch()
         rejected: list[tuple[str, str]] = []
@@ -417,21 +493,43 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
                 return None
             healed = command.with_settings(plan.settings)
             if healed.key() not in self.tried:
-                self._emit_heal(cause, f"lower the split to {healed.split_text()}", healed, rejected,
-                                was=command.split_text(), plan=plan)  # fmt: skip
+                self._emit_heal(
+                    cause,
+                    f"lower the split to {healed.split_text()}",
+                    healed,
+                    rejected,
+                    was=command.split_text(),
+                    plan=plan,
+                )
                 return healed
-            rejected.append((healed.split_text(), f"already tried (launch {self.tried[healed.key()]})"))
+            rejected.append(
+                (healed.split_text(), f"already tried (launch {self.tried[healed.key()]})")
+            )
             settings = plan.settings
 
-    def _emit_heal(self, cause: str, summary: str, healed: LlamaCommand | None, rejected: list[tuple[str, str]],
-                   was: str = "", plan: SplitPlan | None = None) -> None:  # fmt: skip
-        data: dict[str, Any] = {"cause": cause, "summary": summary,
-                                "rejected": [{"change": c, "reason": r} for c, r in rejected]}  # fmt: skip
+    def _emit_heal(
+        self,
+        cause: str,
+        summary: str,
+        healed: LlamaCommand | None,
+        rejected: list[tuple[str, str]],
+        was: str = "",
+        plan: SplitPlan | None = None,
+    ) -> None:
+        data: dict[str, Any] = {
+            "cause": cause,
+            "summary": summary,
+            "rejected": [{"change": c, "reason": r} for c, r in rejected],
+        }
         if healed is not None:
-            data.update(source="serve", change=f"{was} → {healed.split_text()}", command=healed.display(),
-                        changes={"split": healed.split_text()},
-                        why="the device had less room than predicted: its budget lowered by the shortfall, "
-                            "at least one layer fewer on it")  # fmt: skip
+            data.update(
+                source="serve",
+                change=f"{was} → {healed.split_text()}",
+                command=healed.display(),
+                changes={"split": healed.split_text()},
+                why="the device had less room than predicted: its budget lowered by the shortfall, "
+                "at least one layer fewer on it",
+            )
             if plan is not None:
                 data["prediction"] = LlamaPrediction(plan, tuple(self.devices)).to_dict()
         self.events.emit("heal", launch=len(self.launches), healed=healed is not None, **data)
@@ -442,22 +540,51 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         s = command.settings
         options: list[tuple[str, Any]] = []
         if s.cache_type_k == "f16":
-            options.append(("q8_0 KV cache (half the KV memory)", replace(s, cache_type_k="q8_0", cache_type_v="q8_0")))
+            options.append(
+                (
+                    "q8_0 KV cache (half the KV memory)",
+                    replace(s, cache_type_k="q8_0", cache_type_v="q8_0"),
+                )
+            )
         if s.parallel > 1:
-            options.append((f"{s.parallel // 2} slots, half the context", replace(s, parallel=max(1, s.parallel // 2),
-                                                                                   ctx_size=s.ctx_size // 2)))  # fmt: skip
+            options.append(
+                (
+                    f"{s.parallel // 2} slots, half the context",
+                    replace(s, parallel=max(1, s.parallel // 2), ctx_size=s.ctx_size // 2),
+                )
+            )
         if s.gpu_count:
-            options.append(("the CPU only", replace(s, gpu_count=0, n_gpu_layers=0, n_cpu_moe=0, cpu_moe=False,
-                                                    overrides=(), tensor_split=())))  # fmt: skip
+            options.append(
+                (
+                    "the CPU only",
+                    replace(
+                        s,
+                        gpu_count=0,
+                        n_gpu_layers=0,
+                        n_cpu_moe=0,
+                        cpu_moe=False,
+                        overrides=(),
+                        tensor_split=(),
+                    ),
+                )
+            )
         free = self._gpu_free_bytes() if self.devices else 0
         alternatives = []
         for rank, (title, settings) in enumerate(options, 1):
             plan = price_split(self.model, settings, free, 0, _host_total_bytes())
-            alternatives.append({"rank": rank, "kind": "llama_cpp", "title": title,
-                                 "command": command.with_settings(settings).display(),
-                                 "gpu_gib_per_device": round(plan.gpu_need_bytes / GIB, 3),
-                                 "host_gib": round(plan.host_need_bytes / GIB, 3)})  # fmt: skip
-        self.events.emit("alternatives", recommendation=None, alternatives=alternatives, command=None, fits=False)
+            alternatives.append(
+                {
+                    "rank": rank,
+                    "kind": "llama_cpp",
+                    "title": title,
+                    "command": command.with_settings(settings).display(),
+                    "gpu_gib_per_device": round(plan.gpu_need_bytes / GIB, 3),
+                    "host_gib": round(plan.host_need_bytes / GIB, 3),
+                }
+            )
+        self.events.emit(
+            "alternatives", recommendation=None, alternatives=alternatives, command=None, fits=False
+        )
 
     def _run_probes(self, launch: _Launch) -> None:
         """The longest request a slot holds, then the workload's concurrency of P99 requests."""
@@ -473,21 +600,39 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         except (OSError, ValueError, KeyError) as exc:
             self.events.emit("probe", probe="models", passed=False, error=str(exc))
             return
-        self.events.emit("probe", launch=launch.number, **probe_longest(base, model, per_slot, vocab).to_dict())
+        self.events.emit(
+            "probe", launch=launch.number, **probe_longest(base, model, per_slot, vocab).to_dict()
+        )
         w = self.options.workload
         slots = launch.prediction.memory.context.n_seq_max
         length = min(w.p99_tokens or per_slot, per_slot)
-        self.events.emit("probe", launch=launch.number,
-                         **probe_burst(base, model, w.concurrency or slots, length, vocab).to_dict())  # fmt: skip
+        self.events.emit(
+            "probe",
+            launch=launch.number,
+            **probe_burst(base, model, w.concurrency or slots, length, vocab).to_dict(),
+        )
 
     def _guard_argv(self, command: LlamaCommand, port: int) -> list[str]:
         """The guard, told that the backend is llama-server and how its KV pool is laid out
         (``/props`` does not say whether the slots share one pool)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config = self.log_dir / "guard.yaml"
-        backend = {"url": command.base_url, "engine": "llama.cpp", "kv_unified": command.settings.kv_unified}
+        backend = {
+            "url": command.base_url,
+            "engine": "llama.cpp",
+            "kv_unified": command.settings.kv_unified,
+        }
         config.write_text(yaml.safe_dump({"backends": [backend]}), encoding="utf-8")
-        return [sys.executable, "-m", "oomguard.cli", "guard", "--config", str(config), "--port", str(port)]
+        return [
+            sys.executable,
+            "-m",
+            "oomguard.cli",
+            "guard",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ]
 
 
 @dataclass(frozen=True)
@@ -509,7 +654,10 @@ class PastedLlamaCommand:
             env[name] = value
             words = words[1:]
         if not words or not is_llama_server(words[0]):
-            raise BadInput("the pasted command is not a llama-server command", "oomguard serve -- llama-server -m MODEL.gguf …")
+            raise BadInput(
+                "the pasted command is not a llama-server command",
+                "oomguard serve -- llama-server -m MODEL.gguf …",
+            )
         first = Path(words[0]).expanduser()
         binary = str(first) if first.name != words[0] and first.is_file() else None
         return cls(tuple(words[1:]), binary, env, base_dir)

@@ -179,21 +179,27 @@ class ServeOptions:
     def validate(self) -> None:
         """Raise :class:`BadInput` for limits that make no sense."""
         if (self.command is None) == (self.model is None):
-            raise BadInput("give either MODEL or a command after --",
-                           "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …")  # fmt: skip
+            raise BadInput(
+                "give either MODEL or a command after --",
+                "oomguard serve MODEL …  or  oomguard serve -- vllm serve MODEL …",
+            )
         if self.max_attempts < 1:
             raise BadInput(
                 f"--max-attempts {self.max_attempts} must be at least 1", "pass 1 or more"
             )
         if self.max_restarts < 0 or self.restart_window_s <= 0:
-            raise BadInput("--max-restarts must be 0 or more and --restart-window positive",
-                           "e.g. --max-restarts 5 --restart-window 600")  # fmt: skip
+            raise BadInput(
+                "--max-restarts must be 0 or more and --restart-window positive",
+                "e.g. --max-restarts 5 --restart-window 600",
+            )
         for name, port in (("--port", self.port), ("--guard-port", self.guard_port)):
             if port is not None and not 0 < port < 65536:
                 raise BadInput(f"{name} {port} is not a port number", "pass 1-65535")
         if self.engine not in ("auto", "vllm", "llama.cpp"):
-            raise BadInput(f"--engine {self.engine} is not an engine serve launches",
-                           "pass --engine auto, vllm or llama.cpp")  # fmt: skip
+            raise BadInput(
+                f"--engine {self.engine} is not an engine serve launches",
+                "pass --engine auto, vllm or llama.cpp",
+            )
 
 
 @dataclass
@@ -308,8 +314,16 @@ class LaunchLoop(Generic[C, P, K]):
 
     def _guard_argv(self, command: C, port: int) -> list[str]:
         """The guard to start in front of ``command``."""
-        return [sys.executable, "-m", "oomguard.cli", "guard", "--backend", command.base_url,
-                "--port", str(port)]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "oomguard.cli",
+            "guard",
+            "--backend",
+            command.base_url,
+            "--port",
+            str(port),
+        ]
 
     # --- public --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -401,8 +415,12 @@ class LaunchLoop(Generic[C, P, K]):
         self._before_launch()
         prediction = self._predict(command)
         log_path = self.log_dir / f"launch-{number}.log"
-        process = EngineProcess(engine.argv(command), env=engine.environment(command), log_path=log_path)
-        launch: Launch[C, P] = Launch(number, command, process, engine.new_reader(), prediction, log_path)
+        process = EngineProcess(
+            engine.argv(command), env=engine.environment(command), log_path=log_path
+        )
+        launch: Launch[C, P] = Launch(
+            number, command, process, engine.new_reader(), prediction, log_path
+        )
         process.add_line_callback(lambda line: self._on_line(launch, line))
         self.launches.append(launch)
         self.tried.setdefault(command.key(), number)
@@ -411,11 +429,17 @@ class LaunchLoop(Generic[C, P, K]):
         launch.used_before = {d.index: d.used_bytes for d in devices} if devices else None
         launch.process.start()
         self.events.emit(
-            "launch", number=number, attempt=attempt, max_attempts=self.options.max_attempts,
-            command=command.display(), argv=launch.process.argv, pid=launch.process.pid,
-            log=str(log_path), prediction=prediction.to_dict() if prediction else None,
+            "launch",
+            number=number,
+            attempt=attempt,
+            max_attempts=self.options.max_attempts,
+            command=command.display(),
+            argv=launch.process.argv,
+            pid=launch.process.pid,
+            log=str(log_path),
+            prediction=prediction.to_dict() if prediction else None,
             engine=engine.name,
-        )  # fmt: skip
+        )
         return self._follow(launch)
 
     def _on_line(self, launch: Launch[C, P], line: str) -> None:
@@ -460,8 +484,12 @@ class LaunchLoop(Generic[C, P, K]):
                     return LaunchResult("ready", launch.parsed())
             if now > deadline:
                 launch.process.kill()
-                self.events.emit("failure", kind="timeout", launch=launch.number,
-                                 text=f"not healthy after {self.options.startup_timeout_s:g} s")  # fmt: skip
+                self.events.emit(
+                    "failure",
+                    kind="timeout",
+                    launch=launch.number,
+                    text=f"not healthy after {self.options.startup_timeout_s:g} s",
+                )
                 return LaunchResult("timeout", launch.parsed())
 
     def _drain(self, launch: Launch[C, P], state: PhaseState, timeout_s: float) -> None:
@@ -483,8 +511,13 @@ class LaunchLoop(Generic[C, P, K]):
         """``phase`` events for the phases the line reached (each once, in order)."""
         for phase, evidence in news.phases:
             if state.advance(phase):
-                self.events.emit("phase", launch=launch.number, phase=phase.value,
-                                 label=self.phase_labels.get(phase, phase.value), line=evidence.line)  # fmt: skip
+                self.events.emit(
+                    "phase",
+                    launch=launch.number,
+                    phase=phase.value,
+                    label=self.phase_labels.get(phase, phase.value),
+                    line=evidence.line,
+                )
 
     # --- outcomes of a launch ------------------------------------------------------------
     def _failed(self, launch: Launch[C, P], state: PhaseState) -> LaunchResult:
@@ -502,15 +535,21 @@ class LaunchLoop(Generic[C, P, K]):
         failure = launch.follower.failure
         assert failure is not None and launch.failure_read_at is not None
         self.events.emit(
-            "failure", kind="memory", launch=launch.number, signature=failure.signature,
-            line=failure.evidence.line, text=failure.evidence.text,
+            "failure",
+            kind="memory",
+            launch=launch.number,
+            signature=failure.signature,
+            line=failure.evidence.line,
+            text=failure.evidence.text,
             phase=parsed.failure_phase.value.value if parsed.failure_phase else None,
             line_to_kill_s=round((launch.killed_at or gone_at) - launch.failure_read_at, 4),
             line_to_gone_s=round(gone_at - launch.failure_read_at, 4),
-            memory_released=release.released, release_source=release.source,
-            release_wait_s=round(release.waited_s, 3), log=str(launch.log_path),
+            memory_released=release.released,
+            release_source=release.source,
+            release_wait_s=round(release.waited_s, 3),
+            log=str(launch.log_path),
             comparison=self._comparison(launch, parsed),
-        )  # fmt: skip
+        )
         return LaunchResult("memory_failure", parsed, failure, launch.process.returncode)
 
     def _exited(self, launch: Launch[C, P], state: PhaseState) -> LaunchResult:
@@ -528,24 +567,31 @@ class LaunchLoop(Generic[C, P, K]):
         fault = None if memory else engine_fault(parsed)
         errors = [e.text for e in parsed.errors[:3]] or launch.process.tail(5)
         self.events.emit(
-            "failure", kind="memory" if memory else "exited", launch=launch.number,
-            returncode=code, signature=failure.signature if failure else None,
+            "failure",
+            kind="memory" if memory else "exited",
+            launch=launch.number,
+            returncode=code,
+            signature=failure.signature if failure else None,
             line=failure.evidence.line if failure else None,
             text=failure.evidence.text if failure else " | ".join(errors)[:800],
-            log=str(launch.log_path), point=START_UP,
+            log=str(launch.log_path),
+            point=START_UP,
             not_memory=fault.to_dict() if fault else None,
-        )  # fmt: skip
+        )
         status = "memory_failure" if memory else "exited"
         return LaunchResult(status, parsed, failure, code, START_UP, fault)
 
     def _ready(self, launch: Launch[C, P], state: PhaseState) -> None:
         parsed = launch.parsed()
         self.events.emit(
-            "ready", launch=launch.number, url=launch.command.base_url,
-            command=launch.command.display(), pid=launch.process.pid,
+            "ready",
+            launch=launch.number,
+            url=launch.command.base_url,
+            command=launch.command.display(),
+            pid=launch.process.pid,
             startup_s=round(launch.process.elapsed_s(), 2),
             comparison=self._comparison(launch, parsed),
-        )  # fmt: skip
+        )
 
     # --- once ready ----------------------------------------------------------------------
     def _after_ready(self, command: C) -> bool:
@@ -575,8 +621,15 @@ class LaunchLoop(Generic[C, P, K]):
         self.guard = guard
         url = f"http://127.0.0.1:{port}"
         healthy = guard.wait_healthy(url + "/health", timeout_s=60.0)
-        self.events.emit("guard", url=url, pid=guard.pid, healthy=healthy, backend=command.base_url,
-                         log=str(log_path), tail=[] if healthy else guard.tail(5))  # fmt: skip
+        self.events.emit(
+            "guard",
+            url=url,
+            pid=guard.pid,
+            healthy=healthy,
+            backend=command.base_url,
+            log=str(log_path),
+            tail=[] if healthy else guard.tail(5),
+        )
 
     # --- supervision ---------------------------------------------------------------------
     def _supervise(self) -> LaunchResult | None:
@@ -606,13 +659,18 @@ class LaunchLoop(Generic[C, P, K]):
         point = FIRST_REQUEST if answered == 0 else SERVING
         code = launch.process.returncode
         self.events.emit(
-            "failure", kind="memory" if failure else "crash", launch=launch.number,
-            returncode=code, signature=failure.signature if failure else None,
+            "failure",
+            kind="memory" if failure else "crash",
+            launch=launch.number,
+            returncode=code,
+            signature=failure.signature if failure else None,
             line=failure.evidence.line if failure else None,
             text=failure.evidence.text if failure else " | ".join(launch.process.tail(3))[:800],
-            log=str(launch.log_path), point=point, requests_answered=answered,
+            log=str(launch.log_path),
+            point=point,
+            requests_answered=answered,
             not_memory=fault.to_dict() if fault else None,
-        )  # fmt: skip
+        )
         status = "memory_failure" if failure else "exited"
         return LaunchResult(status, parsed, failure, code, point, fault)
 
@@ -622,8 +680,9 @@ class LaunchLoop(Generic[C, P, K]):
         if crashed.status == "memory_failure":
             healed = self._heal(command, crashed)
             new = healed or command
-        self.events.emit("restart", after_s=backoff_s, command=new.display(),
-                         healed=new is not command)  # fmt: skip
+        self.events.emit(
+            "restart", after_s=backoff_s, command=new.display(), healed=new is not command
+        )
         self.stop_requested.wait(backoff_s)
         return new
 

@@ -142,9 +142,13 @@ def _session_terms(
     observations = []
     for number, (parsed, prediction) in reversed(list(enumerate(logs, start=1))):
         obs = observation_of(
-            parsed, device, spec, vllm_version, source=f"launch {number} of this session",
+            parsed,
+            device,
+            spec,
+            vllm_version,
+            source=f"launch {number} of this session",
             prediction=prediction,
-        )  # fmt: skip
+        )
         if obs is not None:
             observations.append(obs)
     found = terms_from(observations, **settings_filters(settings))

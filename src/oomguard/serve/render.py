@@ -66,8 +66,14 @@ def comparison_table(rows: list[dict[str, Any]], title: str) -> Table:
         style = (
             "green" if row.get("in_range") else ("yellow" if row.get("in_range") is False else "")
         )
-        table.add_row(row["label"], _value(row.get("predicted"), unit), span,
-                      _value(row["observed"], unit), Text(_diff(row), style=style), str(row["line"]))  # fmt: skip
+        table.add_row(
+            row["label"],
+            _value(row.get("predicted"), unit),
+            span,
+            _value(row["observed"], unit),
+            Text(_diff(row), style=style),
+            str(row["line"]),
+        )
     return table
 
 
@@ -123,8 +129,9 @@ class HumanRenderer:
         if device:
             free = device.get("free_gib")
             free_text = "" if free is None else f", {free:.2f} GiB free"
-            self.console.print(f"  device: {device['name']}{free_text} · "
-                               f"{d['engine']} {d['engine_version']}")  # fmt: skip
+            self.console.print(
+                f"  device: {device['name']}{free_text} · {d['engine']} {d['engine_version']}"
+            )
         prediction = d.get("prediction")
         if prediction and prediction.get("engine") == "llama.cpp":
             self._llama_plan(prediction)
@@ -145,16 +152,22 @@ class HumanRenderer:
         """llama.cpp: the split, the context per slot, the memory per device."""
         split, ctx = prediction["split"], prediction["context"]
         verdict = "[green]fits[/]" if prediction["fits"] else "[red]does not fit[/]"
-        per_device = ", ".join(f"{d} {_value(g, 'GiB')}" for d, g in prediction["per_device_gib"].items())
-        self.console.print(f"  predicted: {split['gpu_layers']} of {split['layers']} layers on the GPU, "
-                           f"{ctx['slots']} slots × {ctx['n_ctx_per_slot']:,} tokens; {per_device} — {verdict}")  # fmt: skip
+        per_device = ", ".join(
+            f"{d} {_value(g, 'GiB')}" for d, g in prediction["per_device_gib"].items()
+        )
+        self.console.print(
+            f"  predicted: {split['gpu_layers']} of {split['layers']} layers on the GPU, "
+            f"{ctx['slots']} slots × {ctx['n_ctx_per_slot']:,} tokens; {per_device} — {verdict}"
+        )
         for problem in prediction["problems"][:2]:
             self.console.print(f"  [yellow]{problem}[/]")
 
     def _on_launch(self, d: dict[str, Any]) -> None:
         self._stop_status()
-        self.console.print(f"[bold cyan]launch {d['number']}[/] (attempt {d['attempt']}/"
-                           f"{d['max_attempts']}, pid {d['pid']}): {d['command']}")  # fmt: skip
+        self.console.print(
+            f"[bold cyan]launch {d['number']}[/] (attempt {d['attempt']}/"
+            f"{d['max_attempts']}, pid {d['pid']}): {d['command']}"
+        )
         self.console.print(f"  log: {d['log']}", style="dim")
         self._status_text(f"launch {d['number']}: starting")
 
@@ -163,8 +176,10 @@ class HumanRenderer:
 
     def _on_compare(self, d: dict[str, Any]) -> None:
         predicted = _value(d.get("predicted"), d["unit"])
-        self.console.print(f"  [bold]{d['label']}[/]: observed {_value(d['observed'], d['unit'])}, "
-                           f"predicted {predicted} → {_diff(d)}")  # fmt: skip
+        self.console.print(
+            f"  [bold]{d['label']}[/]: observed {_value(d['observed'], d['unit'])}, "
+            f"predicted {predicted} → {_diff(d)}"
+        )
 
     def _on_failure(self, d: dict[str, Any]) -> None:
         self._stop_status()
@@ -174,9 +189,11 @@ class HumanRenderer:
             f"[bold red]failure[/] {kind}{where}: {d.get('text', '')}", soft_wrap=True
         )
         if d.get("line_to_kill_s") is not None:
-            self.console.print(f"  killed {d['line_to_kill_s'] * 1000:.0f} ms after the line; "
-                               f"memory released: {d.get('memory_released')} "
-                               f"({d.get('release_source')})")  # fmt: skip
+            self.console.print(
+                f"  killed {d['line_to_kill_s'] * 1000:.0f} ms after the line; "
+                f"memory released: {d.get('memory_released')} "
+                f"({d.get('release_source')})"
+            )
         if d.get("comparison"):
             self.console.print(comparison_table(d["comparison"], "  predicted vs observed"))
 
@@ -191,8 +208,10 @@ class HumanRenderer:
 
     def _on_ready(self, d: dict[str, Any]) -> None:
         self._stop_status()
-        self.console.print(f"[bold green]ready[/] {d['url']} after {d['startup_s']:.1f} s "
-                           f"(launch {d['launch']}): {d['command']}")  # fmt: skip
+        self.console.print(
+            f"[bold green]ready[/] {d['url']} after {d['startup_s']:.1f} s "
+            f"(launch {d['launch']}): {d['command']}"
+        )
         if d.get("comparison"):
             self.console.print(comparison_table(d["comparison"], "  predicted vs observed"))
 
@@ -202,9 +221,11 @@ class HumanRenderer:
 
     def _on_probe(self, d: dict[str, Any]) -> None:
         mark = "[green]passed[/]" if d.get("passed") else f"[red]failed[/] {d.get('error', '')}"
-        self.console.print(f"[bold]probe[/] {d.get('probe')}: {d.get('requests', 0)} × "
-                           f"{d.get('prompt_tokens', 0)} + {d.get('max_tokens', 0)} tokens, "
-                           f"{d.get('elapsed_s', 0):.1f} s: {mark}")  # fmt: skip
+        self.console.print(
+            f"[bold]probe[/] {d.get('probe')}: {d.get('requests', 0)} × "
+            f"{d.get('prompt_tokens', 0)} + {d.get('max_tokens', 0)} tokens, "
+            f"{d.get('elapsed_s', 0):.1f} s: {mark}"
+        )
 
     def _on_guard(self, d: dict[str, Any]) -> None:
         state = "[green]up[/]" if d["healthy"] else "[red]not healthy[/]"

@@ -89,9 +89,11 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
             engine_version=self.engine.version,
             device=self.device.to_dict() if self.device else None,
             prediction=prediction.to_dict() if prediction else None,
-            workload={"p99_tokens": self.options.workload.p99_tokens,
-                      "concurrency": self.options.workload.concurrency},
-        )  # fmt: skip
+            workload={
+                "p99_tokens": self.options.workload.p99_tokens,
+                "concurrency": self.options.workload.concurrency,
+            },
+        )
 
     def _planned_command(self) -> EngineCommand:
         """``oomguard serve MODEL …``: plan on this machine's device, launch the result."""
@@ -116,8 +118,11 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
             **settings,
         )
         if not result.plan.fits:
-            self.events.emit("note", text="the plan predicts the recommended configuration does "
-                             "not fit; launching it to measure")  # fmt: skip
+            self.events.emit(
+                "note",
+                text="the plan predicts the recommended configuration does "
+                "not fit; launching it to measure",
+            )
         tokens = result.plan.commands()["vllm_serve"]
         command = EngineCommand.from_tokens([tokens])
         extra = list(o.engine_args)
@@ -138,13 +143,20 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
     def _predict(self, command: EngineCommand, free_bytes: int | None = None) -> Prediction | None:
         if self.spec is None or self.device is None or self.engine is None:
             return None
-        logs = [(launch.parsed(), launch.prediction.memory if launch.prediction else None)
-                for launch in self.launches]  # fmt: skip
+        logs = [
+            (launch.parsed(), launch.prediction.memory if launch.prediction else None)
+            for launch in self.launches
+        ]
         try:
             return predict_command(
-                command, self.spec, self.device, self.engine.version, session_logs=logs,
-                use_calibration=self.options.use_calibration, free_bytes=free_bytes,
-            )  # fmt: skip
+                command,
+                self.spec,
+                self.device,
+                self.engine.version,
+                session_logs=logs,
+                use_calibration=self.options.use_calibration,
+                free_bytes=free_bytes,
+            )
         except OomguardError as exc:
             self.events.emit("note", text=f"no prediction: {exc.one_line()}")
             return None
@@ -161,8 +173,14 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
             term = TERM_BY_FIELD.get(name)
             if term is None and name not in _CONTEXT_FIELDS:
                 continue
-            self.events.emit("observed", launch=launch.number, field=name, value=obs.value,
-                             line=obs.evidence.line, text=obs.evidence.text)  # fmt: skip
+            self.events.emit(
+                "observed",
+                launch=launch.number,
+                field=name,
+                value=obs.value,
+                line=obs.evidence.line,
+                text=obs.evidence.text,
+            )
             if term is not None and isinstance(obs.value, (int, float)):
                 predicted = terms.get(term.name) if terms else None
                 row = Comparison(term, float(obs.value), obs.evidence.line, predicted)
@@ -178,18 +196,31 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
         if self.device is not None:
             self.device = refreshed(self.device)
         free = self.device.free_bytes if self.device is not None else None
-        logs = [(launch.parsed(), launch.prediction.memory if launch.prediction else None)
-                for launch in self.launches]  # fmt: skip
+        logs = [
+            (launch.parsed(), launch.prediction.memory if launch.prediction else None)
+            for launch in self.launches
+        ]
         ctx = HealContext(
-            parsed=result.parsed, failure=result.failure, command=command, tried=self.tried,
-            spec=self.spec, device=self.device, vllm_version=self.engine.version,
-            session_logs=logs, free_bytes=free, workload=self.options.workload,
+            parsed=result.parsed,
+            failure=result.failure,
+            command=command,
+            tried=self.tried,
+            spec=self.spec,
+            device=self.device,
+            vllm_version=self.engine.version,
+            session_logs=logs,
+            free_bytes=free,
+            workload=self.options.workload,
             use_calibration=self.options.use_calibration,
             allow_precision_change=self.options.allow_precision_change,
-        )  # fmt: skip
+        )
         decision = self.engine.heal(ctx)
-        self.events.emit("heal", launch=len(self.launches), healed=decision.command is not None,
-                         **decision.to_dict())  # fmt: skip
+        self.events.emit(
+            "heal",
+            launch=len(self.launches),
+            healed=decision.command is not None,
+            **decision.to_dict(),
+        )
         return decision.command
 
     def _alternatives(self, command: EngineCommand) -> None:
@@ -205,25 +236,40 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
 
         w = self.options.workload
         # the fallback chain (tiering) checks its host-memory needs against this machine's RAM
-        common = dict(gpu_count=self.device.count, concurrency=w.concurrency,
-                      allow_hub=self.options.allow_hub, use_calibration=self.options.use_calibration,
-                      host_memory_gib=psutil.virtual_memory().total / GIB)  # fmt: skip
+        common = dict(
+            gpu_count=self.device.count,
+            concurrency=w.concurrency,
+            allow_hub=self.options.allow_hub,
+            use_calibration=self.options.use_calibration,
+            host_memory_gib=psutil.virtual_memory().total / GIB,
+        )
         length = command.parsed().settings_kwargs.get("max_model_len")
         try:
             # the command as given first; when its pinned settings leave plan nothing to change,
             # the model and the workload alone (the length the command asked for as the P99)
-            data = plan(None, self.device.spec, command=["vllm", "serve", command.model, *command.args],
-                        p99_tokens=w.p99_tokens, **common, **settings).to_dict()  # type: ignore[arg-type]  # fmt: skip
+            data = plan(
+                None,
+                self.device.spec,
+                command=["vllm", "serve", command.model, *command.args],
+                p99_tokens=w.p99_tokens,
+                **common,
+                **settings,
+            ).to_dict()  # type: ignore[arg-type]
             if not data.get("recommendation") and not data.get("alternatives"):
                 p99 = w.p99_tokens or (length if length not in (None, -1) else None)
-                data = plan(command.model, self.device.spec, p99_tokens=p99,
-                            **common, **settings).to_dict()  # type: ignore[arg-type]  # fmt: skip
+                data = plan(
+                    command.model, self.device.spec, p99_tokens=p99, **common, **settings
+                ).to_dict()  # type: ignore[arg-type]
         except OomguardError as exc:
             self.events.emit("note", text=f"plan has no alternatives: {exc.one_line()}")
             return
-        self.events.emit("alternatives", recommendation=data.get("recommendation"),
-                         alternatives=data.get("alternatives") or [],
-                         command=data.get("command"), fits=data.get("fits"))  # fmt: skip
+        self.events.emit(
+            "alternatives",
+            recommendation=data.get("recommendation"),
+            alternatives=data.get("alternatives") or [],
+            command=data.get("command"),
+            fits=data.get("fits"),
+        )
 
     # --- once ready ----------------------------------------------------------------------
     def _store_calibration(self, launch: _Launch) -> None:
@@ -234,10 +280,13 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
         assert self.engine is not None
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         observation = observation_of(
-            launch.parsed(), self.device, self.spec, self.engine.version,
+            launch.parsed(),
+            self.device,
+            self.spec,
+            self.engine.version,
             source=f"oomguard serve {stamp} launch {launch.number}",
             prediction=launch.prediction.memory if launch.prediction else None,
-        )  # fmt: skip
+        )
         if observation is None:
             return
         try:
@@ -245,9 +294,11 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
         except OomguardError as exc:
             self.events.emit("note", text=f"calibration not stored: {exc.one_line()}")
             return
-        terms = {t: getattr(observation, f"{t}_gib") for t in
-                 ("weights", "activation", "non_torch", "cudagraph")
-                 if getattr(observation, f"{t}_gib") is not None}  # fmt: skip
+        terms = {
+            t: getattr(observation, f"{t}_gib")
+            for t in ("weights", "activation", "non_torch", "cudagraph")
+            if getattr(observation, f"{t}_gib") is not None
+        }
         self.events.emit("calibration", key=key, terms=terms, source=observation.source)
 
     def _run_probes(self, launch: _Launch) -> None:
@@ -265,10 +316,16 @@ class ServeSession(LaunchLoop[EngineCommand, Prediction, VllmEngine]):
             self.events.emit("probe", probe="models", passed=False, error=str(exc))
             return
         if max_len:
-            self.events.emit("probe", launch=launch.number,
-                             **probe_longest(base, model, int(max_len), vocab).to_dict())  # fmt: skip
+            self.events.emit(
+                "probe",
+                launch=launch.number,
+                **probe_longest(base, model, int(max_len), vocab).to_dict(),
+            )
         w = self.options.workload
         if w.concurrency:
             length = min(w.p99_tokens or int(max_len or 1024), int(max_len or w.p99_tokens or 1024))
-            self.events.emit("probe", launch=launch.number,
-                             **probe_burst(base, model, w.concurrency, length, vocab).to_dict())  # fmt: skip
+            self.events.emit(
+                "probe",
+                launch=launch.number,
+                **probe_burst(base, model, w.concurrency, length, vocab).to_dict(),
+            )

@@ -138,8 +138,12 @@ def predicted_terms(p: MemoryPrediction) -> dict[str, Predicted]:
     if p.settings.platform == "cpu" and p.settings.kv_cache_memory_bytes is None:
         # the worker's resident memory outside the pool: the request less the budget
         requested = p.requested_bytes
-        out["cpu_non_kv"] = Predicted((requested - budget) / GIB, (requested - kv_high) / GIB,
-                                      (requested - kv_low) / GIB, "weights + activation + runtime")  # fmt: skip
+        out["cpu_non_kv"] = Predicted(
+            (requested - budget) / GIB,
+            (requested - kv_high) / GIB,
+            (requested - kv_low) / GIB,
+            "weights + activation + runtime",
+        )
     tokens = float(p.kv_cache_tokens)
     t_low, t_high = _range(p.kv_cache_tokens_range, tokens)
     out["kv_cache_tokens"] = Predicted(tokens, t_low, t_high, "blocks")

@@ -90,8 +90,10 @@ def parse_help(text: str) -> FlagTable:
                     by_name[name] = current
                 by_env[m.group(1)] = current
     if "--model" not in by_name or "--ctx-size" not in by_name:
-        raise BadInput("the llama-server --help output lists no --model or --ctx-size",
-                       "check that the binary is llama-server")  # fmt: skip
+        raise BadInput(
+            "the llama-server --help output lists no --model or --ctx-size",
+            "check that the binary is llama-server",
+        )
     return FlagTable(by_name, by_env)
 
 
@@ -145,7 +147,11 @@ def split_args(args: Sequence[str], table: FlagTable) -> list[tuple[str, str | N
         name, has_inline, inline = token.partition("=")
         flag = table.get(name) if token.startswith("-") else None
         if flag is None:
-            what = f"not a llama-server flag: {name}" if token.startswith("-") else f"unexpected word {token!r}"
+            what = (
+                f"not a llama-server flag: {name}"
+                if token.startswith("-")
+                else f"unexpected word {token!r}"
+            )
             raise BadInput(what, "check the spelling (llama-server --help lists its flags)")
         if not flag.takes_value:
             out.append((name, None))
@@ -160,21 +166,27 @@ def split_args(args: Sequence[str], table: FlagTable) -> list[tuple[str, str | N
     return out
 
 
-def read_args(args: Sequence[str], table: FlagTable, env: Mapping[str, str] | None = None) -> LlamaArgs:
+def read_args(
+    args: Sequence[str], table: FlagTable, env: Mapping[str, str] | None = None
+) -> LlamaArgs:
     """Read a llama-server command line (its arguments, without the binary) and the
     ``LLAMA_ARG_*`` variables in ``env`` (a flag on the line wins over its variable)."""
     given = _Given(table)
     for key, setting in (env or {}).items():
         by_env = table.by_env.get(key)
         if by_env is not None:
-            given.values[by_env.canonical] = setting if by_env.takes_value else ("" if _truthy(setting) else "0")
+            given.values[by_env.canonical] = (
+                setting if by_env.takes_value else ("" if _truthy(setting) else "0")
+            )
     overrides: list[str] = []
     for written, value in split_args(args, table):
         flag = table.get(written)
         assert flag is not None
         if flag.canonical == table.canonical("--override-tensor") and value is not None:
             overrides.append(value)
-        given.values[flag.canonical] = value if flag.takes_value else ("0" if flag.negates(written) else "")
+        given.values[flag.canonical] = (
+            value if flag.takes_value else ("0" if flag.negates(written) else "")
+        )
     if overrides:
         given.values[table.canonical("--override-tensor")] = ",".join(overrides)
     return _settings_of(given)
@@ -212,8 +224,10 @@ class _Given:
 def _settings_of(given: _Given) -> LlamaArgs:
     model = given.get("--model")
     if not model:
-        raise BadInput("the llama-server command names no model file",
-                       "pass --model PATH.gguf (serve runs a local GGUF; it downloads nothing)")  # fmt: skip
+        raise BadInput(
+            "the llama-server command names no model file",
+            "pass --model PATH.gguf (serve runs a local GGUF; it downloads nothing)",
+        )
     s: dict[str, Any] = {}
     notes: list[str] = []
     parallel = given.number("--parallel", -1)
@@ -230,7 +244,10 @@ def _settings_of(given: _Given) -> LlamaArgs:
     s["cpu_moe"] = given.switch("--cpu-moe", False)
     if given.get("--override-tensor"):
         s["overrides"] = tuple(_overrides(str(given.get("--override-tensor"))))
-    for field_name, flag in (("cache_type_k", "--cache-type-k"), ("cache_type_v", "--cache-type-v")):
+    for field_name, flag in (
+        ("cache_type_k", "--cache-type-k"),
+        ("cache_type_v", "--cache-type-v"),
+    ):
         if given.get(flag):
             s[field_name] = str(given.get(flag)).lower()
     fa = (given.get("--flash-attn") or "auto").lower()
@@ -247,15 +264,29 @@ def _settings_of(given: _Given) -> LlamaArgs:
     if given.get("--tensor-split"):
         parts = str(given.get("--tensor-split")).replace("/", ",").split(",")
         s["tensor_split"] = tuple(float(x) for x in parts if x)
-    for flag, why in (("--swa-full", "a full-size sliding-window cache"), ("--split-mode", "--split-mode"),
-                      ("--mmproj", "a multimodal projector"), ("--lora", "LoRA adapters"),
-                      ("--model-draft", "a draft model")):  # fmt: skip
+    for flag, why in (
+        ("--swa-full", "a full-size sliding-window cache"),
+        ("--split-mode", "--split-mode"),
+        ("--mmproj", "a multimodal projector"),
+        ("--lora", "LoRA adapters"),
+        ("--model-draft", "a draft model"),
+    ):
         if given.table.get(flag) is not None and given.has(flag) and given.get(flag) != "0":
             notes.append(f"{why} is not in the memory model: the prediction leaves it out")
     fit = (given.get("--fit") or "on").lower() not in ("off", "0", "false")
-    targets = tuple(int(x) for x in str(given.get("--fit-target") or "").split(",") if x.strip().isdigit())
-    return LlamaArgs(str(model), s, dict(given.values), fit, targets, given.get("--rpc"), given.get("--device"),
-                     tuple(notes))  # fmt: skip
+    targets = tuple(
+        int(x) for x in str(given.get("--fit-target") or "").split(",") if x.strip().isdigit()
+    )
+    return LlamaArgs(
+        str(model),
+        s,
+        dict(given.values),
+        fit,
+        targets,
+        given.get("--rpc"),
+        given.get("--device"),
+        tuple(notes),
+    )
 
 
 def _truthy(value: str) -> bool:
@@ -270,7 +301,9 @@ def _gpu_layers(value: str | None) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise BadInput(f"--n-gpu-layers {value} is not a number, auto or all", "pass -ngl N") from None
+        raise BadInput(
+            f"--n-gpu-layers {value} is not a number, auto or all", "pass -ngl N"
+        ) from None
     return -1 if n < 0 else n
 
 
@@ -282,8 +315,10 @@ def _overrides(text: str) -> list[Override]:
             continue
         pattern, sep, buft = rule.rpartition("=")
         if not sep or not pattern:
-            raise BadInput(f"--override-tensor {rule!r} is not PATTERN=BUFFER_TYPE",
-                           "write e.g. -ot 'exps=CPU'")  # fmt: skip
+            raise BadInput(
+                f"--override-tensor {rule!r} is not PATTERN=BUFFER_TYPE",
+                "write e.g. -ot 'exps=CPU'",
+            )
         m = re.fullmatch(r"[A-Za-z]+(\d+)(\[.*\])?", buft)
         device = "CPU" if buft.upper().startswith("CPU") else f"GPU{m.group(1) if m else 0}"
         out.append(Override(pattern, device))

@@ -23,8 +23,15 @@ def llama_server_argv(
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     """The argv that runs ``model_path`` with ``settings`` (``extra`` is appended as given)."""
-    argv = [binary, "--model", model_path, "--ctx-size", str(settings.ctx_size),
-            "--parallel", str(settings.parallel)]  # fmt: skip
+    argv = [
+        binary,
+        "--model",
+        model_path,
+        "--ctx-size",
+        str(settings.ctx_size),
+        "--parallel",
+        str(settings.parallel),
+    ]
     if settings.kv_unified:
         argv.append("--kv-unified")
     if settings.gpu_count:

@@ -44,7 +44,11 @@ class BufferCheck:
     def line(self) -> str:
         """One readable line: ``compute GPU0: predicted 12.50 MiB (10.0–15.0), printed 12.31 MiB ✓``."""
         rng = f" ({self.low_bytes / MIB:.2f}–{self.high_bytes / MIB:.2f})" if self.estimated else ""
-        seen = "not printed" if self.observed_bytes is None else f"printed {self.observed_bytes / MIB:.2f} MiB"
+        seen = (
+            "not printed"
+            if self.observed_bytes is None
+            else f"printed {self.observed_bytes / MIB:.2f} MiB"
+        )
         mark = "✓" if self.agrees else "✗"
         return f"{self.kind} {self.device}: predicted {self.predicted_bytes / MIB:.2f} MiB{rng}, {seen} {mark}"
 
@@ -64,11 +68,23 @@ def compare_load(prediction: LlamaCppMemory, log: LoadLog) -> list[BufferCheck]:
     checks = []
     for (kind, device), (value, low, high) in grouped.items():
         printed = sum(1 for ob in log.buffers if ob.kind == kind and ob.device == device)
-        checks.append(BufferCheck(kind, device, value, low, high, log.total(kind, device),
-                                  (kind, device) in estimated, max(1, printed)))  # fmt: skip
+        checks.append(
+            BufferCheck(
+                kind,
+                device,
+                value,
+                low,
+                high,
+                log.total(kind, device),
+                (kind, device) in estimated,
+                max(1, printed),
+            )
+        )
     seen = set(grouped)
     for ob in log.buffers:
         if (ob.kind, ob.device) not in seen and ob.size_bytes > PRINT_RESOLUTION_BYTES:
-            checks.append(BufferCheck(ob.kind, ob.device, 0, 0, 0, log.total(ob.kind, ob.device), False))
+            checks.append(
+                BufferCheck(ob.kind, ob.device, 0, 0, 0, log.total(ob.kind, ob.device), False)
+            )
             seen.add((ob.kind, ob.device))
     return checks

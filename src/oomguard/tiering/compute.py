@@ -49,7 +49,9 @@ class ComputeEstimate:
 
 
 def _expert_ff(model: GGUFModel) -> int:
-    t = next((t for t in model.tensors if ".ffn_gate_exps." in t.name or ".ffn_up_exps." in t.name), None)
+    t = next(
+        (t for t in model.tensors if ".ffn_gate_exps." in t.name or ".ffn_up_exps." in t.name), None
+    )
     return t.shape[1] if t is not None and len(t.shape) > 1 else model.n_ff
 
 
@@ -84,13 +86,23 @@ def layer_floats_per_token(model: GGUFModel, flash_attn: bool, n_kv: int) -> int
         attn += n_kv * model.n_head + q
     if model.n_expert:
         used, ff = max(1, model.n_expert_used), _expert_ff(model)
-        ffn = 4 * e + 3 * model.n_expert + used + 3 * used * ff + 2 * used * e + 3 * _shared_ff(model) + e
+        ffn = (
+            4 * e
+            + 3 * model.n_expert
+            + used
+            + 3 * used * ff
+            + 2 * used * e
+            + 3 * _shared_ff(model)
+            + e
+        )
     else:
         ffn = 4 * e + 3 * model.n_ff
     return attn + ffn
 
 
-def _mask_bytes(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int, tokens: int) -> int:
+def _mask_bytes(
+    model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int, tokens: int
+) -> int:
     per = 2 if settings.flash_attn else F32
     full = n_kv * tokens * per
     swa = n_kv_swa * tokens * per if any(model.swa_layers) else 0
@@ -111,8 +123,14 @@ class _Phases:
     head: int  # the output norm of the output rows
 
 
-def _phases(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: int, tokens: int,
-            outputs: int) -> _Phases:  # fmt: skip
+def _phases(
+    model: GGUFModel,
+    settings: LlamaCppSettings,
+    n_kv: int,
+    n_kv_swa: int,
+    tokens: int,
+    outputs: int,
+) -> _Phases:
     q = model.n_head * model.head_dim_k
     kv = max(model.n_head_kv) * (model.head_dim_k + model.head_dim_v)
     attn = (model.n_embd + q + kv) * tokens * F32
@@ -130,7 +148,9 @@ def _phases(model: GGUFModel, settings: LlamaCppSettings, n_kv: int, n_kv_swa: i
     )
 
 
-def _device_range(device: str, ph: _Phases, runs_attention: bool, runs_ffn: bool, runs_output: bool) -> tuple[int, int]:
+def _device_range(
+    device: str, ph: _Phases, runs_attention: bool, runs_ffn: bool, runs_output: bool
+) -> tuple[int, int]:
     """(low, high) of one backend's buffer from the parts of the graph it runs.
 
     The CPU holds the graph's inputs (mask, the embeddings from ``get_rows``, and up to one more
@@ -143,8 +163,12 @@ def _device_range(device: str, ph: _Phases, runs_attention: bool, runs_ffn: bool
         low, high = ph.mask, ph.mask + 2 * ph.embd + ph.small
     elif runs_attention:
         low, high = ph.mask, ph.mask + ph.small
-    phases = [ph.ffn_low if runs_ffn else 0, ph.attn_low if runs_attention else 0, ph.logits if runs_output else 0,
-              ph.embd if device == CPU else 0]  # fmt: skip
+    phases = [
+        ph.ffn_low if runs_ffn else 0,
+        ph.attn_low if runs_attention else 0,
+        ph.logits if runs_output else 0,
+        ph.embd if device == CPU else 0,
+    ]
     low += max(phases)
     if runs_attention or runs_ffn:
         high += ph.layer + ph.embd
@@ -174,22 +198,32 @@ def _roles(model: GGUFModel, placement: Placement) -> dict[str, tuple[bool, bool
             continue
         if ".attn_" in p.tensor.name:
             attention.add(p.device)
-        elif ".ffn_" in p.tensor.name and "norm" not in p.tensor.name and "_inp" not in p.tensor.name:
+        elif (
+            ".ffn_" in p.tensor.name and "norm" not in p.tensor.name and "_inp" not in p.tensor.name
+        ):
             ffn.add(p.device)
     devices = attention | ffn | {placement.output_device, CPU}
     return {d: (d in attention, d in ffn, d == placement.output_device) for d in devices}
 
 
-def estimate_compute(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, placement: Placement) -> list[ComputeEstimate]:
+def estimate_compute(
+    model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, placement: Placement
+) -> list[ComputeEstimate]:
     """The compute buffer of each backend llama.cpp reserves for ``ctx``."""
     tokens = int(ctx.n_ubatch)
     n_kv = int(ctx.n_ctx_seq)
     n_seq = int(ctx.n_seq_max)
-    n_kv_swa = min(n_kv, model.sliding_window * (n_seq if settings.kv_unified else 1) + tokens) if model.sliding_window else 0
+    n_kv_swa = (
+        min(n_kv, model.sliding_window * (n_seq if settings.kv_unified else 1) + tokens)
+        if model.sliding_window
+        else 0
+    )
     n_kv_swa = (n_kv_swa + 255) // 256 * 256
     ph = _phases(model, settings, n_kv, n_kv_swa, tokens, min(tokens, n_seq))
-    basis = (f"estimate: the parts of a {tokens}-token micro-batch's graph over {n_kv} KV cells this backend "
-             f"runs ({'flash attention' if settings.flash_attn else 'attention scores'})")  # fmt: skip
+    basis = (
+        f"estimate: the parts of a {tokens}-token micro-batch's graph over {n_kv} KV cells this backend "
+        f"runs ({'flash attention' if settings.flash_attn else 'attention scores'})"
+    )
     # op_offload copies CPU weights only to backends that ask for them (CUDA's offload_op;
     # the RPC backend has none)
     gpu_layers = placement.gpu_layers()
@@ -197,12 +231,16 @@ def estimate_compute(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextS
     copy_low, copy_high = _cpu_weight_copies(model, placement) if copies else (0, 0)
     out = []
     roles = _roles(model, placement)
-    split_experts = model.n_expert > 0 and (settings.cpu_moe or settings.n_cpu_moe > 0) and gpu_layers > 0
+    split_experts = (
+        model.n_expert > 0 and (settings.cpu_moe or settings.n_cpu_moe > 0) and gpu_layers > 0
+    )
     for device in sorted(roles, key=lambda d: (d != CPU, d)):
         attention, ffn, head = roles[device]
         # with experts split between the CPU and a GPU, a real second device (rpc-server) held far
         # less than the experts' live set; not understood, so the GPU's range starts at attention
-        low, high = _device_range(device, ph, attention, ffn and not (split_experts and device != CPU), head)
+        low, high = _device_range(
+            device, ph, attention, ffn and not (split_experts and device != CPU), head
+        )
         if split_experts and device != CPU and ffn:
             high = max(high, _device_range(device, ph, attention, True, head)[1])
         if device == "GPU0" and copy_high:

@@ -31,7 +31,9 @@ COMMON_TYPE_SIZES = {
 def _sizes() -> dict[str, tuple[int, int]]:
     from gguf import GGML_QUANT_SIZES
 
-    return {qtype.name: (int(block), int(size)) for qtype, (block, size) in GGML_QUANT_SIZES.items()}
+    return {
+        qtype.name: (int(block), int(size)) for qtype, (block, size) in GGML_QUANT_SIZES.items()
+    }
 
 
 def type_sizes(type_name: str) -> tuple[int, int]:

@@ -37,8 +37,10 @@ def _per_layer(value: Any, n_layer: int, default: int) -> tuple[int, ...]:
         return (default,) * n_layer
     if isinstance(value, list):
         if len(value) != n_layer:
-            raise MalformedConfig(f"per-layer array of {len(value)} values for {n_layer} layers",
-                                  "the GGUF file is inconsistent")  # fmt: skip
+            raise MalformedConfig(
+                f"per-layer array of {len(value)} values for {n_layer} layers",
+                "the GGUF file is inconsistent",
+            )
         return tuple(int(v) for v in value)
     return (int(value),) * n_layer
 
@@ -75,19 +77,22 @@ def read_gguf(path: str | Path) -> GGUFModel:
     n_embd = int(key("embedding_length") or 0)
     heads = key("attention.head_count")
     if not n_layer or not n_embd or heads is None:
-        raise MalformedConfig(f"{p} lacks block_count, embedding_length or attention.head_count",
-                              "the GGUF file is incomplete")  # fmt: skip
+        raise MalformedConfig(
+            f"{p} lacks block_count, embedding_length or attention.head_count",
+            "the GGUF file is incomplete",
+        )
     n_head_layers = _per_layer(heads, n_layer, 0)
     n_head = max(n_head_layers)
     n_head_kv = _per_layer(key("attention.head_count_kv"), n_layer, n_head)
     head_k = int(key("attention.key_length") or n_embd // n_head)
     head_v = int(key("attention.value_length") or n_embd // n_head)
-    tensors = tuple(
-        GGUFTensor(t.name, t.type_name, t.shape, t.data_offset) for t in header.tensors
-    )
+    tensors = tuple(GGUFTensor(t.name, t.type_name, t.shape, t.data_offset) for t in header.tensors)
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
-    n_vocab = int(key("vocab_size") or (header.token_count() or 0)
-                  or (embd.shape[1] if embd is not None else 0))  # fmt: skip
+    n_vocab = int(
+        key("vocab_size")
+        or (header.token_count() or 0)
+        or (embd.shape[1] if embd is not None else 0)
+    )
     window = int(key("attention.sliding_window") or 0)
     file_type = header.value("general.file_type")
     ff = key("feed_forward_length")

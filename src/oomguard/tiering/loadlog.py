@@ -22,7 +22,9 @@ PRINT_RESOLUTION_BYTES = int(0.005 * MIB) + 1  # "%8.2f MiB" rounds to 0.01 MiB
 _BUFFER = re.compile(
     r"(?P<name>\S+)\s+(?P<kind>model|KV|output|compute) buffer size\s*=\s*(?P<mib>[\d.]+) MiB"
 )
-_CONTEXT = re.compile(r"llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s+=\s+(?P<value>\S+)")  # fmt: skip
+_CONTEXT = re.compile(
+    r"llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s+=\s+(?P<value>\S+)"
+)
 _OFFLOADED = re.compile(r"offloaded (?P<n>\d+)/(?P<of>\d+) layers to GPU")
 _FAILURES = (
     re.compile(r"failed to allocate (?P<name>\S+) buffer of size (?P<bytes>\d+)"),
@@ -81,7 +83,9 @@ class LoadLog:
             kind = m.group("kind").lower()
             name = m.group("name")
             size = round(float(m.group("mib")) * MIB)
-            self.buffers.append(ObservedBuffer(kind, name, device_of_buffer(name, self.gpu_names), size))
+            self.buffers.append(
+                ObservedBuffer(kind, name, device_of_buffer(name, self.gpu_names), size)
+            )
             return
         m = _CONTEXT.search(line)
         if m:

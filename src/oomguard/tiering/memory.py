@@ -101,7 +101,8 @@ class LlamaCppMemory:
         k_type = kv_cache_type(self.settings.cache_type_k)
         v_type = kv_cache_type(self.settings.cache_type_v)
         return sum(
-            row_bytes(k_type, self.model.n_embd_k_gqa(il)) + row_bytes(v_type, self.model.n_embd_v_gqa(il))
+            row_bytes(k_type, self.model.n_embd_k_gqa(il))
+            + row_bytes(v_type, self.model.n_embd_v_gqa(il))
             for il in range(self.model.n_layer)
             if not self.model.is_swa(il)
         )
@@ -158,15 +159,24 @@ def _model_buffers(placement: Placement, settings: LlamaCppSettings) -> list[Buf
         out.append(Buffer("model", device, size, basis=basis, name=name))
     if repacked:
         size = sum(_alloc_bytes(t, CPU, settings) for t in repacked)
-        out.append(Buffer("model", CPU, size, basis="repacked for the CPU's matrix kernels", name=REPACK))
+        out.append(
+            Buffer("model", CPU, size, basis="repacked for the CPU's matrix kernels", name=REPACK)
+        )
     return out
 
 
-def _kv_buffers(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, placement: Placement) -> list[Buffer]:
+def _kv_buffers(
+    model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, placement: Placement
+) -> list[Buffer]:
     k_type = kv_cache_type(settings.cache_type_k)
     v_type = kv_cache_type(settings.cache_type_v)
-    swa_cells = pad(min(ctx.n_ctx_seq, model.sliding_window * (ctx.n_seq_max if settings.kv_unified else 1)
-                        + ctx.n_ubatch), 256)  # fmt: skip
+    swa_cells = pad(
+        min(
+            ctx.n_ctx_seq,
+            model.sliding_window * (ctx.n_seq_max if settings.kv_unified else 1) + ctx.n_ubatch,
+        ),
+        256,
+    )
     per_device: dict[str, int] = {}
     for il in range(model.n_layer):
         cells = swa_cells if model.is_swa(il) else ctx.n_ctx_seq
@@ -176,7 +186,12 @@ def _kv_buffers(model: GGUFModel, settings: LlamaCppSettings, ctx: ContextSize, 
         size = _alloc_bytes(fake_k, device, settings) + _alloc_bytes(fake_v, device, settings)
         per_device[device] = per_device.get(device, 0) + size
     return [
-        Buffer("kv", d, n, basis=f"{ctx.n_ctx_seq} cells × {ctx.n_stream} stream(s), K {k_type}, V {v_type}")
+        Buffer(
+            "kv",
+            d,
+            n,
+            basis=f"{ctx.n_ctx_seq} cells × {ctx.n_stream} stream(s), K {k_type}, V {v_type}",
+        )
         for d, n in sorted(per_device.items(), key=lambda kv: (kv[0] != CPU, kv[0]))
     ]
 
@@ -191,10 +206,23 @@ def predict_llama_cpp(model: GGUFModel, settings: LlamaCppSettings) -> LlamaCppM
     buffers.append(Buffer("output", CPU, logits_bytes, basis="logits of one token per slot, f32"))
     compute: list[ComputeEstimate] = estimate_compute(model, settings, ctx, placement)
     for c in compute:
-        buffers.append(Buffer("compute", c.device, c.value_bytes, estimated=True, low_bytes=c.low_bytes,
-                              high_bytes=c.high_bytes, basis=c.basis))  # fmt: skip
-    host_weights = sum({p.tensor.name: p.tensor.nbytes for p in placement.tensors if p.device == CPU}.values())
+        buffers.append(
+            Buffer(
+                "compute",
+                c.device,
+                c.value_bytes,
+                estimated=True,
+                low_bytes=c.low_bytes,
+                high_bytes=c.high_bytes,
+                basis=c.basis,
+            )
+        )
+    host_weights = sum(
+        {p.tensor.name: p.tensor.nbytes for p in placement.tensors if p.device == CPU}.values()
+    )
     notes = []
     if settings.mmap and host_weights:
         notes.append("CPU weights are memory-mapped: they count as page cache, not process memory")
-    return LlamaCppMemory(model, settings, ctx, placement, tuple(buffers), host_weights, tuple(notes))
+    return LlamaCppMemory(
+        model, settings, ctx, placement, tuple(buffers), host_weights, tuple(notes)
+    )

@@ -59,8 +59,9 @@ def find_llama_server(name: str = "llama-server") -> Path:
     if env and name == "llama-server":
         path = Path(env).expanduser()
         if not path.is_file():
-            raise LlamaServerNotFound(f"$OOMGUARD_LLAMA_SERVER={env} is not a file",
-                                      "point it at a llama-server binary")  # fmt: skip
+            raise LlamaServerNotFound(
+                f"$OOMGUARD_LLAMA_SERVER={env} is not a file", "point it at a llama-server binary"
+            )
         return path
     if env and name != "llama-server" and (Path(env).parent / name).is_file():
         return Path(env).parent / name
@@ -70,8 +71,10 @@ def find_llama_server(name: str = "llama-server") -> Path:
     on_path = shutil.which(name)
     if on_path:
         return Path(on_path)
-    raise LlamaServerNotFound(f"{name} not found",
-                              "build it with scripts/setup-llama-server.sh or set $OOMGUARD_LLAMA_SERVER")  # fmt: skip
+    raise LlamaServerNotFound(
+        f"{name} not found",
+        "build it with scripts/setup-llama-server.sh or set $OOMGUARD_LLAMA_SERVER",
+    )
 
 
 def free_port() -> int:
@@ -101,8 +104,10 @@ def slot_capacity(props: dict[str, object]) -> SlotCapacity:
     slots = props.get("total_slots")
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
     if not isinstance(slots, int) or not isinstance(n_ctx, int):
-        raise BadInput("llama-server's /props lacks total_slots or default_generation_settings.n_ctx",
-                       "check that the URL is a llama-server")  # fmt: skip
+        raise BadInput(
+            "llama-server's /props lacks total_slots or default_generation_settings.n_ctx",
+            "check that the URL is a llama-server",
+        )
     return SlotCapacity(slots, n_ctx)
 
 
@@ -132,8 +137,14 @@ def running_llama_server(
     healthy within ``timeout_s``.
     """
     port = free_port()
-    argv = llama_server_argv(str(model_path), settings, binary=str(binary or find_llama_server()),
-                             host="127.0.0.1", port=port, extra=tuple(extra))  # fmt: skip
+    argv = llama_server_argv(
+        str(model_path),
+        settings,
+        binary=str(binary or find_llama_server()),
+        host="127.0.0.1",
+        port=port,
+        extra=tuple(extra),
+    )
     load_log = LoadLog()
     proc = EngineProcess(argv, log_path=log_path, on_line=load_log.feed)
     proc.start()
@@ -141,12 +152,17 @@ def running_llama_server(
     try:
         if not proc.wait_healthy(f"{url}/health", timeout_s):
             proc.stop(grace_s=5.0)
-            state = f"exited with code {proc.returncode}" if proc.returncode is not None else "never became healthy"
+            state = (
+                f"exited with code {proc.returncode}"
+                if proc.returncode is not None
+                else "never became healthy"
+            )
             raise LlamaServerFailed(
                 f"llama-server {state} while loading {model_path}",
                 "read the load log: an allocation failure means the split or context is too large",
-                load_log, proc.tail(40),
-            )  # fmt: skip
+                load_log,
+                proc.tail(40),
+            )
         yield RunningLlamaServer(url, proc, load_log, argv)
     finally:
         proc.stop(grace_s=10.0)
@@ -154,8 +170,12 @@ def running_llama_server(
 
 # --- what a llama-server binary offers: its flags, its version, the devices it sees -------------
 
-_DEVICE_LINE = re.compile(r"^\s+(?P<name>\S+): (?P<description>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$")
-_VERSION_LINE = re.compile(r"version: (?P<version>\S+)(?: \(build (?P<build>\d+), commit (?P<commit>\w+)\))?")
+_DEVICE_LINE = re.compile(
+    r"^\s+(?P<name>\S+): (?P<description>.*) \((?P<total>\d+) MiB, (?P<free>\d+) MiB free\)\s*$"
+)
+_VERSION_LINE = re.compile(
+    r"version: (?P<version>\S+)(?: \(build (?P<build>\d+), commit (?P<commit>\w+)\))?"
+)
 
 
 @dataclass(frozen=True)
@@ -175,16 +195,28 @@ class LlamaDevice:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready."""
-        return {"name": self.name, "description": self.description,
-                "total_gib": round(self.total_bytes / GIB, 3), "free_gib": round(self.free_bytes / GIB, 3)}  # fmt: skip
+        return {
+            "name": self.name,
+            "description": self.description,
+            "total_gib": round(self.total_bytes / GIB, 3),
+            "free_gib": round(self.free_bytes / GIB, 3),
+        }
 
 
 def _run_binary(binary: Path, args: Sequence[str], timeout_s: float = 30.0) -> str:
     try:
-        out = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout_s,
-                             stdin=subprocess.DEVNULL, check=False)  # fmt: skip
+        out = subprocess.run(
+            [str(binary), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise LlamaServerNotFound(f"cannot run {binary}: {exc}", "check the llama-server binary") from None
+        raise LlamaServerNotFound(
+            f"cannot run {binary}: {exc}", "check the llama-server binary"
+        ) from None
     return out.stdout + out.stderr
 
 
@@ -203,10 +235,16 @@ def llama_server_version(binary: Path) -> str:
     m = _VERSION_LINE.search(_run_binary(binary, ["--version"]))
     if not m:
         return "unknown"
-    return f"{m.group('version')} (build {m.group('build')}, {m.group('commit')})" if m.group("build") else m.group("version")
+    return (
+        f"{m.group('version')} (build {m.group('build')}, {m.group('commit')})"
+        if m.group("build")
+        else m.group("version")
+    )
 
 
-def list_devices(binary: Path, rpc: str | None = None, devices: str | None = None) -> list[LlamaDevice]:
+def list_devices(
+    binary: Path, rpc: str | None = None, devices: str | None = None
+) -> list[LlamaDevice]:
     """The devices llama-server offloads to (``--list-devices``, with the command's ``--rpc``
     servers), each with its total and free memory now; ``devices`` is ``--device`` (``none``:
     the CPU only)."""
@@ -218,8 +256,14 @@ def list_devices(binary: Path, rpc: str | None = None, devices: str | None = Non
     for line in _run_binary(binary, args).splitlines():
         m = _DEVICE_LINE.match(line)
         if m:
-            found.append(LlamaDevice(m.group("name"), m.group("description"), int(m.group("total")) * MIB,
-                                     int(m.group("free")) * MIB))  # fmt: skip
+            found.append(
+                LlamaDevice(
+                    m.group("name"),
+                    m.group("description"),
+                    int(m.group("total")) * MIB,
+                    int(m.group("free")) * MIB,
+                )
+            )
     if devices:
         wanted = {d.strip() for d in devices.split(",")}
         found = [d for d in found if d.name in wanted]

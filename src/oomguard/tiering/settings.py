@@ -73,13 +73,20 @@ class LlamaCppSettings:
         kv_cache_type(self.cache_type_k)
         kv_cache_type(self.cache_type_v)
         if self.parallel < 1:
-            raise BadInput(f"--parallel {self.parallel} must be at least 1", "pass the number of slots")
+            raise BadInput(
+                f"--parallel {self.parallel} must be at least 1", "pass the number of slots"
+            )
         if self.ctx_size < 0:
             raise BadInput(f"--ctx-size {self.ctx_size} is negative", "pass a token count, or 0")
         if self.cpu_repack not in REPACK_TYPES:
-            raise BadInput(f"unknown CPU repack rule set {self.cpu_repack!r}", f"use one of {', '.join(REPACK_TYPES)}")
+            raise BadInput(
+                f"unknown CPU repack rule set {self.cpu_repack!r}",
+                f"use one of {', '.join(REPACK_TYPES)}",
+            )
         if self.gpu_backend not in GPU_BACKENDS:
-            raise BadInput(f"unknown GPU backend {self.gpu_backend!r}", f"use one of {', '.join(GPU_BACKENDS)}")
+            raise BadInput(
+                f"unknown GPU backend {self.gpu_backend!r}", f"use one of {', '.join(GPU_BACKENDS)}"
+            )
         if not self.flash_attn and kv_cache_type(self.cache_type_v) not in ("F16", "F32", "BF16"):
             raise BadInput(
                 f"--cache-type-v {self.cache_type_v} needs flash attention",

@@ -49,7 +49,11 @@ class SplitPlan:
     @property
     def fits_host(self) -> bool | None:
         """Host memory suffices (None: the host's memory is not known)."""
-        return None if self.host_budget_bytes is None else self.host_need_bytes <= self.host_budget_bytes
+        return (
+            None
+            if self.host_budget_bytes is None
+            else self.host_need_bytes <= self.host_budget_bytes
+        )
 
     def read_bytes_per_token(self, on_gpu: bool) -> float:
         """Weight bytes one decoded token reads on the GPUs (or the CPU): every dense weight, and
@@ -62,7 +66,9 @@ class SplitPlan:
                 seen[p.tensor.name] = p.tensor.nbytes * (share if p.tensor.is_expert else 1.0)
         return sum(seen.values())
 
-    def decode_tokens_per_s(self, gpu_gbps: float | None, host_gbps: float = HOST_RAM_GBPS) -> float | None:
+    def decode_tokens_per_s(
+        self, gpu_gbps: float | None, host_gbps: float = HOST_RAM_GBPS
+    ) -> float | None:
         """Single-sequence decode bound: the weights a token uses, read once (estimate)."""
         on_gpu = self.read_bytes_per_token(True)
         if gpu_gbps is None and on_gpu:
@@ -73,8 +79,13 @@ class SplitPlan:
         return 1 / seconds if seconds else None
 
 
-def price_split(model: GGUFModel, settings: LlamaCppSettings, gpu_total_bytes: int,
-                headroom_bytes: int = 0, host_total_bytes: int | None = None) -> SplitPlan:  # fmt: skip
+def price_split(
+    model: GGUFModel,
+    settings: LlamaCppSettings,
+    gpu_total_bytes: int,
+    headroom_bytes: int = 0,
+    host_total_bytes: int | None = None,
+) -> SplitPlan:
     """Predict ``settings`` and compare it with the budgets."""
     memory = predict_llama_cpp(model, settings)
     budget = max(0, gpu_total_bytes - CUDA_CONTEXT_BYTES - MARGIN_BYTES - headroom_bytes)
@@ -114,8 +125,14 @@ def _smallest(lo: int, hi: int, plan_at: Callable[[int], SplitPlan]) -> int | No
     return None if found is None else -found
 
 
-def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
-               headroom_bytes: int = 0, host_total_bytes: int | None = None, at_least: int = 0) -> SplitPlan:  # fmt: skip
+def best_split(
+    model: GGUFModel,
+    base: LlamaCppSettings,
+    gpu_total_bytes: int,
+    headroom_bytes: int = 0,
+    host_total_bytes: int | None = None,
+    at_least: int = 0,
+) -> SplitPlan:
     """The split that keeps the most on the GPUs and fits (``-ngl 0`` when nothing does).
 
     ``at_least``: a layer count known to fit (from a split that needs more memory), where the
@@ -136,8 +153,13 @@ def best_split(model: GGUFModel, base: LlamaCppSettings, gpu_total_bytes: int,
     return plan(replace(base, n_gpu_layers=ngl or 0))
 
 
-def after_allocation_failure(model: GGUFModel, failed: LlamaCppSettings, gpu_total_bytes: int,
-                             short_bytes: int, headroom_bytes: int = 0) -> SplitPlan | None:  # fmt: skip
+def after_allocation_failure(
+    model: GGUFModel,
+    failed: LlamaCppSettings,
+    gpu_total_bytes: int,
+    short_bytes: int,
+    headroom_bytes: int = 0,
+) -> SplitPlan | None:
     """The split to retry with after llama-server could not allocate ``short_bytes`` more on a GPU.
 
     The GPU had less room than predicted (another process, a larger compute buffer): the budget
@@ -155,7 +177,15 @@ def after_allocation_failure(model: GGUFModel, failed: LlamaCppSettings, gpu_tot
     ngl = n + 1 if failed.n_gpu_layers < 0 else failed.n_gpu_layers
     if ngl == 0:
         return None
-    base = replace(failed, cpu_moe=failed.cpu_moe or bool(model.n_expert), n_cpu_moe=0 if model.n_expert else failed.n_cpu_moe)
+    base = replace(
+        failed,
+        cpu_moe=failed.cpu_moe or bool(model.n_expert),
+        n_cpu_moe=0 if model.n_expert else failed.n_cpu_moe,
+    )
     found = best_split(model, replace(base, n_gpu_layers=0), smaller, headroom_bytes)
-    return price_split(model, replace(base, n_gpu_layers=min(found.settings.n_gpu_layers, ngl - 1)), smaller,
-                       headroom_bytes)  # fmt: skip
+    return price_split(
+        model,
+        replace(base, n_gpu_layers=min(found.settings.n_gpu_layers, ngl - 1)),
+        smaller,
+        headroom_bytes,
+    )

@@ -49,6 +49,33 @@ def _layer_types(recipe: str, spec: ModelSpec, i: int) -> dict[str, str]:
     return {"q": base, "k": k, "v": v, "o": o, "gate": base, "up": base, "down": down}
 
 
+def _ffn_tensors(spec: ModelSpec, i: int, t: dict[str, str], b: str) -> list[GGUFTensor]:
+    """Layer ``i``'s feed-forward tensors: routed (and shared) experts, or a dense MLP."""
+    e, moe = spec.hidden_size, spec.moe
+    if moe is not None and (moe.num_moe_layers == 0 or i >= spec.num_layers - moe.num_moe_layers):
+        ff, n_exp = moe.expert_intermediate_size, moe.num_experts
+        tensors = [
+            GGUFTensor(b + "ffn_gate_inp.weight", "F32", (e, n_exp)),
+            GGUFTensor(b + "ffn_gate_exps.weight", _fit(t["gate"], e), (e, ff, n_exp)),
+            GGUFTensor(b + "ffn_up_exps.weight", _fit(t["up"], e), (e, ff, n_exp)),
+            GGUFTensor(b + "ffn_down_exps.weight", _fit(t["down"], ff), (ff, e, n_exp)),
+        ]
+        if moe.shared_expert_intermediate_size:
+            sff = moe.shared_expert_intermediate_size * max(1, moe.num_shared_experts)
+            tensors += [
+                GGUFTensor(b + "ffn_gate_shexp.weight", _fit(t["gate"], e), (e, sff)),
+                GGUFTensor(b + "ffn_up_shexp.weight", _fit(t["up"], e), (e, sff)),
+                GGUFTensor(b + "ffn_down_shexp.weight", _fit(t["down"], sff), (sff, e)),
+            ]
+        return tensors
+    ff = spec.intermediate_size
+    return [
+        GGUFTensor(b + "ffn_gate.weight", _fit(t["gate"], e), (e, ff)),
+        GGUFTensor(b + "ffn_up.weight", _fit(t["up"], e), (e, ff)),
+        GGUFTensor(b + "ffn_down.weight", _fit(t["down"], ff), (ff, e)),
+    ]
+
+
 def synthesize_gguf(spec: ModelSpec, recipe: str = "Q4_K_M") -> GGUFModel:
     """A :class:`GGUFModel` for ``spec`` quantized with ``recipe`` (no file: offsets unknown).
 
@@ -56,55 +83,65 @@ def synthesize_gguf(spec: ModelSpec, recipe: str = "Q4_K_M") -> GGUFModel:
     K/V (MLA, recurrent, cross-attention) or a vision tower (a separate mmproj file).
     """
     if recipe not in RECIPES:
-        raise UnsupportedArchitecture(f"unknown GGUF recipe {recipe!r}", f"use one of {', '.join(RECIPES)}")
+        raise UnsupportedArchitecture(
+            f"unknown GGUF recipe {recipe!r}", f"use one of {', '.join(RECIPES)}"
+        )
     kinds = {layer.kind for layer in spec.layers}
     if kinds - {AttentionKind.FULL, AttentionKind.SLIDING}:
-        odd = ", ".join(sorted(k.value for k in kinds - {AttentionKind.FULL, AttentionKind.SLIDING}))
-        raise UnsupportedArchitecture(f"{spec.name} has {odd} layers, whose llama.cpp memory is not modelled",
-                                      "plan llama.cpp from the model's GGUF file instead")  # fmt: skip
+        odd = ", ".join(
+            sorted(k.value for k in kinds - {AttentionKind.FULL, AttentionKind.SLIDING})
+        )
+        raise UnsupportedArchitecture(
+            f"{spec.name} has {odd} layers, whose llama.cpp memory is not modelled",
+            "plan llama.cpp from the model's GGUF file instead",
+        )
     e, hd, n_vocab = spec.hidden_size, spec.head_size, spec.vocab_size
     q_dim = spec.num_attention_heads * hd
     kv_heads = tuple(layer.num_kv_heads or spec.num_kv_heads for layer in spec.layers)
     out_type = "Q8_0" if recipe == "Q8_0" else "Q6_K"
-    tensors = [GGUFTensor("token_embd.weight", _fit(out_type if spec.tie_word_embeddings else _DEFAULT_TYPE[recipe], e), (e, n_vocab))]
+    tensors = [
+        GGUFTensor(
+            "token_embd.weight",
+            _fit(out_type if spec.tie_word_embeddings else _DEFAULT_TYPE[recipe], e),
+            (e, n_vocab),
+        )
+    ]
     moe = spec.moe
     for i in range(spec.num_layers):
         t = _layer_types(recipe, spec, i)
         kv_dim = kv_heads[i] * hd
         b = f"blk.{i}."
-        tensors += [GGUFTensor(b + "attn_norm.weight", "F32", (e,)),
-                    GGUFTensor(b + "attn_q.weight", _fit(t["q"], e), (e, q_dim)),
-                    GGUFTensor(b + "attn_k.weight", _fit(t["k"], e), (e, kv_dim)),
-                    GGUFTensor(b + "attn_v.weight", _fit(t["v"], e), (e, kv_dim)),
-                    GGUFTensor(b + "attn_output.weight", _fit(t["o"], q_dim), (q_dim, e)),
-                    GGUFTensor(b + "ffn_norm.weight", "F32", (e,))]  # fmt: skip
-        if moe is not None and (moe.num_moe_layers == 0 or i >= spec.num_layers - moe.num_moe_layers):
-            ff, n_exp = moe.expert_intermediate_size, moe.num_experts
-            tensors += [GGUFTensor(b + "ffn_gate_inp.weight", "F32", (e, n_exp)),
-                        GGUFTensor(b + "ffn_gate_exps.weight", _fit(t["gate"], e), (e, ff, n_exp)),
-                        GGUFTensor(b + "ffn_up_exps.weight", _fit(t["up"], e), (e, ff, n_exp)),
-                        GGUFTensor(b + "ffn_down_exps.weight", _fit(t["down"], ff), (ff, e, n_exp))]  # fmt: skip
-            if moe.shared_expert_intermediate_size:
-                sff = moe.shared_expert_intermediate_size * max(1, moe.num_shared_experts)
-                tensors += [GGUFTensor(b + "ffn_gate_shexp.weight", _fit(t["gate"], e), (e, sff)),
-                            GGUFTensor(b + "ffn_up_shexp.weight", _fit(t["up"], e), (e, sff)),
-                            GGUFTensor(b + "ffn_down_shexp.weight", _fit(t["down"], sff), (sff, e))]  # fmt: skip
-        else:
-            ff = spec.intermediate_size
-            tensors += [GGUFTensor(b + "ffn_gate.weight", _fit(t["gate"], e), (e, ff)),
-                        GGUFTensor(b + "ffn_up.weight", _fit(t["up"], e), (e, ff)),
-                        GGUFTensor(b + "ffn_down.weight", _fit(t["down"], ff), (ff, e))]  # fmt: skip
+        tensors += [
+            GGUFTensor(b + "attn_norm.weight", "F32", (e,)),
+            GGUFTensor(b + "attn_q.weight", _fit(t["q"], e), (e, q_dim)),
+            GGUFTensor(b + "attn_k.weight", _fit(t["k"], e), (e, kv_dim)),
+            GGUFTensor(b + "attn_v.weight", _fit(t["v"], e), (e, kv_dim)),
+            GGUFTensor(b + "attn_output.weight", _fit(t["o"], q_dim), (q_dim, e)),
+            GGUFTensor(b + "ffn_norm.weight", "F32", (e,)),
+        ]
+        tensors += _ffn_tensors(spec, i, t, b)
     tensors.append(GGUFTensor("output_norm.weight", "F32", (e,)))
     if not spec.tie_word_embeddings:
         tensors.append(GGUFTensor("output.weight", _fit(out_type, e), (e, n_vocab)))
     windows = [layer.sliding_window or 0 for layer in spec.layers]
     swa = tuple(layer.kind == AttentionKind.SLIDING for layer in spec.layers)
     return GGUFModel(
-        name=f"{spec.name}-{recipe}", architecture=spec.model_type, n_layer=spec.num_layers, n_embd=e,
-        n_head=spec.num_attention_heads, n_head_kv=kv_heads, head_dim_k=hd, head_dim_v=hd, n_vocab=n_vocab,
-        n_ctx_train=spec.derived_max_model_len, tensors=tuple(tensors),
-        n_expert=moe.num_experts if moe else 0, n_expert_used=moe.experts_per_token if moe else 0,
-        n_ff=spec.intermediate_size, sliding_window=max(windows) if any(swa) else 0,
-        swa_layers=swa if any(swa) else (), file_type=recipe,
+        name=f"{spec.name}-{recipe}",
+        architecture=spec.model_type,
+        n_layer=spec.num_layers,
+        n_embd=e,
+        n_head=spec.num_attention_heads,
+        n_head_kv=kv_heads,
+        head_dim_k=hd,
+        head_dim_v=hd,
+        n_vocab=n_vocab,
+        n_ctx_train=spec.derived_max_model_len,
+        tensors=tuple(tensors),
+        n_expert=moe.num_experts if moe else 0,
+        n_expert_used=moe.experts_per_token if moe else 0,
+        n_ff=spec.intermediate_size,
+        sliding_window=max(windows) if any(swa) else 0,
+        swa_layers=swa if any(swa) else (),
+        file_type=recipe,
         source=f"tensor table synthesized from {spec.name}'s config with llama-quantize's {recipe} recipe",
-    )  # fmt: skip
+    )

@@ -18,9 +18,11 @@ from oomguard.watch.rules import AlertRule
 
 def iso_utc(epoch_s: float) -> str:
     """``epoch_s`` as an ISO-8601 UTC timestamp (what Alertmanager's API reads)."""
-    return dt.datetime.fromtimestamp(epoch_s, tz=dt.timezone.utc).isoformat(
-        timespec="milliseconds"
-    ).replace("+00:00", "Z")
+    return (
+        dt.datetime.fromtimestamp(epoch_s, tz=dt.timezone.utc)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,7 @@ class Observation:
         return (self.rule.name, self.server, tuple(sorted(self.labels.items())))
 
 
-def observe(
-    rule: AlertRule, server: str, value: float, message: str, **labels: str
-) -> Observation:
+def observe(rule: AlertRule, server: str, value: float, message: str, **labels: str) -> Observation:
     """An observation judged by the rule's own threshold and clearing level."""
     return Observation(
         rule, server, value, rule.breached(value), rule.still_breached(value), message, labels
@@ -131,9 +131,15 @@ class AlertTracker:
         if servers is not None:
             for key, inst in list(self._instances.items()):
                 if key not in seen and inst.observation.server in servers:
-                    gone = Observation(inst.observation.rule, inst.observation.server,
-                                       inst.observation.value, False, False,
-                                       inst.observation.message, inst.observation.labels)  # fmt: skip
+                    gone = Observation(
+                        inst.observation.rule,
+                        inst.observation.server,
+                        inst.observation.value,
+                        False,
+                        False,
+                        inst.observation.message,
+                        inst.observation.labels,
+                    )
                     events.extend(self._step(now_s, gone))
         return events
 
@@ -180,4 +186,6 @@ class AlertTracker:
 
     def firing_since(self) -> dict[tuple[str, str, tuple[tuple[str, str], ...]], float]:
         """When each firing alert began firing."""
-        return {k: i.firing_since_s for k, i in self._instances.items() if i.firing_since_s is not None}
+        return {
+            k: i.firing_since_s for k, i in self._instances.items() if i.firing_since_s is not None
+        }

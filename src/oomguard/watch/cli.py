@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -34,7 +34,9 @@ _PLAN_FLAGS = (
 )  # fmt: skip
 
 
-def _plan_args(model: str, values: dict[str, object], enforce_eager: bool | None, offline: bool) -> list[str]:
+def _plan_args(
+    model: str, values: dict[str, object], enforce_eager: bool | None, offline: bool
+) -> list[str]:
     args = [model]
     for name, flag in _PLAN_FLAGS:
         if values.get(name) is not None:
@@ -51,75 +53,198 @@ def _positive(value: float | None, flag: str) -> None:
         raise BadInput(f"{flag} {value:g} must be positive", f"pass a positive number to {flag}")
 
 
+Urls = Annotated[
+    list[str] | None,
+    typer.Argument(help="vLLM servers: http://host:port (or host:port)."),
+]
+PlanFiles = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--plan", help="Plan file (oomguard plan … --json); once for all servers or once per URL."
+    ),
+]
+Model = Annotated[
+    str | None,
+    typer.Option("--model", help="Plan on the spot for this model (with the plan flags below)."),
+]
+Pids = Annotated[
+    list[int] | None,
+    typer.Option(
+        "--pid", help="The engine's PID (once per URL, in order); alone: watch that process."
+    ),
+]
+Interval = Annotated[float, typer.Option("--interval", help="Seconds between samples.")]
+Once = Annotated[
+    bool, typer.Option("--once", help="Check once and exit: 0 healthy, 1 firing, 2 bad input.")
+]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Alert events as JSON lines on stdout.")]
+Webhooks = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--webhook", help="POST alerts here (Alertmanager JSON; …/api/v2/alerts: an Alertmanager)."
+    ),
+]
+Port = Annotated[
+    int | None,
+    typer.Option("--port", help="Serve /metrics (Prometheus), /status and /healthz on this port."),
+]
+Host = Annotated[str, typer.Option("--host", help="Address for --port.")]
+Duration = Annotated[float | None, typer.Option("--duration", help="Stop after this many seconds.")]
+MinDuration = Annotated[
+    float | None,
+    typer.Option(
+        "--min-duration",
+        help="Seconds a condition must hold before it fires (every alert; default: each alert's own).",
+    ),
+]
+PreemptionWindow = Annotated[
+    float, typer.Option("--preemption-window", help="Seconds over which preemptions are counted.")
+]
+FreeMarginGib = Annotated[
+    float,
+    typer.Option("--free-margin-gib", help="Alert when a GPU has less free memory than this."),
+]
+LeakWindow = Annotated[
+    float, typer.Option("--leak-window", help="Seconds the leak slope is measured over.")
+]
+LeakRate = Annotated[
+    float, typer.Option("--leak-rate", help="Growth (MiB/min) that counts as a leak.")
+]
+LeakSettle = Annotated[
+    float,
+    typer.Option(
+        "--leak-settle", help="Seconds after the pool is allocated before leaks are measured."
+    ),
+]
+# the plan flags (with --model)
+Gpu = Annotated[str | None, typer.Option("--gpu", help="Plan flag (with --model).")]
+GpuCount = Annotated[int | None, typer.Option("--gpu-count", help="Plan flag.")]
+GpuMemoryGib = Annotated[float | None, typer.Option("--gpu-memory-gib", help="Plan flag.")]
+TensorParallelSize = Annotated[
+    int | None, typer.Option("--tensor-parallel-size", "-tp", help="Plan flag.")
+]
+PipelineParallelSize = Annotated[
+    int | None, typer.Option("--pipeline-parallel-size", "-pp", help="Plan flag.")
+]
+GpuMemoryUtilization = Annotated[
+    float | None, typer.Option("--gpu-memory-utilization", help="Plan flag.")
+]
+MaxModelLen = Annotated[str | None, typer.Option("--max-model-len", help="Plan flag.")]
+MaxNumSeqs = Annotated[int | None, typer.Option("--max-num-seqs", help="Plan flag.")]
+MaxNumBatchedTokens = Annotated[
+    str | None, typer.Option("--max-num-batched-tokens", help="Plan flag.")
+]
+KvCacheDtype = Annotated[str | None, typer.Option("--kv-cache-dtype", help="Plan flag.")]
+Quantization = Annotated[str | None, typer.Option("--quantization", "-q", help="Plan flag.")]
+Dtype = Annotated[str | None, typer.Option("--dtype", help="Plan flag.")]
+EnforceEager = Annotated[
+    bool | None, typer.Option("--enforce-eager/--no-enforce-eager", help="Plan flag.")
+]
+KvCacheMemoryBytes = Annotated[
+    str | None, typer.Option("--kv-cache-memory-bytes", help="Plan flag.")
+]
+BlockSize = Annotated[int | None, typer.Option("--block-size", help="Plan flag.")]
+VllmVersion = Annotated[str | None, typer.Option("--vllm-version", help="Plan flag.")]
+Offline = Annotated[bool, typer.Option("--offline", help="Plan flag: never contact the hub.")]
+
+
 def watch_command(
-    urls: list[str] = typer.Argument(None, help="vLLM servers: http://host:port (or host:port)."),
-    plan: list[Path] = typer.Option(None, "--plan", help="Plan file (oomguard plan … --json); once for all servers or once per URL."),
-    model: str = typer.Option(None, "--model", help="Plan on the spot for this model (with the plan flags below)."),
-    pid: list[int] = typer.Option(None, "--pid", help="The engine's PID (once per URL, in order); alone: watch that process."),
-    interval: float = typer.Option(1.0, "--interval", help="Seconds between samples."),
-    once: bool = typer.Option(False, "--once", help="Check once and exit: 0 healthy, 1 firing, 2 bad input."),
-    json_output: bool = typer.Option(False, "--json", help="Alert events as JSON lines on stdout."),
-    webhook: list[str] = typer.Option(None, "--webhook", help="POST alerts here (Alertmanager JSON; …/api/v2/alerts: an Alertmanager)."),
-    port: int = typer.Option(None, "--port", help="Serve /metrics (Prometheus), /status and /healthz on this port."),
-    host: str = typer.Option("0.0.0.0", "--host", help="Address for --port."),
-    duration: float = typer.Option(None, "--duration", help="Stop after this many seconds."),
-    min_duration: float = typer.Option(None, "--min-duration", help="Seconds a condition must hold before it fires (every alert; default: each alert's own)."),
-    preemption_window: float = typer.Option(60.0, "--preemption-window", help="Seconds over which preemptions are counted."),
-    free_margin_gib: float = typer.Option(1.0, "--free-margin-gib", help="Alert when a GPU has less free memory than this."),
-    leak_window: float = typer.Option(300.0, "--leak-window", help="Seconds the leak slope is measured over."),
-    leak_rate_mib_per_min: float = typer.Option(10.0, "--leak-rate", help="Growth (MiB/min) that counts as a leak."),
-    leak_settle: float = typer.Option(60.0, "--leak-settle", help="Seconds after the pool is allocated before leaks are measured."),
-    gpu: str = typer.Option(None, "--gpu", help="Plan flag (with --model)."),
-    gpu_count: int = typer.Option(None, "--gpu-count", help="Plan flag."),
-    gpu_memory_gib: float = typer.Option(None, "--gpu-memory-gib", help="Plan flag."),
-    tensor_parallel_size: int = typer.Option(None, "--tensor-parallel-size", "-tp", help="Plan flag."),
-    pipeline_parallel_size: int = typer.Option(None, "--pipeline-parallel-size", "-pp", help="Plan flag."),
-    gpu_memory_utilization: float = typer.Option(None, "--gpu-memory-utilization", help="Plan flag."),
-    max_model_len: str = typer.Option(None, "--max-model-len", help="Plan flag."),
-    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Plan flag."),
-    max_num_batched_tokens: str = typer.Option(None, "--max-num-batched-tokens", help="Plan flag."),
-    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="Plan flag."),
-    quantization: str = typer.Option(None, "--quantization", "-q", help="Plan flag."),
-    dtype: str = typer.Option(None, "--dtype", help="Plan flag."),
-    enforce_eager: bool = typer.Option(None, "--enforce-eager/--no-enforce-eager", help="Plan flag."),
-    kv_cache_memory_bytes: str = typer.Option(None, "--kv-cache-memory-bytes", help="Plan flag."),
-    block_size: int = typer.Option(None, "--block-size", help="Plan flag."),
-    vllm_version: str = typer.Option(None, "--vllm-version", help="Plan flag."),
-    offline: bool = typer.Option(False, "--offline", help="Plan flag: never contact the hub."),
+    urls: Urls = None,
+    plan: PlanFiles = None,
+    model: Model = None,
+    pid: Pids = None,
+    interval: Interval = 1.0,
+    once: Once = False,
+    json_output: JsonOutput = False,
+    webhook: Webhooks = None,
+    port: Port = None,
+    host: Host = "0.0.0.0",
+    duration: Duration = None,
+    min_duration: MinDuration = None,
+    preemption_window: PreemptionWindow = 60.0,
+    free_margin_gib: FreeMarginGib = 1.0,
+    leak_window: LeakWindow = 300.0,
+    leak_rate_mib_per_min: LeakRate = 10.0,
+    leak_settle: LeakSettle = 60.0,
+    gpu: Gpu = None,
+    gpu_count: GpuCount = None,
+    gpu_memory_gib: GpuMemoryGib = None,
+    tensor_parallel_size: TensorParallelSize = None,
+    pipeline_parallel_size: PipelineParallelSize = None,
+    gpu_memory_utilization: GpuMemoryUtilization = None,
+    max_model_len: MaxModelLen = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    kv_cache_dtype: KvCacheDtype = None,
+    quantization: Quantization = None,
+    dtype: Dtype = None,
+    enforce_eager: EnforceEager = None,
+    kv_cache_memory_bytes: KvCacheMemoryBytes = None,
+    block_size: BlockSize = None,
+    vllm_version: VllmVersion = None,
+    offline: Offline = False,
 ) -> None:
     """Watch vLLM servers against their plan: KV usage, preemptions, GPU memory, leaks; alert."""
     urls, plan, pid, webhook = urls or [], plan or [], pid or [], webhook or []
-    for flag, value in (("--interval", interval), ("--duration", duration),
-                        ("--leak-window", leak_window), ("--leak-rate", leak_rate_mib_per_min),
-                        ("--preemption-window", preemption_window)):  # fmt: skip
+    for flag, value in (
+        ("--interval", interval),
+        ("--duration", duration),
+        ("--leak-window", leak_window),
+        ("--leak-rate", leak_rate_mib_per_min),
+        ("--preemption-window", preemption_window),
+    ):
         _positive(value, flag)
     if min_duration is not None and min_duration < 0:
         raise BadInput(f"--min-duration {min_duration:g} is negative", "pass 0 or more seconds")
     if leak_settle < 0 or free_margin_gib < 0:
         raise BadInput("--leak-settle and --free-margin-gib cannot be negative", "pass 0 or more")
-    if not urls and not pid:
-        raise BadInput("nothing to watch", "pass a vLLM server URL (e.g. http://127.0.0.1:8000) or --pid PID")
-    if plan and model:
-        raise BadInput("both --plan and --model given", "pass one: a plan file, or --model with plan flags")
-    for hook in webhook:
-        if not hook.startswith(("http://", "https://")):
-            raise BadInput(f"--webhook {hook!r} is not an http(s) URL",
-                           "pass e.g. http://alertmanager:9093/api/v2/alerts")  # fmt: skip
+    _check_targets(urls, pid, plan, model, webhook)
     plan_values = {name: value for name, value in locals().items() if name in dict(_PLAN_FLAGS)}
     given = [dict(_PLAN_FLAGS)[n] for n, v in plan_values.items() if v is not None]
     if given and not model:
-        raise BadInput(f"{given[0]} is a plan flag, but no --model was given",
-                       "add --model MODEL (or pass a plan file with --plan)")  # fmt: skip
+        raise BadInput(
+            f"{given[0]} is a plan flag, but no --model was given",
+            "add --model MODEL (or pass a plan file with --plan)",
+        )
     targets = _targets(urls, pid)
-    plans = _plans(len(targets), plan, model, _plan_args(model, plan_values, enforce_eager, offline) if model else [])
+    plan_args = _plan_args(model, plan_values, enforce_eager, offline) if model else []
+    plans = _plans(len(targets), plan, model, plan_args)
     settings = RunSettings(
-        interval_s=interval, once=once, json_output=json_output, webhooks=webhook, port=port,
-        host=host, duration_s=duration, min_duration_s=min_duration,
-        free_margin_bytes=free_margin_gib * 2**30, preemption_window_s=preemption_window,
-        leak_window_s=leak_window, leak_rate_bytes_per_s=leak_rate_mib_per_min * 2**20 / 60,
+        interval_s=interval,
+        once=once,
+        json_output=json_output,
+        webhooks=webhook,
+        port=port,
+        host=host,
+        duration_s=duration,
+        min_duration_s=min_duration,
+        free_margin_bytes=free_margin_gib * 2**30,
+        preemption_window_s=preemption_window,
+        leak_window_s=leak_window,
+        leak_rate_bytes_per_s=leak_rate_mib_per_min * 2**20 / 60,
         leak_settle_s=leak_settle,
-    )  # fmt: skip
+    )
     raise SystemExit(asyncio.run(_run(targets, plans, settings)))
+
+
+def _check_targets(
+    urls: list[str], pid: list[int], plan: list[Path], model: str | None, webhook: list[str]
+) -> None:
+    """Something to watch, one source of plans, and webhooks that are http(s) URLs."""
+    if not urls and not pid:
+        raise BadInput(
+            "nothing to watch", "pass a vLLM server URL (e.g. http://127.0.0.1:8000) or --pid PID"
+        )
+    if plan and model:
+        raise BadInput(
+            "both --plan and --model given", "pass one: a plan file, or --model with plan flags"
+        )
+    for hook in webhook:
+        if not hook.startswith(("http://", "https://")):
+            raise BadInput(
+                f"--webhook {hook!r} is not an http(s) URL",
+                "pass e.g. http://alertmanager:9093/api/v2/alerts",
+            )
 
 
 @dataclass(frozen=True)
@@ -141,7 +266,9 @@ class RunSettings:
     leak_settle_s: float
 
 
-def _plans(count: int, plan_files: list[Path], model: str | None, plan_args: list[str]) -> list[PlanFigures | None]:
+def _plans(
+    count: int, plan_files: list[Path], model: str | None, plan_args: list[str]
+) -> list[PlanFigures | None]:
     """One plan (or None) per target: a plan given once applies to every target."""
     from oomguard.watch.plan_figures import load_plan_file, plan_from_flags
 
@@ -150,8 +277,10 @@ def _plans(count: int, plan_files: list[Path], model: str | None, plan_args: lis
     if not plan_files:
         return [None] * count
     if len(plan_files) not in (1, count):
-        raise BadInput(f"{len(plan_files)} --plan files for {count} servers",
-                       "pass one plan for all servers, or one per URL in the same order")  # fmt: skip
+        raise BadInput(
+            f"{len(plan_files)} --plan files for {count} servers",
+            "pass one plan for all servers, or one per URL in the same order",
+        )
     loaded: list[PlanFigures | None] = [load_plan_file(p) for p in plan_files]
     return loaded * count if len(loaded) == 1 else loaded
 
@@ -160,8 +289,10 @@ def _targets(urls: list[str], pids: list[int]) -> list[Target]:
     from oomguard.watch.sampling import Target
 
     if urls and pids and len(pids) != len(urls):
-        raise BadInput(f"{len(pids)} --pid for {len(urls)} servers",
-                       "pass one --pid per URL, in the same order (or none: found from the port)")  # fmt: skip
+        raise BadInput(
+            f"{len(pids)} --pid for {len(urls)} servers",
+            "pass one --pid per URL, in the same order (or none: found from the port)",
+        )
     if not urls:
         targets = [Target.for_pid(p) for p in pids]
     else:
@@ -183,12 +314,18 @@ async def _run(targets: list[Target], plans: list[PlanFigures | None], s: RunSet
     from oomguard.watch.runner import Outputs, Watch
     from oomguard.watch.sinks import JsonLinesSink, WebhookSink
 
-    leak = LeakSettings(window_s=s.leak_window_s, min_rate_bytes_per_s=s.leak_rate_bytes_per_s,
-                        settle_s=s.leak_settle_s)  # fmt: skip
-    evaluator = Evaluator({t.name: p for t, p in zip(targets, plans, strict=True)}, leak,
-                          free_margin_bytes=s.free_margin_bytes,
-                          available_host_bytes=float(psutil.virtual_memory().available),
-                          preemption_window_s=s.preemption_window_s)  # fmt: skip
+    leak = LeakSettings(
+        window_s=s.leak_window_s,
+        min_rate_bytes_per_s=s.leak_rate_bytes_per_s,
+        settle_s=s.leak_settle_s,
+    )
+    evaluator = Evaluator(
+        {t.name: p for t, p in zip(targets, plans, strict=True)},
+        leak,
+        free_margin_bytes=s.free_margin_bytes,
+        available_host_bytes=float(psutil.virtual_memory().available),
+        preemption_window_s=s.preemption_window_s,
+    )
     tracker = AlertTracker(0.0 if s.once else s.min_duration_s)
     own_url = f"http://{s.host}:{s.port}/status" if s.port else ""
     console = Console(stderr=s.json_output, highlight=False)

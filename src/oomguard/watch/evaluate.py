@@ -31,8 +31,11 @@ class LeakSettings:
 
     def detector(self) -> LeakDetector:
         """A fresh detector with these parameters."""
-        return LeakDetector(window_s=self.window_s, min_rate_bytes_per_s=self.min_rate_bytes_per_s,
-                            settle_s=self.settle_s)  # fmt: skip
+        return LeakDetector(
+            window_s=self.window_s,
+            min_rate_bytes_per_s=self.min_rate_bytes_per_s,
+            settle_s=self.settle_s,
+        )
 
 
 @dataclass
@@ -68,11 +71,17 @@ class Evaluator:
     ) -> None:
         self.leak = leak or LeakSettings()
         self.preemption_window_s = preemption_window_s
-        self.free_rule = R.AlertRule(**{**R.GPU_FREE_LOW.__dict__, "threshold": free_margin_bytes,
-                                        "clear": free_margin_bytes + 0.25 * GIB})  # fmt: skip
+        self.free_rule = R.AlertRule(
+            **{
+                **R.GPU_FREE_LOW.__dict__,
+                "threshold": free_margin_bytes,
+                "clear": free_margin_bytes + 0.25 * GIB,
+            }
+        )
         rate = self.leak.min_rate_bytes_per_s
-        self.leak_rule = R.AlertRule(**{**R.MEMORY_LEAK.__dict__, "threshold": rate,
-                                        "clear": rate / 2})  # fmt: skip
+        self.leak_rule = R.AlertRule(
+            **{**R.MEMORY_LEAK.__dict__, "threshold": rate, "clear": rate / 2}
+        )
         self.available_host_bytes = available_host_bytes
         self.states: dict[str, TargetState] = {n: TargetState(plan=p) for n, p in plans.items()}
         self.host = socket.gethostname()
@@ -88,15 +97,25 @@ class Evaluator:
             out.extend(self._target(s, state))
         for d in devices or ():
             free = float(d.free_bytes)
-            out.append(observe(self.free_rule, self.host, free,
-                               f"GPU {d.index} ({d.name}): {_fmt_gib(free)} free of "
-                               f"{_fmt_gib(d.total_bytes)}, below the {_fmt_gib(self.free_rule.threshold)} margin",
-                               gpu=str(d.index)))  # fmt: skip
+            out.append(
+                observe(
+                    self.free_rule,
+                    self.host,
+                    free,
+                    f"GPU {d.index} ({d.name}): {_fmt_gib(free)} free of "
+                    f"{_fmt_gib(d.total_bytes)}, below the {_fmt_gib(self.free_rule.threshold)} margin",
+                    gpu=str(d.index),
+                )
+            )
         return out
 
     def _target(self, s: TargetSample, state: TargetState) -> list[Observation]:
-        down = observe(R.SERVER_DOWN, s.name, 0.0 if s.up else 1.0,
-                       f"{s.name} does not answer: {s.error}" if not s.up else f"{s.name} answers")  # fmt: skip
+        down = observe(
+            R.SERVER_DOWN,
+            s.name,
+            0.0 if s.up else 1.0,
+            f"{s.name} does not answer: {s.error}" if not s.up else f"{s.name} answers",
+        )
         restarted = s.up and s.pids != state.pids and bool(state.pids) and bool(s.pids)
         dying = self._deaths(s, state, restarted)
         # while it does not answer only a breach is news (its other alerts keep their state)
@@ -122,9 +141,13 @@ class Evaluator:
         while state.deaths and state.deaths[0] <= s.at_s - R.DEATH_WINDOW_S:
             state.deaths.popleft()
         count = float(len(state.deaths))
-        return observe(R.ENGINE_DYING, s.name, count,
-                       f"{s.name} died {count:g} time(s) in the last {_duration(R.DEATH_WINDOW_S)} "
-                       "(a crash that repeats is seldom memory: see its log, or oomguard doctor)")  # fmt: skip
+        return observe(
+            R.ENGINE_DYING,
+            s.name,
+            count,
+            f"{s.name} died {count:g} time(s) in the last {_duration(R.DEATH_WINDOW_S)} "
+            "(a crash that repeats is seldom memory: see its log, or oomguard doctor)",
+        )
 
     def _vllm(self, s: TargetSample, state: TargetState) -> list[Observation]:
         snap = s.snapshot
@@ -133,24 +156,48 @@ class Evaluator:
         if snap.kv_cache_usage is not None:
             usage = snap.kv_cache_usage
             for rule in (R.KV_HIGH, R.KV_CRITICAL):
-                out.append(observe(rule, s.name, usage,
-                                   f"KV cache {usage:.0%} used (alert at {rule.threshold:.0%}, "
-                                   f"clears below {rule.clear:.0%}){_pool_text(snap.kv_cache_tokens)}"))  # fmt: skip
+                out.append(
+                    observe(
+                        rule,
+                        s.name,
+                        usage,
+                        f"KV cache {usage:.0%} used (alert at {rule.threshold:.0%}, "
+                        f"clears below {rule.clear:.0%}){_pool_text(snap.kv_cache_tokens)}",
+                    )
+                )
         recent = self._preemptions(s, state)
         if recent is not None:
-            out.append(observe(R.PREEMPTIONS, s.name, recent,
-                               f"{recent:g} preemption(s) in the last {_duration(self.preemption_window_s)}: the KV pool ran out "
-                               "and running requests were recomputed"))  # fmt: skip
+            out.append(
+                observe(
+                    R.PREEMPTIONS,
+                    s.name,
+                    recent,
+                    f"{recent:g} preemption(s) in the last {_duration(self.preemption_window_s)}: the KV pool ran out "
+                    "and running requests were recomputed",
+                )
+            )
         waiting = snap.waiting_for_capacity
         if waiting is not None:
-            out.append(observe(R.WAITING_FOR_CAPACITY, s.name, waiting,
-                               f"{waiting:g} request(s) waiting for KV capacity"))  # fmt: skip
+            out.append(
+                observe(
+                    R.WAITING_FOR_CAPACITY,
+                    s.name,
+                    waiting,
+                    f"{waiting:g} request(s) waiting for KV capacity",
+                )
+            )
         plan = state.plan
         if plan is not None and snap.kv_cache_tokens and plan.kv_cache_tokens > 0:
             ratio = snap.kv_cache_tokens / plan.kv_cache_tokens
-            out.append(observe(R.KV_POOL_BELOW_PLAN, s.name, ratio,
-                               f"KV pool {snap.kv_cache_tokens:,} tokens, the plan said "
-                               f"{plan.kv_cache_tokens:,} ({ratio:.0%})"))  # fmt: skip
+            out.append(
+                observe(
+                    R.KV_POOL_BELOW_PLAN,
+                    s.name,
+                    ratio,
+                    f"KV pool {snap.kv_cache_tokens:,} tokens, the plan said "
+                    f"{plan.kv_cache_tokens:,} ({ratio:.0%})",
+                )
+            )
         return out
 
     def _preemptions(self, s: TargetSample, state: TargetState) -> float | None:
@@ -186,8 +233,9 @@ class Evaluator:
             det.add(s.at_s, used, available)
             verdict = state.leaks[name] = det.verdict()
             if verdict.ready:
-                out.append(_leak_observation(self.leak_rule, s.name, name, verdict,
-                                              self.leak.window_s))
+                out.append(
+                    _leak_observation(self.leak_rule, s.name, name, verdict, self.leak.window_s)
+                )
         return out
 
     def _above_plan(
@@ -197,10 +245,19 @@ class Evaluator:
         if plan is None or plan.requested_bytes <= 0:
             return []
         ratio = used_bytes / plan.requested_bytes
-        whole = " (whole device: other processes count too)" if s.gpu_source == "nvml-device" else ""
-        return [observe(R.MEMORY_ABOVE_PLAN, s.name, ratio,
-                        f"GPU {gpu}: engine holds {_fmt_gib(used_bytes)}, the plan allows "
-                        f"{_fmt_gib(plan.requested_bytes)} ({ratio:.0%}){whole}", gpu=str(gpu))]  # fmt: skip
+        whole = (
+            " (whole device: other processes count too)" if s.gpu_source == "nvml-device" else ""
+        )
+        return [
+            observe(
+                R.MEMORY_ABOVE_PLAN,
+                s.name,
+                ratio,
+                f"GPU {gpu}: engine holds {_fmt_gib(used_bytes)}, the plan allows "
+                f"{_fmt_gib(plan.requested_bytes)} ({ratio:.0%}){whole}",
+                gpu=str(gpu),
+            )
+        ]
 
 
 def _pool_text(tokens: int | None) -> str:
@@ -211,15 +268,20 @@ def _leak_observation(
     rule: R.AlertRule, server: str, series: str, v: LeakVerdict, window_s: float
 ) -> Observation:
     rate_mib_min = v.slope_bytes_per_s * 60 / MIB
-    where = "host memory (RSS) of its processes" if series == "host" else f"memory on GPU {series[3:]}"
+    where = (
+        "host memory (RSS) of its processes" if series == "host" else f"memory on GPU {series[3:]}"
+    )
     tte = v.time_to_exhaustion_s
     left = f", exhausted in {_duration(tte)} at this rate" if tte is not None else ""
-    message = (f"{where} grows {rate_mib_min:.1f} MiB/min (robust slope over "
-               f"{window_s / 60:g} min), now {v.used_bytes / GIB:.2f} GiB{left}")  # fmt: skip
+    message = (
+        f"{where} grows {rate_mib_min:.1f} MiB/min (robust slope over "
+        f"{window_s / 60:g} min), now {v.used_bytes / GIB:.2f} GiB{left}"
+    )
     severity = "critical" if tte is not None and tte < R.LEAK_CRITICAL_TTE_S else None
     still = v.ready and v.slope_bytes_per_s >= rule.clear
-    return Observation(rule, server, v.slope_bytes_per_s, v.suspected, still, message,
-                       {"memory": series}, severity)  # fmt: skip
+    return Observation(
+        rule, server, v.slope_bytes_per_s, v.suspected, still, message, {"memory": series}, severity
+    )
 
 
 def _duration(seconds: float) -> str:

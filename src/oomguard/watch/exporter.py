@@ -72,18 +72,28 @@ class _WatchCollector(Collector):
             "memory_time_to_exhaustion_seconds": ["server", "memory"],
             "alert_firing": ["alertname", "severity", "server", "detail"],
         }
-        g = {n: GaugeMetricFamily(PREFIX + n, doc, labels=labels.get(n, ["server"]))
-             for n, doc in GAUGES.items()}  # fmt: skip
-        c = {n: CounterMetricFamily(PREFIX + n, doc, labels=["server"] if n == "scrape_errors" else ["state"])
-             for n, doc in COUNTERS.items()}  # fmt: skip
+        g = {
+            n: GaugeMetricFamily(PREFIX + n, doc, labels=labels.get(n, ["server"]))
+            for n, doc in GAUGES.items()
+        }
+        c = {
+            n: CounterMetricFamily(
+                PREFIX + n, doc, labels=["server"] if n == "scrape_errors" else ["state"]
+            )
+            for n, doc in COUNTERS.items()
+        }
         w = self.watch
         for name, state in w.evaluator.states.items():
             s = state.sample
             plan = state.plan
             if plan is not None:
                 g["plan_kv_cache_tokens"].add_metric([name], plan.kv_cache_tokens)
-                for part, value in (("requested", plan.requested_bytes), ("weights", plan.weights_bytes),
-                                    ("kv_cache", plan.kv_cache_bytes), ("total", plan.gpu_total_bytes)):  # fmt: skip
+                for part, value in (
+                    ("requested", plan.requested_bytes),
+                    ("weights", plan.weights_bytes),
+                    ("kv_cache", plan.kv_cache_bytes),
+                    ("total", plan.gpu_total_bytes),
+                ):
                     g["plan_gpu_memory_bytes"].add_metric([name, part], value)
             c["scrape_errors"].add_metric([name], w.scrape_errors.get(name, 0))
             if s is None:
@@ -92,25 +102,31 @@ class _WatchCollector(Collector):
             g["scrape_duration_seconds"].add_metric([name], s.scrape_s)
             snap = s.snapshot
             if snap is not None:
-                for key, reading in (("kv_cache_usage_ratio", snap.kv_cache_usage),
-                                   ("kv_cache_tokens", snap.kv_cache_tokens),
-                                   ("requests_running", snap.requests_running),
-                                   ("requests_waiting", snap.requests_waiting),
-                                   ("requests_waiting_for_capacity", snap.waiting_for_capacity),
-                                   ("recent_preemptions", state.recent_preemptions)):  # fmt: skip
+                for key, reading in (
+                    ("kv_cache_usage_ratio", snap.kv_cache_usage),
+                    ("kv_cache_tokens", snap.kv_cache_tokens),
+                    ("requests_running", snap.requests_running),
+                    ("requests_waiting", snap.requests_waiting),
+                    ("requests_waiting_for_capacity", snap.waiting_for_capacity),
+                    ("recent_preemptions", state.recent_preemptions),
+                ):
                     if reading is not None:
                         g[key].add_metric([name], float(reading))
             if s.host_rss_bytes is not None:
                 g["engine_host_memory_bytes"].add_metric([name], s.host_rss_bytes)
             for share in s.gpus:
-                g["engine_gpu_memory_bytes"].add_metric([name, str(share.index), s.gpu_source],
-                                                        share.used_bytes)  # fmt: skip
+                g["engine_gpu_memory_bytes"].add_metric(
+                    [name, str(share.index), s.gpu_source], share.used_bytes
+                )
             for series, v in state.leaks.items():
                 if v.ready:
-                    g["memory_growth_bytes_per_second"].add_metric([name, series], v.slope_bytes_per_s)
+                    g["memory_growth_bytes_per_second"].add_metric(
+                        [name, series], v.slope_bytes_per_s
+                    )
                     if v.time_to_exhaustion_s is not None:
-                        g["memory_time_to_exhaustion_seconds"].add_metric([name, series],
-                                                                          v.time_to_exhaustion_s)  # fmt: skip
+                        g["memory_time_to_exhaustion_seconds"].add_metric(
+                            [name, series], v.time_to_exhaustion_s
+                        )
         for d in w.devices or ():
             lb = [self.host, str(d.index), d.name]
             g["gpu_memory_total_bytes"].add_metric(lb, d.total_bytes)
@@ -118,8 +134,9 @@ class _WatchCollector(Collector):
             g["gpu_memory_free_bytes"].add_metric(lb, d.free_bytes)
         for obs in w.tracker.firing():
             detail = ",".join(f"{k}={v}" for k, v in sorted(obs.labels.items()))
-            g["alert_firing"].add_metric([obs.rule.name, obs.severity or obs.rule.severity,
-                                          obs.server, detail], 1.0)  # fmt: skip
+            g["alert_firing"].add_metric(
+                [obs.rule.name, obs.severity or obs.rule.severity, obs.server, detail], 1.0
+            )
         for state_name in ("firing", "resolved"):
             c["alert_events"].add_metric([state_name], w.event_counts.get(state_name, 0))
         yield from g.values()

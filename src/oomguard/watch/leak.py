@@ -130,8 +130,9 @@ class LeakDetector:
         tte = None
         if v.slope_bytes_per_s > 0 and self._available_bytes is not None:
             tte = max(self._available_bytes, 0.0) / v.slope_bytes_per_s
-        return LeakVerdict(v.ready, v.suspected, v.slope_bytes_per_s, v.rise_bytes, v.monotone,
-                           v.used_bytes, tte)  # fmt: skip
+        return LeakVerdict(
+            v.ready, v.suspected, v.slope_bytes_per_s, v.rise_bytes, v.monotone, v.used_bytes, tte
+        )
 
     def _compute(self) -> LeakVerdict:
         buckets = [b for b in self._buckets if b.median is not None]
@@ -143,7 +144,11 @@ class LeakDetector:
         ready = span_s >= self.window_s * 0.95
         slope = theil_sen_slope(times, medians)
         bounds = np.linspace(0, len(medians), self.segments + 1).astype(int)
-        part_medians = [float(np.median(medians[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        part_medians = [
+            float(np.median(medians[a:b]))
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            if b > a
+        ]
         monotone = all(b >= a for a, b in zip(part_medians[:-1], part_medians[1:], strict=True))
         rise = part_medians[-1] - part_medians[0]
         needed_rise = 0.5 * self.min_rate_bytes_per_s * span_s * (1 - 1 / len(part_medians))

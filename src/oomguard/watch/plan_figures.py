@@ -73,7 +73,9 @@ def figures_from_plan_dict(data: object, source: str) -> PlanFigures:
 
     def optional_int(name: str) -> int | None:
         value = settings.get(name)
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        return (
+            int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        )
 
     util = settings.get("gpu_memory_utilization")
     return PlanFigures(
@@ -122,16 +124,21 @@ def plan_from_flags(plan_args: list[str]) -> PlanFigures:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            build_app("plan")(args=["plan", *plan_args, "--json"], prog_name="oomguard",
-                              standalone_mode=False)  # fmt: skip
+            build_app("plan")(
+                args=["plan", *plan_args, "--json"], prog_name="oomguard", standalone_mode=False
+            )
     except SystemExit:
         pass  # the plan command exits 0 (fits) or 1 (does not fit); both print the plan
     except Exception as exc:
         if hasattr(exc, "format_message"):  # the argument parser's usage error
-            raise BadInput(f"plan flags: {exc.format_message()}", "see oomguard plan --help") from exc
+            raise BadInput(
+                f"plan flags: {exc.format_message()}", "see oomguard plan --help"
+            ) from exc
         raise
     try:
         data = json.loads(out.getvalue())
     except json.JSONDecodeError as exc:
-        raise BadInput("the plan printed no JSON", "check the plan flags with oomguard plan") from exc
+        raise BadInput(
+            "the plan printed no JSON", "check the plan flags with oomguard plan"
+        ) from exc
     return figures_from_plan_dict(data, f"--model {plan_args[0] if plan_args else '?'}")

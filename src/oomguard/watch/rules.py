@@ -60,45 +60,97 @@ class AlertRule:
 
 
 KV_HIGH = AlertRule(
-    "OomguardKvCacheHigh", "warning", 0.85, 0.80, 60.0,
-    "KV cache usage is high", "ratio",
-)  # fmt: skip
+    "OomguardKvCacheHigh",
+    "warning",
+    0.85,
+    0.80,
+    60.0,
+    "KV cache usage is high",
+    "ratio",
+)
 KV_CRITICAL = AlertRule(
-    "OomguardKvCacheCritical", "critical", 0.90, 0.85, 30.0,
-    "KV cache nearly full", "ratio",
-)  # fmt: skip
+    "OomguardKvCacheCritical",
+    "critical",
+    0.90,
+    0.85,
+    30.0,
+    "KV cache nearly full",
+    "ratio",
+)
 PREEMPTIONS = AlertRule(
-    "OomguardPreemptions", "warning", 1.0, 1.0, 0.0,
-    "vLLM preempted requests in the last minute", "count",
-)  # fmt: skip
+    "OomguardPreemptions",
+    "warning",
+    1.0,
+    1.0,
+    0.0,
+    "vLLM preempted requests in the last minute",
+    "count",
+)
 WAITING_FOR_CAPACITY = AlertRule(
-    "OomguardWaitingForCapacity", "warning", 1.0, 1.0, 30.0,
-    "requests wait for KV capacity", "count",
-)  # fmt: skip
+    "OomguardWaitingForCapacity",
+    "warning",
+    1.0,
+    1.0,
+    30.0,
+    "requests wait for KV capacity",
+    "count",
+)
 GPU_FREE_LOW = AlertRule(
-    "OomguardGpuFreeMemoryLow", "critical", 1.0 * GIB, 1.25 * GIB, 30.0,
-    "free GPU memory below the margin", "bytes", above=False,
-)  # fmt: skip
+    "OomguardGpuFreeMemoryLow",
+    "critical",
+    1.0 * GIB,
+    1.25 * GIB,
+    30.0,
+    "free GPU memory below the margin",
+    "bytes",
+    above=False,
+)
 MEMORY_ABOVE_PLAN = AlertRule(
-    "OomguardMemoryAbovePlan", "critical", 1.05, 1.02, 60.0,
-    "engine memory above what the plan allows", "ratio",
-)  # fmt: skip
+    "OomguardMemoryAbovePlan",
+    "critical",
+    1.05,
+    1.02,
+    60.0,
+    "engine memory above what the plan allows",
+    "ratio",
+)
 MEMORY_LEAK = AlertRule(
-    "OomguardMemoryLeak", "warning", 10.0 * MIB / 60.0, 5.0 * MIB / 60.0, 120.0,
-    "used memory keeps growing after the pool was allocated", "bytes/s",
-)  # fmt: skip
+    "OomguardMemoryLeak",
+    "warning",
+    10.0 * MIB / 60.0,
+    5.0 * MIB / 60.0,
+    120.0,
+    "used memory keeps growing after the pool was allocated",
+    "bytes/s",
+)
 SERVER_DOWN = AlertRule(
-    "OomguardServerDown", "critical", 1.0, 1.0, 15.0,
-    "the server does not answer", "count",
-)  # fmt: skip
+    "OomguardServerDown",
+    "critical",
+    1.0,
+    1.0,
+    15.0,
+    "the server does not answer",
+    "count",
+)
 ENGINE_DYING = AlertRule(
-    "OomguardEngineKeepsDying", "critical", 2.0, 2.0, 0.0,
-    "the engine keeps dying", "count",
-)  # fmt: skip
+    "OomguardEngineKeepsDying",
+    "critical",
+    2.0,
+    2.0,
+    0.0,
+    "the engine keeps dying",
+    "count",
+)
 KV_POOL_BELOW_PLAN = AlertRule(
-    "OomguardKvPoolBelowPlan", "warning", 0.95, 0.97, 0.0,
-    "the KV pool is smaller than the plan", "ratio", above=False,
-)  # fmt: skip
+    "OomguardKvPoolBelowPlan",
+    "warning",
+    0.95,
+    0.97,
+    0.0,
+    "the KV pool is smaller than the plan",
+    "ratio",
+    above=False,
+)
 
 RULES: tuple[AlertRule, ...] = (
     KV_HIGH, KV_CRITICAL, PREEMPTIONS, WAITING_FOR_CAPACITY, GPU_FREE_LOW, MEMORY_ABOVE_PLAN,

@@ -71,12 +71,17 @@ class Watch:
     # -- one round ------------------------------------------------------------------------
     async def round(self, session: aiohttp.ClientSession) -> list[AlertEvent]:
         """Sample every target once, evaluate, and return the alert events of this round."""
-        self.devices = await asyncio.to_thread(self.gpu.read) if self.gpu.available is not False else None
+        self.devices = (
+            await asyncio.to_thread(self.gpu.read) if self.gpu.available is not False else None
+        )
         local = [t for t in self.targets if t.local]
         timeout_s = max(1.0, min(5.0, self.interval_s * 2))
-        samples = await asyncio.gather(*(
-            sample_target(t, session, self.devices, len(local) == 1, timeout_s) for t in self.targets
-        ))  # fmt: skip
+        samples = await asyncio.gather(
+            *(
+                sample_target(t, session, self.devices, len(local) == 1, timeout_s)
+                for t in self.targets
+            )
+        )
         kept = [s for s in samples if not self._refused(s)]
         for s in kept:
             if not s.up:
@@ -119,8 +124,12 @@ class Watch:
             colour = "red" if event.severity == "critical" else "yellow"
             if event.state == "resolved":
                 colour = "green"
-            console.print(f"[{colour}]{event.state.upper():8}[/] {event.alert} "
-                          f"[dim]{event.server}[/] {event.message}", highlight=False, soft_wrap=True)  # fmt: skip
+            console.print(
+                f"[{colour}]{event.state.upper():8}[/] {event.alert} "
+                f"[dim]{event.server}[/] {event.message}",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def _error(self, text: str) -> None:
         print(f"error: {text}", file=sys.stderr, flush=True)
@@ -133,31 +142,44 @@ class Watch:
         for name, st in self.evaluator.states.items():
             s = st.sample
             snap = s.snapshot if s else None
-            servers.append({
-                "server": name,
-                "up": bool(s and s.up),
-                "error": s.error if s else "",
-                "kv_cache_usage": snap.kv_cache_usage if snap else None,
-                "kv_cache_tokens": snap.kv_cache_tokens if snap else None,
-                "requests_running": snap.requests_running if snap else None,
-                "requests_waiting": snap.requests_waiting if snap else None,
-                "requests_waiting_for_capacity": snap.waiting_for_capacity if snap else None,
-                "preemptions_total": snap.preemptions_total if snap else None,
-                "recent_preemptions": st.recent_preemptions,
-                "host_rss_bytes": s.host_rss_bytes if s else None,
-                "gpu_source": s.gpu_source if s else "none",
-                "gpu_note": s.gpu_note if s else "",
-                "gpus": [g.__dict__ for g in s.gpus] if s else [],
-                "plan": st.plan.to_dict() if st.plan else None,
-            })  # fmt: skip
+            servers.append(
+                {
+                    "server": name,
+                    "up": bool(s and s.up),
+                    "error": s.error if s else "",
+                    "kv_cache_usage": snap.kv_cache_usage if snap else None,
+                    "kv_cache_tokens": snap.kv_cache_tokens if snap else None,
+                    "requests_running": snap.requests_running if snap else None,
+                    "requests_waiting": snap.requests_waiting if snap else None,
+                    "requests_waiting_for_capacity": snap.waiting_for_capacity if snap else None,
+                    "preemptions_total": snap.preemptions_total if snap else None,
+                    "recent_preemptions": st.recent_preemptions,
+                    "host_rss_bytes": s.host_rss_bytes if s else None,
+                    "gpu_source": s.gpu_source if s else "none",
+                    "gpu_note": s.gpu_note if s else "",
+                    "gpus": [g.__dict__ for g in s.gpus] if s else [],
+                    "plan": st.plan.to_dict() if st.plan else None,
+                }
+            )
         firing = [
-            {"alert": o.rule.name, "severity": o.severity or o.rule.severity, "server": o.server,
-             "value": o.value, "message": o.message, "labels": o.labels}
+            {
+                "alert": o.rule.name,
+                "severity": o.severity or o.rule.severity,
+                "server": o.server,
+                "value": o.value,
+                "message": o.message,
+                "labels": o.labels,
+            }
             for o in self.tracker.firing()
-        ]  # fmt: skip
-        return {"event": "status", "healthy": not firing, "servers": servers, "firing": firing,
-                "gpus": None if self.devices is None else [d.__dict__ for d in self.devices],
-                "not_vllm": list(self.bad_targets)}  # fmt: skip
+        ]
+        return {
+            "event": "status",
+            "healthy": not firing,
+            "servers": servers,
+            "firing": firing,
+            "gpus": None if self.devices is None else [d.__dict__ for d in self.devices],
+            "not_vllm": list(self.bad_targets),
+        }
 
     # -- serving /metrics -------------------------------------------------------------------
     async def _serve(self) -> None:
@@ -178,15 +200,18 @@ class Watch:
             return web.Response(text="ok\n")
 
         app = web.Application()
-        app.add_routes([web.get("/metrics", metrics), web.get("/status", status),
-                        web.get("/healthz", healthz)])  # fmt: skip
+        app.add_routes(
+            [web.get("/metrics", metrics), web.get("/status", status), web.get("/healthz", healthz)]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, self.host, self.port).start()
         except OSError as exc:
-            raise BadInput(f"cannot serve /metrics on {self.host}:{self.port}: {exc.strerror or exc}",
-                           "pick a free --port (or --host)") from exc  # fmt: skip
+            raise BadInput(
+                f"cannot serve /metrics on {self.host}:{self.port}: {exc.strerror or exc}",
+                "pick a free --port (or --host)",
+            ) from exc
 
     # -- the loop -------------------------------------------------------------------------
     def stop(self) -> None:

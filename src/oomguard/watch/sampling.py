@@ -101,8 +101,11 @@ def listening_pid(port: int) -> int | None:
         conns = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
         return None
-    pids = [c.pid for c in conns
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid]  # fmt: skip
+    pids = [
+        c.pid
+        for c in conns
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+    ]
     return min(pids) if pids else None
 
 
@@ -158,8 +161,9 @@ class Target:
         parts = urlsplit(base)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         local = is_local_host(parts.hostname or "")
-        return cls(name=base, metrics_url=metrics, given_pid=pid, local=local or pid is not None,
-                   port=port)  # fmt: skip
+        return cls(
+            name=base, metrics_url=metrics, given_pid=pid, local=local or pid is not None, port=port
+        )
 
     @classmethod
     def for_pid(cls, pid: int) -> Target:
@@ -215,16 +219,24 @@ def gpu_shares(
         return (), "none", ""
     wanted = set(pids)
     per_process = [
-        GpuShare(d.index, sum(b for p, b in d.process_bytes.items() if p in wanted),
-                 d.total_bytes, d.free_bytes)
-        for d in devices if wanted & set(d.process_bytes)
-    ]  # fmt: skip
+        GpuShare(
+            d.index,
+            sum(b for p, b in d.process_bytes.items() if p in wanted),
+            d.total_bytes,
+            d.free_bytes,
+        )
+        for d in devices
+        if wanted & set(d.process_bytes)
+    ]
     if per_process:
         return tuple(per_process), "nvml-process", ""
     if not single_local_target:
         return (), "none", "NVML lists none of its processes; several targets share the GPUs"
-    why = ("NVML lists none of its processes (inside a container NVML reports host PIDs)"
-           if pids else "its processes are unknown (pass --pid)")  # fmt: skip
+    why = (
+        "NVML lists none of its processes (inside a container NVML reports host PIDs)"
+        if pids
+        else "its processes are unknown (pass --pid)"
+    )
     shares = tuple(GpuShare(d.index, d.used_bytes, d.total_bytes, d.free_bytes) for d in devices)
     return shares, "nvml-device", f"{why}: whole-device figures"
 
@@ -251,8 +263,11 @@ async def scrape(
         return None, "/metrics is not in Prometheus text format", True
     if not snap.is_vllm:
         guard = "oomguard_backend_healthy" in text
-        what = ("it is an oomguard guard: watch the vLLM servers behind it" if guard
-                else "its /metrics has no vllm: metric")  # fmt: skip
+        what = (
+            "it is an oomguard guard: watch the vLLM servers behind it"
+            if guard
+            else "its /metrics has no vllm: metric"
+        )
         return None, what, True
     return snap, "", False
 
@@ -286,7 +301,16 @@ async def sample_target(
     rss = host_rss_bytes(pids) if pids else None
     shares, source, note = gpu_shares(pids, devices, single_local_target)
     return TargetSample(
-        name=target.name, at_s=at_s, up=up, error=error, not_vllm=not_vllm, snapshot=snapshot,
-        pids=pids, host_rss_bytes=rss or None, gpus=shares, gpu_source=source, gpu_note=note,
+        name=target.name,
+        at_s=at_s,
+        up=up,
+        error=error,
+        not_vllm=not_vllm,
+        snapshot=snapshot,
+        pids=pids,
+        host_rss_bytes=rss or None,
+        gpus=shares,
+        gpu_source=source,
+        gpu_note=note,
         scrape_s=scrape_s,
-    )  # fmt: skip
+    )

@@ -32,14 +32,23 @@ _RETRIES_S = (0.5, 2.0, 5.0)
 
 def alert_labels(event: AlertEvent) -> dict[str, str]:
     """Alertmanager labels of an event: what identifies the alert instance."""
-    return {"alertname": event.alert, "severity": event.severity, "server": event.server,
-            "source": RECEIVER, **event.labels}  # fmt: skip
+    return {
+        "alertname": event.alert,
+        "severity": event.severity,
+        "server": event.server,
+        "source": RECEIVER,
+        **event.labels,
+    }
 
 
 def alert_annotations(event: AlertEvent) -> dict[str, str]:
     """Alertmanager annotations of an event: what a human reads."""
-    return {"summary": _summary(event), "description": event.message,
-            "value": f"{event.value:g}", "threshold": f"{event.threshold:g}"}  # fmt: skip
+    return {
+        "summary": _summary(event),
+        "description": event.message,
+        "value": f"{event.value:g}",
+        "threshold": f"{event.threshold:g}",
+    }
 
 
 def _summary(event: AlertEvent) -> str:
@@ -90,7 +99,9 @@ def webhook_payload(event: AlertEvent, external_url: str = "") -> dict[str, Any]
                 "labels": labels,
                 "annotations": annotations,
                 "startsAt": iso_utc(event.since_s),
-                "endsAt": iso_utc(event.at_s) if event.state == "resolved" else "0001-01-01T00:00:00Z",
+                "endsAt": iso_utc(event.at_s)
+                if event.state == "resolved"
+                else "0001-01-01T00:00:00Z",
                 "generatorURL": external_url,
                 "fingerprint": fingerprint(labels),
             }
@@ -167,8 +178,9 @@ class WebhookSink:
         for delay_s in (0.0, *_RETRIES_S):
             await asyncio.sleep(delay_s)
             try:
-                async with session.post(self.url, json=self.body(event),
-                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:  # fmt: skip
+                async with session.post(
+                    self.url, json=self.body(event), timeout=aiohttp.ClientTimeout(total=10)
+                ) as resp:
                     if resp.status < 300:
                         self.delivered += 1
                         return

@@ -35,7 +35,12 @@ def _pool(state: TargetState) -> str:
 
 def _headroom(state: TargetState) -> str:
     s = state.sample
-    if not s or not s.snapshot or s.snapshot.kv_cache_usage is None or not s.snapshot.kv_cache_tokens:
+    if (
+        not s
+        or not s.snapshot
+        or s.snapshot.kv_cache_usage is None
+        or not s.snapshot.kv_cache_tokens
+    ):
         return "–"
     free = (1 - s.snapshot.kv_cache_usage) * s.snapshot.kv_cache_tokens
     return f"{free:,.0f}"
@@ -84,8 +89,17 @@ def render(watch: Watch) -> Group:
     """The whole view for the latest round."""
     table = Table(title="oomguard watch", title_justify="left", expand=False)
     table.add_column("server", no_wrap=True)
-    for column in ("state", "KV pool tok", "KV used", "free tok", "run/wait/cap", "preempt",
-                   "GPU GiB", "RSS GiB", "trend"):  # fmt: skip
+    for column in (
+        "state",
+        "KV pool tok",
+        "KV used",
+        "free tok",
+        "run/wait/cap",
+        "preempt",
+        "GPU GiB",
+        "RSS GiB",
+        "trend",
+    ):
         table.add_column(column, overflow="fold")
     for name, state in watch.evaluator.states.items():
         s = state.sample
@@ -96,20 +110,36 @@ def render(watch: Watch) -> Group:
         usage = s.snapshot.kv_cache_usage if s.snapshot else None
         pre = state.recent_preemptions
         table.add_row(
-            name, status, _pool(state), _usage_bar(usage), _headroom(state), _requests(state),
-            "–" if pre is None else f"{pre:g}", _gpu(state), gib_text(s.host_rss_bytes), _trend(state),
-        )  # fmt: skip
+            name,
+            status,
+            _pool(state),
+            _usage_bar(usage),
+            _headroom(state),
+            _requests(state),
+            "–" if pre is None else f"{pre:g}",
+            _gpu(state),
+            gib_text(s.host_rss_bytes),
+            _trend(state),
+        )
     parts: list[Table | Text] = [table]
     if watch.devices:
         gpus = Table(title="GPUs (NVML)", title_justify="left")
         for column in ("gpu", "name", "used GiB", "free GiB", "total GiB"):
             gpus.add_column(column)
         for d in watch.devices:
-            gpus.add_row(str(d.index), d.name, gib_text(d.used_bytes), gib_text(d.free_bytes), gib_text(d.total_bytes))
+            gpus.add_row(
+                str(d.index),
+                d.name,
+                gib_text(d.used_bytes),
+                gib_text(d.free_bytes),
+                gib_text(d.total_bytes),
+            )
         parts.append(gpus)
     elif watch.gpu.available is False:
         parts.append(Text("no NVML on this host: GPU memory not watched", style="dim"))
-    notes = sorted({s.gpu_note for st in watch.evaluator.states.values() if (s := st.sample) and s.gpu_note})
+    notes = sorted(
+        {s.gpu_note for st in watch.evaluator.states.values() if (s := st.sample) and s.gpu_note}
+    )
     parts.extend(Text(n, style="dim") for n in notes)
     firing = watch.tracker.firing()
     if firing:
@@ -118,8 +148,12 @@ def render(watch: Watch) -> Group:
             alerts.add_column(column, overflow="fold")
         for obs in firing:
             sev = obs.severity or obs.rule.severity
-            alerts.add_row(obs.rule.name, Text(sev, "red" if sev == "critical" else "yellow"),
-                           obs.server, obs.message)  # fmt: skip
+            alerts.add_row(
+                obs.rule.name,
+                Text(sev, "red" if sev == "critical" else "yellow"),
+                obs.server,
+                obs.message,
+            )
         parts.append(alerts)
     else:
         parts.append(Text("no alert firing", style="green"))

@@ -170,7 +170,9 @@ def test_a_new_doctor_set_is_scored_once(tmp_path: Path, monkeypatch: pytest.Mon
     corpus = (ROOT / "bench" / "data" / "oom-cases-corpus.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in corpus[:3]]
     new = tmp_path / "fresh-cases.jsonl"
-    fresh = [{k: v for k, v in r.items() if k not in ("id", "thread", "set", "arrival")} for r in rows]
+    fresh = [
+        {k: v for k, v in r.items() if k not in ("id", "thread", "set", "arrival")} for r in rows
+    ]
     new.write_text("".join(json.dumps({**r, "source": r["source"] + "#new"}) + "\n" for r in fresh))
     assert doctor_eval.main(["--new", str(new), "--modes", "log"]) == 0
     kept = accuracy_page.read_ledger(ledger)[-1]

@@ -54,8 +54,13 @@ def test_hybrid_pattern_string_is_truncated_with_the_layers() -> None:
 
 
 def test_jamba_periods_decide_the_layer_count() -> None:
-    cfg = {"attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2,
-           "expert_layer_offset": 1, "num_hidden_layers": 32}  # fmt: skip
+    cfg = {
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_hidden_layers": 32,
+    }
     assert target_layers(cfg) == 8
 
 

@@ -13,15 +13,26 @@ import arch_table  # noqa: E402
 
 def _vllm(groups: list[dict[str, Any]], block_size: int = 128) -> dict[str, Any]:
     return {
-        "params_bytes": 1000, "buffers_bytes": 0, "kv_groups": groups, "num_blocks": 10,
-        "block_size": block_size, "kv_cache_tokens": 1280, "max_concurrency": "2.50",
-    }  # fmt: skip
+        "params_bytes": 1000,
+        "buffers_bytes": 0,
+        "kv_groups": groups,
+        "num_blocks": 10,
+        "block_size": block_size,
+        "kv_cache_tokens": 1280,
+        "max_concurrency": "2.50",
+    }
 
 
 def _planner(**over: Any) -> dict[str, Any]:
-    base = {"weights_bytes": 1005, "bytes_per_block": 2048, "kv_bytes_per_token": 16,
-            "num_blocks": 10, "block_size": 128, "kv_cache_tokens": 1280,
-            "max_concurrency": "2.50"}  # fmt: skip
+    base = {
+        "weights_bytes": 1005,
+        "bytes_per_block": 2048,
+        "kv_bytes_per_token": 16,
+        "num_blocks": 10,
+        "block_size": 128,
+        "kv_cache_tokens": 1280,
+        "max_concurrency": "2.50",
+    }
     return {**base, **over}
 
 

@@ -20,8 +20,12 @@ def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=["<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([pseudo_text(f"corpus{i}", 60) for i in range(400)], trainer=trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
@@ -33,7 +37,9 @@ def test_exact_lengths_counted_with_the_bos(tokenizer_json: Path) -> None:
     maker = PromptMaker(tok, run_seed="t")
 
     async def build() -> list[tuple[str, int]]:
-        built = await maker.build_many([(i, RequestShape(n, 8)) for i, n in enumerate((5, 64, 257, 1000))])
+        built = await maker.build_many(
+            [(i, RequestShape(n, 8)) for i, n in enumerate((5, 64, 257, 1000))]
+        )
         return [(b.text, len(await tok.encode(b.text, special=True))) for b in built.values()]
 
     assert asyncio.run(maker.special_tokens()) == 1
@@ -50,5 +56,5 @@ def test_shared_prefix_is_the_same_text_then_distinct(tokenizer_json: Path) -> N
     prefix = asyncio.run(maker._prefix_text())
     assert all(t.startswith(prefix) for t in texts)
     assert len(asyncio.run(tok.encode(prefix, special=False))) == 40
-    assert len({t[len(prefix):] for t in texts}) == 3
+    assert len({t[len(prefix) :] for t in texts}) == 3
     assert all(len(asyncio.run(tok.encode(t, special=True))) == 120 for t in texts)

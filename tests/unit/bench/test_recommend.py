@@ -10,8 +10,14 @@ from hypothesis import strategies as st
 from oomguard.bench.recommend import recommend, watermarks
 from oomguard.bench.server import Capacity
 
-POOL = Capacity(usable_blocks=15, block_size=128, kv_cache_tokens=2048,
-                kv_cache_memory_bytes=1_048_576, num_gpu_blocks=16, gpu_memory_utilization=0.92)
+POOL = Capacity(
+    usable_blocks=15,
+    block_size=128,
+    kv_cache_tokens=2048,
+    kv_cache_memory_bytes=1_048_576,
+    num_gpu_blocks=16,
+    gpu_memory_utilization=0.92,
+)
 
 
 def admits(high: float, blocks: int, usable: int) -> int:
@@ -35,47 +41,95 @@ def test_watermarks_never_admit_one_more(safe: int, blocks: int, usable: int) ->
 
 
 def test_recommendation_from_a_measured_safe_point() -> None:
-    rec = recommend(max_safe=7, proven_running=7, capacity=POOL, peak_sequence_tokens=256,
-                    kv_peak_at_safe=14 / 15, kv_limit=0.95, model="m", max_model_len=1024,
-                    backend_url="http://h:1")
+    rec = recommend(
+        max_safe=7,
+        proven_running=7,
+        capacity=POOL,
+        peak_sequence_tokens=256,
+        kv_peak_at_safe=14 / 15,
+        kv_limit=0.95,
+        model="m",
+        max_model_len=1024,
+        backend_url="http://h:1",
+    )
     assert rec.max_num_seqs == 7 and rec.high_watermark == 0.934
     assert rec.kv_bytes_per_token == 512.0 and rec.blocks_per_request == 2
     assert rec.kv_tokens_per_request_measured == 256.0
-    assert rec.vllm_command == ("vllm serve m --max-num-seqs 7 --max-model-len 1024 "
-                                "--kv-cache-memory-bytes 1048576")
+    assert rec.vllm_command == (
+        "vllm serve m --max-num-seqs 7 --max-model-len 1024 --kv-cache-memory-bytes 1048576"
+    )
     assert rec.guard_config == {
-        "backends": [{"url": "http://h:1", "num_gpu_blocks": 16, "block_size": 128,
-                      "max_model_len": 1024}],
-        "high_watermark": 0.934, "low_watermark": 0.8,
+        "backends": [
+            {"url": "http://h:1", "num_gpu_blocks": 16, "block_size": 128, "max_model_len": 1024}
+        ],
+        "high_watermark": 0.934,
+        "low_watermark": 0.8,
     }
 
 
 def test_only_what_the_server_ran_is_proven() -> None:
-    rec = recommend(max_safe=16, proven_running=6, capacity=POOL, peak_sequence_tokens=256,
-                    kv_peak_at_safe=0.8, kv_limit=0.95, model="m", max_model_len=None,
-                    backend_url="http://h:1")
+    rec = recommend(
+        max_safe=16,
+        proven_running=6,
+        capacity=POOL,
+        peak_sequence_tokens=256,
+        kv_peak_at_safe=0.8,
+        kv_limit=0.95,
+        model="m",
+        max_model_len=None,
+        backend_url="http://h:1",
+    )
     assert rec.max_num_seqs == 6 and "never ran more than 6" in rec.notes[0]
 
 
 def test_nothing_safe_recommends_nothing() -> None:
-    rec = recommend(max_safe=None, proven_running=None, capacity=POOL, peak_sequence_tokens=9000,
-                    kv_peak_at_safe=None, kv_limit=0.95, model="m", max_model_len=None,
-                    backend_url="http://h:1")
+    rec = recommend(
+        max_safe=None,
+        proven_running=None,
+        capacity=POOL,
+        peak_sequence_tokens=9000,
+        kv_peak_at_safe=None,
+        kv_limit=0.95,
+        model="m",
+        max_model_len=None,
+        backend_url="http://h:1",
+    )
     assert rec.max_num_seqs is None and rec.vllm_command is None and rec.guard_config is None
 
 
 def test_without_a_stated_pool_the_command_keeps_the_utilization() -> None:
-    pool = Capacity(usable_blocks=1000, block_size=16, num_gpu_blocks=1001,
-                    gpu_memory_utilization=0.9)
-    rec = recommend(max_safe=12, proven_running=None, capacity=pool, peak_sequence_tokens=1200,
-                    kv_peak_at_safe=None, kv_limit=0.95, model="org/x", max_model_len=4096,
-                    backend_url="http://h:1")
-    assert rec.vllm_command == "vllm serve org/x --max-num-seqs 12 --max-model-len 4096 --gpu-memory-utilization 0.9"
+    pool = Capacity(
+        usable_blocks=1000, block_size=16, num_gpu_blocks=1001, gpu_memory_utilization=0.9
+    )
+    rec = recommend(
+        max_safe=12,
+        proven_running=None,
+        capacity=pool,
+        peak_sequence_tokens=1200,
+        kv_peak_at_safe=None,
+        kv_limit=0.95,
+        model="org/x",
+        max_model_len=4096,
+        backend_url="http://h:1",
+    )
+    assert (
+        rec.vllm_command
+        == "vllm serve org/x --max-num-seqs 12 --max-model-len 4096 --gpu-memory-utilization 0.9"
+    )
     assert rec.kv_bytes_per_token is None and "not stated" in rec.kv_bytes_per_token_source
 
 
 def test_through_a_gateway_the_cap_comes_from_the_pool() -> None:
-    rec = recommend(max_safe=16, proven_running=8, capacity=POOL, peak_sequence_tokens=256,
-                    kv_peak_at_safe=0.93, kv_limit=0.95, model="m", max_model_len=1024,
-                    backend_url="http://guard:1", gateway=True)
+    rec = recommend(
+        max_safe=16,
+        proven_running=8,
+        capacity=POOL,
+        peak_sequence_tokens=256,
+        kv_peak_at_safe=0.93,
+        kv_limit=0.95,
+        model="m",
+        max_model_len=1024,
+        backend_url="http://guard:1",
+        gateway=True,
+    )
     assert rec.max_num_seqs == 7 and "through a gateway" in rec.notes[0]

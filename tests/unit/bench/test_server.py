@@ -31,18 +31,42 @@ def test_capacity_and_reading_from_a_real_vllm_page() -> None:
 def test_reading_from_the_guard_status() -> None:
     status = {
         "backends": [
-            {"url": "http://a", "capacity_blocks": 15, "block_size": 128, "kv_cache_usage": 0.4,
-             "preemptions_total": 3.0, "requests_running": 5.0, "requests_waiting": 1.0},
-            {"url": "http://b", "capacity_blocks": None, "block_size": None, "kv_cache_usage": 0.7,
-             "preemptions_total": 1.0, "requests_running": 2.0, "requests_waiting": 0.0},
+            {
+                "url": "http://a",
+                "capacity_blocks": 15,
+                "block_size": 128,
+                "kv_cache_usage": 0.4,
+                "preemptions_total": 3.0,
+                "requests_running": 5.0,
+                "requests_waiting": 1.0,
+            },
+            {
+                "url": "http://b",
+                "capacity_blocks": None,
+                "block_size": None,
+                "kv_cache_usage": 0.7,
+                "preemptions_total": 1.0,
+                "requests_running": 2.0,
+                "requests_waiting": 0.0,
+            },
         ],
         "queue": {"depth": 4},
     }
     assert looks_like_guard(status) and not looks_like_guard({"status": "ok"})
     r = reading_from_guard(status)
-    assert (r.kv_usage, r.preemptions_total, r.running, r.waiting, r.gateway_queue) == (0.7, 4.0, 7.0, 1.0, 4.0)
+    assert (r.kv_usage, r.preemptions_total, r.running, r.waiting, r.gateway_queue) == (
+        0.7,
+        4.0,
+        7.0,
+        1.0,
+        4.0,
+    )
     cap = capacity_from_guard(status)
-    assert cap is not None and (cap.usable_blocks, cap.block_size, cap.num_gpu_blocks) == (15, 128, 16)
+    assert cap is not None and (cap.usable_blocks, cap.block_size, cap.num_gpu_blocks) == (
+        15,
+        128,
+        16,
+    )
 
 
 def test_local_hosts() -> None:

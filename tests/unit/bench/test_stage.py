@@ -7,8 +7,9 @@ from oomguard.bench.stage import KvTracker, Sample, StageResult, StageSpec, judg
 
 
 def rec(index: int, prompt: int, out: int, max_tokens: int) -> RequestRecord:
-    r = RequestRecord(index=index, stage=1, slot=index, prompt_tokens=prompt, max_tokens=max_tokens,
-                      due_s=0.0)
+    r = RequestRecord(
+        index=index, stage=1, slot=index, prompt_tokens=prompt, max_tokens=max_tokens, due_s=0.0
+    )
     r.output_tokens = out
     return r
 
@@ -50,7 +51,9 @@ def stage(samples: list[Sample], **kw: object) -> StageResult:
 
 
 def sample(kv: float, pre: float) -> Sample:
-    return Sample(t_s=0.1, stage=1, concurrency=4, in_flight=4, read_s=0.01, kv_usage=kv, preemptions=pre)
+    return Sample(
+        t_s=0.1, stage=1, concurrency=4, in_flight=4, read_s=0.01, kv_usage=kv, preemptions=pre
+    )
 
 
 def test_verdicts() -> None:
@@ -83,8 +86,17 @@ def test_a_server_cap_needs_requests_seen_waiting() -> None:
     from oomguard.bench.runner import _server_cap
 
     def at(running: float, waiting: float) -> Sample:
-        return Sample(t_s=0.1, stage=1, concurrency=4, in_flight=4, read_s=0.01, kv_usage=0.5,
-                      preemptions=0, running=running, waiting=waiting)
+        return Sample(
+            t_s=0.1,
+            stage=1,
+            concurrency=4,
+            in_flight=4,
+            read_s=0.01,
+            kv_usage=0.5,
+            preemptions=0,
+            running=running,
+            waiting=waiting,
+        )
 
     missed = stage([at(2, 0), at(3, 0)])  # samples that missed the moment all 4 ran
     capped = stage([at(3, 1), at(3, 1)])  # the server ran 3 and queued the 4th

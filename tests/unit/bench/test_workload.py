@@ -27,8 +27,10 @@ def test_fixed_is_the_peak_shape_every_time() -> None:
 
 def test_distribution_file_is_seeded_and_clamped(tmp_path: Path) -> None:
     path = tmp_path / "w.yaml"
-    path.write_text("prompt_tokens: {mean: 800, stdev: 300, min: 100, max: 1200}\n"
-                    "max_tokens: {min: 50, max: 200}\nseed: 7\n")
+    path.write_text(
+        "prompt_tokens: {mean: 800, stdev: 300, min: 100, max: 1200}\n"
+        "max_tokens: {min: 50, max: 200}\nseed: 7\n"
+    )
     w = load_workload(path, default_max_tokens=None)
     assert isinstance(w, DistributionWorkload)
     shapes = [w.shape(i) for i in range(2000)]
@@ -52,7 +54,9 @@ def test_weighted_values_and_max_tokens_from_the_flag(tmp_path: Path) -> None:
 
 def test_jsonl_replays_real_requests(tmp_path: Path) -> None:
     path = tmp_path / "reqs.jsonl"
-    path.write_text('{"prompt": "hello there", "max_tokens": 30}\n\n{"prompt_tokens": 500, "max_tokens": 20}\n')
+    path.write_text(
+        '{"prompt": "hello there", "max_tokens": 30}\n\n{"prompt_tokens": 500, "max_tokens": 20}\n'
+    )
     w = load_workload(path, default_max_tokens=None)
     assert isinstance(w, ReplayWorkload)
     assert w.shape(0).prompt_text == "hello there" and w.shape(0).max_tokens == 30
@@ -72,7 +76,9 @@ def test_jsonl_replays_real_requests(tmp_path: Path) -> None:
         ("a.yaml", "prompt_tokens: [oops\n", "not valid YAML"),
     ],
 )
-def test_bad_workload_files_name_the_problem(tmp_path: Path, name: str, text: str, match: str) -> None:
+def test_bad_workload_files_name_the_problem(
+    tmp_path: Path, name: str, text: str, match: str
+) -> None:
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(MalformedConfig, match=match):

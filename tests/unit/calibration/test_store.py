@@ -254,8 +254,9 @@ def test_lookup_returns_only_the_terms_that_apply(home: Path, tmp_path: Path) ->
     assert fp16.non_torch_bytes == int(0.25 * GIB)  # depends on TP/PP only
 
     # another batch-token cap or sequence count: the activation peak does not carry over
-    tokens = lookup(H100, "0.19.0", LLAMA, 1, quantization=None, dtype=None,
-                    max_num_batched_tokens=2048)  # fmt: skip
+    tokens = lookup(
+        H100, "0.19.0", LLAMA, 1, quantization=None, dtype=None, max_num_batched_tokens=2048
+    )
     assert tokens is not None
     assert tokens.activation_bytes is None and tokens.weights_bytes == int(14.99 * GIB)
     seqs = lookup(H100, "0.19.0", LLAMA, 1, dtype=None, quantization=None, max_num_seqs=16)

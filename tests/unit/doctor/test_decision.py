@@ -75,8 +75,11 @@ def test_needs_skip_what_the_log_already_has() -> None:
 
 
 def test_no_failure_is_not_diagnosed() -> None:
-    d = diagnose(parse_stream(["INFO Available KV cache memory: 58.11 GiB",
-                               "INFO GPU KV cache size: 476,016 tokens"]))
+    d = diagnose(
+        parse_stream(
+            ["INFO Available KV cache memory: 58.11 GiB", "INFO GPU KV cache size: 476,016 tokens"]
+        )
+    )
     assert not d.oom_found and d.findings == [] and not d.abstained
 
 

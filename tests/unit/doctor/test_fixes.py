@@ -29,8 +29,12 @@ def _startup(free: float, total: float, util: float) -> str:
     )
 
 
-@pytest.mark.parametrize(("free", "total"), [(20.5, 22.03), (78.1, 79.18), (10.91, 12.59), (3.2, 7.6)])
-def test_a_utilization_sized_to_free_memory_survives_half_a_gib_less(free: float, total: float) -> None:
+@pytest.mark.parametrize(
+    ("free", "total"), [(20.5, 22.03), (78.1, 79.18), (10.91, 12.59), (3.2, 7.6)]
+)
+def test_a_utilization_sized_to_free_memory_survives_half_a_gib_less(
+    free: float, total: float
+) -> None:
     util = util_within_free(free, total)
     assert util * total <= free - margin_gib(total) + 1e-9
     assert util * total <= free - FREE_DRIFT_GIB  # still passes vLLM's start-up check
@@ -50,7 +54,9 @@ def test_a_fix_that_then_fails_the_length_check_carries_the_fitting_length() -> 
     top = _top([_startup(20.5, 22.03, 0.95)], model=LLAMA_8B, gpu="L4")
     changes = top.flag_changes()
     assert set(changes) == {"--gpu-memory-utilization", "--max-model-len"}
-    s = build_situation(parse_stream([_startup(20.5, 22.03, 0.95)]), Context(model=LLAMA_8B, gpu="L4"))
+    s = build_situation(
+        parse_stream([_startup(20.5, 22.03, 0.95)]), Context(model=LLAMA_8B, gpu="L4")
+    )
     settings = apply_fix(current_settings(s), top.fixes[0])
     assert settings is not None
     prediction = predict_run(s, settings, 20.5 - FREE_DRIFT_GIB)
@@ -74,9 +80,11 @@ def test_another_process_at_startup_first_gives_serve_a_flag_to_start_beside_it(
 
 
 def test_length_fix_keeps_ten_percent_of_the_capacity_and_whole_blocks() -> None:
-    line = ("ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
-            "that can be stored in KV cache (7344). Try increasing `gpu_memory_utilization` or "
-            "decreasing `max_model_len` when initializing the engine.")
+    line = (
+        "ValueError: The model's max seq len (32768) is larger than the maximum number of tokens "
+        "that can be stored in KV cache (7344). Try increasing `gpu_memory_utilization` or "
+        "decreasing `max_model_len` when initializing the engine."
+    )
     fix = _top([line]).fixes[0]
     assert fix.flag == "--max-model-len"
     assert int(str(fix.value)) <= 0.9 * 7344 and int(str(fix.value)) % 16 == 0
@@ -93,8 +101,11 @@ def test_an_explicit_pool_is_raised_to_hold_a_request_with_a_quarter_more() -> N
     # a shorter length never needs more memory, so it comes first; then the larger pool
     assert [f.flag for f in top.fixes[:2]] == ["--max-model-len", "--kv-cache-memory-bytes"]
     assert top.fixes[1].value == "1280M"
-    no_blocks = [lines[0], "ValueError: No available memory for the cache blocks. Try "
-                 "increasing `gpu_memory_utilization` when initializing the engine."]
+    no_blocks = [
+        lines[0],
+        "ValueError: No available memory for the cache blocks. Try "
+        "increasing `gpu_memory_utilization` when initializing the engine.",
+    ]
     top = _top(no_blocks)
     assert top.mechanism == "explicit_kv_pool" and top.sure
 
@@ -130,9 +141,13 @@ def test_graph_memory_in_the_log_sizes_the_utilization_step() -> None:
 
 
 def test_sampler_warmup_gets_a_quarter_of_the_sequences() -> None:
-    top = _top(["RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 "
-                "dummy requests. Please try lowering max_num_seqs or gpu_memory_utilization when "
-                "initializing the engine."])
+    top = _top(
+        [
+            "RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 "
+            "dummy requests. Please try lowering max_num_seqs or gpu_memory_utilization when "
+            "initializing the engine."
+        ]
+    )
     assert top.fixes[0].flag == "--max-num-seqs" and top.fixes[0].value == "256"
 
 
@@ -146,7 +161,9 @@ def test_a_kv_budget_far_below_the_model_s_prediction_is_said_to_be_held_elsewhe
     ]
     top = _top(lines, model=LLAMA_8B, gpu="H100")
     assert "held by something the model does not see" in top.explanation
-    healthy = _top(lines[:1] + [lines[1].replace("2.00", "53.00"), lines[2]], model=LLAMA_8B, gpu="H100")
+    healthy = _top(
+        lines[:1] + [lines[1].replace("2.00", "53.00"), lines[2]], model=LLAMA_8B, gpu="H100"
+    )
     assert "does not see" not in healthy.explanation
 
 

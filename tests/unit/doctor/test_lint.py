@@ -19,8 +19,9 @@ QWEN_32B = "vllm serve Qwen/Qwen3-32B --max-model-len 32768"
 
 
 def _pool_tokens(model: str, gpu: str, **settings: object) -> int:
-    prediction = predict(resolve_model(model, allow_hub=False), find_gpu(gpu),
-                         EngineSettings(**settings))  # type: ignore[arg-type]
+    prediction = predict(
+        resolve_model(model, allow_hub=False), find_gpu(gpu), EngineSettings(**settings)
+    )  # type: ignore[arg-type]
     return prediction.kv_cache_tokens
 
 
@@ -44,15 +45,19 @@ def test_without_a_workload_the_default_sequences_are_not_judged() -> None:
 
 def test_llama_8b_at_16k_on_an_h100_raises_no_kv_warning() -> None:
     for workload in (None, Workload(p99_tokens=12000), Workload(p99_tokens=4000, concurrency=64)):
-        report = lint_command("vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 16384",
-                              gpu="H100", workload=workload)
+        report = lint_command(
+            "vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 16384",
+            gpu="H100",
+            workload=workload,
+        )
         assert not report.problems, [f.summary for f in report.problems]
         assert not [f for f in report.findings if f.cause == "kv_too_small_for_max_len"]
 
 
 def test_a_workload_the_pool_cannot_hold_is_kv_too_small() -> None:
-    report = lint_command(QWEN_32B, gpu="A100 80GB",
-                          workload=Workload(p99_tokens=16384, concurrency=32))
+    report = lint_command(
+        QWEN_32B, gpu="A100 80GB", workload=Workload(p99_tokens=16384, concurrency=32)
+    )
     top = report.problems[0]
     assert top.cause == "kv_too_small_for_max_len" and "not the 32" in top.summary
 
@@ -68,8 +73,12 @@ def test_a_command_that_will_not_start_is_a_problem_with_a_fitting_length() -> N
 
 @pytest.mark.parametrize(
     ("typo", "real"),
-    [("--max-num-seq", "--max-num-seqs"), ("--gpu-memory-utilisation", "--gpu-memory-utilization"),
-     ("--tensor-paralel-size", "--tensor-parallel-size"), ("--max_model_length", "--max-model-len")],
+    [
+        ("--max-num-seq", "--max-num-seqs"),
+        ("--gpu-memory-utilisation", "--gpu-memory-utilization"),
+        ("--tensor-paralel-size", "--tensor-parallel-size"),
+        ("--max_model_length", "--max-model-len"),
+    ],
 )
 def test_a_misspelt_flag_names_the_real_one(typo: str, real: str) -> None:
     with pytest.raises(BadInput) as raised:
@@ -78,8 +87,11 @@ def test_a_misspelt_flag_names_the_real_one(typo: str, real: str) -> None:
 
 
 def test_full_utilization_and_an_unbudgeted_cotenant() -> None:
-    report = lint_command("vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0", gpu="L40S",
-                          workload=Workload(headroom_bytes=8 * GIB))
+    report = lint_command(
+        "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0",
+        gpu="L40S",
+        workload=Workload(headroom_bytes=8 * GIB),
+    )
     causes = [f.cause for f in report.problems]
     assert causes.count("util_overshoot") == 2
     cotenant = next(f for f in report.problems if "co-tenant" in f.summary)
@@ -89,11 +101,28 @@ def test_full_utilization_and_an_unbudgeted_cotenant() -> None:
 
 
 def test_cli_exit_codes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--json", "--gpu", "H100", "--", "vllm", "serve",
-                 "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "16384"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                "--json",
+                "--gpu",
+                "H100",
+                "--",
+                "vllm",
+                "serve",
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "--max-model-len",
+                "16384",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["findings"] == [] and data["notes"] == []
-    assert main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0"]) == 1
+    assert (
+        main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0"]) == 1
+    )
     out = capsys.readouterr().out
     assert "--gpu-memory-utilization 0.90" in out and "pass --gpu" in out
     assert main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --max-num-seq 8"]) == 2
@@ -115,10 +144,26 @@ def test_tips_are_labelled_and_never_followed_by_no_problems_found(
     assert out.count("[max_model_len_above_p99, tip,") == 1
     assert "2 tips, no problem" in out
     # a problem says how many were found and fails the command
-    assert main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0"]) == 1
+    assert (
+        main(["doctor", "--command", "vllm serve Qwen/Qwen3-8B --gpu-memory-utilization 1.0"]) == 1
+    )
     out = capsys.readouterr().out
     assert "1 problem found in this command." in out and "No problems found" not in out
     # nothing to say is still said plainly
-    assert main(["doctor", "--gpu", "H100", "--", "vllm", "serve",
-                 "meta-llama/Llama-3.1-8B-Instruct", "--max-model-len", "16384"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                "--gpu",
+                "H100",
+                "--",
+                "vllm",
+                "serve",
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "--max-model-len",
+                "16384",
+            ]
+        )
+        == 0
+    )
     assert "No problems found in this command." in capsys.readouterr().out

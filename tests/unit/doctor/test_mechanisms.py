@@ -47,8 +47,10 @@ def test_kv_fit_check_proves_the_length_with_its_numbers() -> None:
 
 
 def test_kv_fit_message_with_elided_numbers_is_left_to_the_ranking() -> None:
-    text = ("ValueError: The model's max seq len (...) is larger than the maximum number of "
-            "tokens that can be stored in KV cache (...)")
+    text = (
+        "ValueError: The model's max seq len (...) is larger than the maximum number of "
+        "tokens that can be stored in KV cache (...)"
+    )
     assert check_kv_fit(_situation([text])) is None
     diagnosis = diagnose(parse_stream([text]))
     assert diagnosis.top is not None and not diagnosis.top.sure
@@ -78,7 +80,9 @@ def test_startup_check_beside_a_planned_co_tenant_is_the_budget() -> None:
     # utilization 0.35: the GPU was meant to be shared, so the others are budgeted co-tenants
     verdict = check_startup_free_memory(_situation([_startup(38.74, 121.63, 0.35)]))
     assert verdict is not None and verdict.cause == "util_overshoot"
-    told = check_startup_free_memory(_situation([_startup(22.65, 79.18, 0.9)], expect_cotenant=True))
+    told = check_startup_free_memory(
+        _situation([_startup(22.65, 79.18, 0.9)], expect_cotenant=True)
+    )
     assert told is not None and told.cause == "util_overshoot"
 
 
@@ -95,9 +99,14 @@ def _torch_oom(tried: str, total: float, free: str, rest: str) -> str:
 
 
 def test_allocation_failing_where_other_processes_hold_the_gpu() -> None:
-    line = _torch_oom("64.00 MiB", 79.2, "48.62 MiB", "Including non-PyTorch memory, this process "
-                      "has 2.46 GiB memory in use. Of the allocated memory 1.15 GiB is allocated "
-                      "by PyTorch, and 13.45 MiB is reserved by PyTorch but unallocated.")
+    line = _torch_oom(
+        "64.00 MiB",
+        79.2,
+        "48.62 MiB",
+        "Including non-PyTorch memory, this process "
+        "has 2.46 GiB memory in use. Of the allocated memory 1.15 GiB is allocated "
+        "by PyTorch, and 13.45 MiB is reserved by PyTorch but unallocated.",
+    )
     verdict = check_failed_allocation(_situation([line]))
     assert verdict is not None and verdict.cause == "leak_or_other_process"
     assert verdict.numbers["other_processes_gib"] > 70
@@ -105,38 +114,61 @@ def test_allocation_failing_where_other_processes_hold_the_gpu() -> None:
 
 def test_a_container_that_hides_the_process_usage_is_not_another_process() -> None:
     # "this process has 0 bytes": PyTorch cannot see it inside a container, it is not empty
-    line = _torch_oom("1.47 GiB", 79.11, "1.25 GiB", "Including non-PyTorch memory, this process "
-                      "has 0 bytes memory in use. Of the allocated memory 70.03 GiB is allocated "
-                      "by PyTorch, and 21.60 MiB is reserved by PyTorch but unallocated.")
+    line = _torch_oom(
+        "1.47 GiB",
+        79.11,
+        "1.25 GiB",
+        "Including non-PyTorch memory, this process "
+        "has 0 bytes memory in use. Of the allocated memory 70.03 GiB is allocated "
+        "by PyTorch, and 21.60 MiB is reserved by PyTorch but unallocated.",
+    )
     assert check_failed_allocation(_situation([line])) is None
 
 
 def test_a_large_cached_remainder_is_fragmentation_and_a_small_one_is_not() -> None:
-    fragmented = _torch_oom("0.94 GiB", 79.14, "0.70 GiB", "Including non-PyTorch memory, this "
-                            "process has 78.43 GiB memory in use. Of the allocated memory 75.10 GiB "
-                            "is allocated by PyTorch, and 2.22 GiB is reserved by PyTorch but "
-                            "unallocated.")
+    fragmented = _torch_oom(
+        "0.94 GiB",
+        79.14,
+        "0.70 GiB",
+        "Including non-PyTorch memory, this "
+        "process has 78.43 GiB memory in use. Of the allocated memory 75.10 GiB "
+        "is allocated by PyTorch, and 2.22 GiB is reserved by PyTorch but "
+        "unallocated.",
+    )
     verdict = check_failed_allocation(_situation([fragmented]))
     assert verdict is not None and verdict.cause == "fragmentation"
-    normal = _torch_oom("138.00 MiB", 23.56, "110.50 MiB", "Including non-PyTorch memory, this "
-                        "process has 23.44 GiB memory in use. Of the allocated memory 22.57 GiB is "
-                        "allocated by PyTorch, and 529.27 MiB is reserved by PyTorch but "
-                        "unallocated.")
+    normal = _torch_oom(
+        "138.00 MiB",
+        23.56,
+        "110.50 MiB",
+        "Including non-PyTorch memory, this "
+        "process has 23.44 GiB memory in use. Of the allocated memory 22.57 GiB is "
+        "allocated by PyTorch, and 529.27 MiB is reserved by PyTorch but "
+        "unallocated.",
+    )
     assert check_failed_allocation(_situation([normal])) is None
 
 
 def test_tensor_parallel_ranks_with_unequal_free_memory() -> None:
-    rank0 = _torch_oom("2.00 GiB", 79.2, "1.10 GiB", "Including non-PyTorch memory, this process "
-                       "has 40.00 GiB memory in use.")
-    rank1 = rank0.replace("GPU 0", "GPU 1").replace("this process has 40.00", "this process has 78.00")
+    rank0 = _torch_oom(
+        "2.00 GiB",
+        79.2,
+        "1.10 GiB",
+        "Including non-PyTorch memory, this process has 40.00 GiB memory in use.",
+    )
+    rank1 = rank0.replace("GPU 0", "GPU 1").replace(
+        "this process has 40.00", "this process has 78.00"
+    )
     verdict = check_rank_asymmetry(_situation([rank0, rank1]))
     assert verdict is not None and verdict.cause == "leak_or_other_process"
     assert verdict.numbers["gpu_index"] == 0
     assert check_rank_asymmetry(_situation([rank1, rank1.replace("GPU 1", "GPU 2")])) is None
 
 
-NO_BLOCKS = ("ValueError: No available memory for the cache blocks. Try increasing "
-             "`gpu_memory_utilization` when initializing the engine.")
+NO_BLOCKS = (
+    "ValueError: No available memory for the cache blocks. Try increasing "
+    "`gpu_memory_utilization` when initializing the engine."
+)
 
 
 def _budget_log(weights_gib: float, util: float = 0.9, extra: tuple[str, ...] = ()) -> list[str]:
@@ -165,15 +197,24 @@ def test_budget_with_a_large_graph_estimate_is_the_graphs() -> None:
 
 
 def test_host_memory_kill() -> None:
-    verdict = _verdict(["Loading safetensors checkpoint shards:  40% Completed | 2/5",
-                        "Killed", "[process exited with code 137]"])
+    verdict = _verdict(
+        [
+            "Loading safetensors checkpoint shards:  40% Completed | 2/5",
+            "Killed",
+            "[process exited with code 137]",
+        ]
+    )
     assert verdict is not None and verdict.cause == "cpu_ram"
 
 
 def test_sampler_warmup_is_the_number_of_sequences() -> None:
-    verdict = _verdict(["RuntimeError: CUDA out of memory occurred when warming up sampler with "
-                        "1024 dummy requests. Please try lowering max_num_seqs or "
-                        "gpu_memory_utilization when initializing the engine."])
+    verdict = _verdict(
+        [
+            "RuntimeError: CUDA out of memory occurred when warming up sampler with "
+            "1024 dummy requests. Please try lowering max_num_seqs or "
+            "gpu_memory_utilization when initializing the engine."
+        ]
+    )
     assert verdict is not None
     assert (verdict.mechanism, verdict.cause) == ("failure_phase", "concurrency_or_batch")
 
@@ -183,25 +224,37 @@ def test_graph_capture_phase_is_the_graphs() -> None:
         "INFO 05-01 12:00:00 [gpu_model_runner.py:2000] Capturing CUDA graphs (mixed prefill-decode, PIECEWISE)",
         "Traceback (most recent call last):",
         f'  File "{SITE}/v1/worker/gpu_model_runner.py", line 3300, in capture_model',
-        _torch_oom("20.00 MiB", 23.56, "3.31 MiB", "Including non-PyTorch memory, this process "
-                   "has 23.55 GiB memory in use."),
+        _torch_oom(
+            "20.00 MiB",
+            23.56,
+            "3.31 MiB",
+            "Including non-PyTorch memory, this process has 23.55 GiB memory in use.",
+        ),
     ]
     verdict = _verdict(lines)
     assert verdict is not None and verdict.cause == "cuda_graph"
 
 
 def test_mamba_state_blocks_cap_the_sequences() -> None:
-    verdict = _verdict(["ValueError: max_num_seqs (1024) exceeds available Mamba cache blocks "
-                        "(658). Each decode sequence requires one Mamba cache block, so CUDA graph "
-                        "capture cannot proceed. Please lower max_num_seqs to at most 658 or "
-                        "increase gpu_memory_utilization."])
+    verdict = _verdict(
+        [
+            "ValueError: max_num_seqs (1024) exceeds available Mamba cache blocks "
+            "(658). Each decode sequence requires one Mamba cache block, so CUDA graph "
+            "capture cannot proceed. Please lower max_num_seqs to at most 658 or "
+            "increase gpu_memory_utilization."
+        ]
+    )
     assert verdict is not None and verdict.cause == "concurrency_or_batch"
     assert verdict.numbers == {"max_num_seqs": 1024.0, "state_blocks": 658.0}
 
 
 def test_expandable_segments_inside_sleep_mode_is_the_setting() -> None:
-    verdict = _verdict(['AssertionError: Expandable segments are not compatible with memory pool. '
-                        'assert "expandable_segments:True" not in conf'])
+    verdict = _verdict(
+        [
+            "AssertionError: Expandable segments are not compatible with memory pool. "
+            'assert "expandable_segments:True" not in conf'
+        ]
+    )
     assert verdict is not None and verdict.cause == "other"
 
 

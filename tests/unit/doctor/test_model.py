@@ -54,7 +54,10 @@ def test_the_shipped_weights_are_what_the_corpus_trains() -> None:
     ("source", "thread"),
     [
         ("https://github.com/vllm-project/vllm/issues/12345", "github:vllm-project/vllm#12345"),
-        ("https://github.com/vllm-project/vllm/pull/12345#issuecomment-9", "github:vllm-project/vllm#12345"),
+        (
+            "https://github.com/vllm-project/vllm/pull/12345#issuecomment-9",
+            "github:vllm-project/vllm#12345",
+        ),
         ("https://github.com/Vllm-Project/VLLM/issues/12345/", "github:vllm-project/vllm#12345"),
         ("https://discuss.vllm.ai/t/some-title/1602/3", "discuss.vllm.ai/t/1602"),
         ("https://www.example.com/post?page=2#x", "example.com/post"),
@@ -65,8 +68,12 @@ def test_sources_of_one_thread_are_one_thread(source: str, thread: str) -> None:
 
 
 def test_merging_drops_exact_duplicates_and_joins_shared_logs() -> None:
-    row = {"source": "https://github.com/a/b/issues/1", "log": "x  y", "label": "other",
-           "confidence": "high"}
+    row = {
+        "source": "https://github.com/a/b/issues/1",
+        "log": "x  y",
+        "label": "other",
+        "confidence": "high",
+    }
     other = {**row, "source": "https://github.com/c/d/issues/2", "log": "x y"}
     rows = merge([], [row, row], "first")
     assert len(rows) == 1 and rows[0]["arrival"] == 0

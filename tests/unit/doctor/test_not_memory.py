@@ -44,8 +44,12 @@ def test_published_log_is_not_memory(name: str) -> None:
     assert payload["kind"] == kind and payload["actions"] == list(KINDS[kind].actions)
     # what to do is never a memory setting
     for action in payload["actions"]:
-        for flag in ("--gpu-memory-utilization", "--max-model-len", "--max-num-seqs",
-                     "--kv-cache-memory-bytes"):  # fmt: skip
+        for flag in (
+            "--gpu-memory-utilization",
+            "--max-model-len",
+            "--max-num-seqs",
+            "--kv-cache-memory-bytes",
+        ):
             assert flag not in action
 
 
@@ -77,11 +81,13 @@ def test_lookalikes_are_not_faults() -> None:
 
 
 def test_a_memory_failure_stays_a_memory_failure() -> None:
-    text = "\n".join([
-        (DATA / "nccl_init_system_error.log").read_text(),
-        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
-        "total capacity of 79.15 GiB of which 1.06 GiB is free.",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            (DATA / "nccl_init_system_error.log").read_text(),
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+            "total capacity of 79.15 GiB of which 1.06 GiB is free.",
+        ]
+    )
     diagnosis = _diagnose(text)
     assert diagnosis.oom_found is True and diagnosis.not_memory is None
 

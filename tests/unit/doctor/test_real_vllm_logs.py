@@ -13,13 +13,27 @@ from oomguard.doctor.situation import Context
 DATA = Path(__file__).resolve().parents[2] / "integration" / "data"
 # the first fix with the model at hand (--model), and without it
 FAILURES = {
-    "kv_too_small_for_max_len.log": ("kv_too_small_for_max_len", "--max-model-len", "--max-model-len"),
-    "kv_too_small_no_estimate.log": ("kv_too_small_for_max_len", "--kv-cache-memory-bytes", "action"),
+    "kv_too_small_for_max_len.log": (
+        "kv_too_small_for_max_len",
+        "--max-model-len",
+        "--max-model-len",
+    ),
+    "kv_too_small_no_estimate.log": (
+        "kv_too_small_for_max_len",
+        "--kv-cache-memory-bytes",
+        "action",
+    ),
     "no_cache_blocks.log": ("kv_too_small_for_max_len", "--kv-cache-memory-bytes", "action"),
     "cpu_util_below_process_rss.log": (
-        "kv_too_small_for_max_len", "--gpu-memory-utilization", "--gpu-memory-utilization"),
+        "kv_too_small_for_max_len",
+        "--gpu-memory-utilization",
+        "--gpu-memory-utilization",
+    ),
     "cpu_startup_free_memory_check.log": (
-        "util_overshoot", "--gpu-memory-utilization", "--gpu-memory-utilization"),
+        "util_overshoot",
+        "--gpu-memory-utilization",
+        "--gpu-memory-utilization",
+    ),
 }
 HEALTHY = (
     "default_len_10mib.log",

@@ -50,8 +50,9 @@ def _wait(cond, timeout_s: float = 30.0) -> bool:  # type: ignore[no-untyped-def
 
 def test_stop_ends_the_whole_group_even_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     lines: list[str] = []
-    engine = EngineProcess([sys.executable, "-c", TREE], log_path=tmp_path / "e.log",
-                           on_line=lines.append)  # fmt: skip
+    engine = EngineProcess(
+        [sys.executable, "-c", TREE], log_path=tmp_path / "e.log", on_line=lines.append
+    )
     engine.start()
     assert _wait(lambda: len(engine.group_pids()) == 3 and "stubborn" in lines)
     pids = engine.group_pids()
@@ -75,10 +76,13 @@ def test_kill_is_immediate(tmp_path: Path) -> None:
 
 
 def test_lines_arrive_as_they_are_printed() -> None:
-    script = "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    script = (
+        "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    )
     seen: list[tuple[float, str]] = []
-    engine = EngineProcess([sys.executable, "-c", script],
-                           on_line=lambda s: seen.append((time.monotonic(), s)))  # fmt: skip
+    engine = EngineProcess(
+        [sys.executable, "-c", script], on_line=lambda s: seen.append((time.monotonic(), s))
+    )
     engine.start()
     assert engine.wait_exit(30) == 0
     engine.wait_output_done()

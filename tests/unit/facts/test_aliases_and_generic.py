@@ -124,8 +124,12 @@ def test_generic_reader_plans_a_standard_decoder_as_not_verified(tmp_path: Path)
     # (narrower where the floor for an unverified architecture exceeds the dense band)
     twin = tmp_path / "twin"
     twin.mkdir()
-    known = {**FANCY, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-             "some_new_multiplier": None}  # fmt: skip
+    known = {
+        **FANCY,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "some_new_multiplier": None,
+    }
     (twin / "config.json").write_text(json.dumps(known))
     verified = api.plan(str(twin), "H100", allow_hub=False, use_calibration=False).to_dict()
     assert verified["model_verified"] is True
@@ -161,7 +165,11 @@ def test_sliding_window_without_layer_types_is_refused_generically() -> None:
 
 
 def test_deepseek_v4_is_refused_naming_what_is_not_modelled() -> None:
-    cfg = {**FANCY, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-           "compress_ratios": [0, 4, 128] * 2 + [0, 4]}  # fmt: skip
+    cfg = {
+        **FANCY,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "compress_ratios": [0, 4, 128] * 2 + [0, 4],
+    }
     with pytest.raises(UnsupportedArchitecture, match="compressed sparse attention"):
         spec_from_config(cfg, name="deepseek-ai/DeepSeek-V4-Flash", source="test")

@@ -164,10 +164,20 @@ def test_jamba_attention_every_eighth_layer_at_offset_four() -> None:
 
 
 def test_mistral_v01_model_level_window_applies_to_every_layer() -> None:
-    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
-              "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "num_hidden_layers": 32, "sliding_window": 4096, "vocab_size": 32000,
-              "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    config = {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "sliding_window": 4096,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
     spec = spec_from_config(config, name="mistralai/Mistral-7B-v0.1", source="t")
     assert {(ly.kind, ly.sliding_window) for ly in spec.layers} == {(AttentionKind.SLIDING, 4096)}
     assert abs(spec.total_params / 7_241_732_096 - 1) < 1e-6  # HF metadata of Mistral-7B-v0.1
@@ -226,15 +236,21 @@ def test_derived_max_model_len_rules() -> None:
         == 131072
     )
     assert derive_max_model_len({}, "llama") == 2048
-    longrope = {"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
-                "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]}}  # fmt: skip
+    longrope = {
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0], "short_factor": [1.0]},
+    }
     assert derive_max_model_len(longrope, "phi3") == 4096
 
 
 def test_unknown_architecture_fails_closed_naming_it() -> None:
     with pytest.raises(UnsupportedArchitecture, match="RwkvForCausalLM"):
-        spec_from_config({"architectures": ["RwkvForCausalLM"], "model_type": "rwkv", "hidden_size": 1},
-                         name="x", source="t")  # fmt: skip
+        spec_from_config(
+            {"architectures": ["RwkvForCausalLM"], "model_type": "rwkv", "hidden_size": 1},
+            name="x",
+            source="t",
+        )
 
 
 def test_missing_fields_are_named() -> None:
@@ -247,10 +263,19 @@ def test_missing_fields_are_named() -> None:
 
 
 def test_unknown_vision_tower_fails_closed() -> None:
-    config = {"architectures": ["FooVLForConditionalGeneration"], "model_type": "foo_vl",
-              "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100},
-              "vision_config": {"hidden_size": 32}}  # fmt: skip
+    config = {
+        "architectures": ["FooVLForConditionalGeneration"],
+        "model_type": "foo_vl",
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+        },
+        "vision_config": {"hidden_size": 32},
+    }
     with pytest.raises(UnsupportedArchitecture, match="vision tower"):
         spec_from_config(config, name="x", source="t")
 
@@ -266,12 +291,24 @@ def test_sparse_gemma3_config_gets_transformers_defaults() -> None:
     from oomguard.facts.config_reader import CONFIG_DEFAULTS, apply_config_defaults
 
     sparse: dict[str, Any] = {
-        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
-                        "num_hidden_layers": 34, "sliding_window": 1024},
-        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
-                          "model_type": "siglip_vision_model", "num_hidden_layers": 27, "patch_size": 14},
-    }  # fmt: skip
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "model_type": "gemma3_text",
+            "num_hidden_layers": 34,
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "hidden_size": 1152,
+            "image_size": 896,
+            "intermediate_size": 4304,
+            "model_type": "siglip_vision_model",
+            "num_hidden_layers": 27,
+            "patch_size": 14,
+        },
+    }
     spec = spec_from_config(sparse, name="g3-4b", source="t")
     assert (spec.num_attention_heads, spec.num_kv_heads, spec.head_size) == (8, 4, 256)
     assert spec.vocab_size == 262208 and spec.derived_max_model_len == 131072
@@ -305,9 +342,15 @@ def test_gemma_4_audio_tower_counted_like_transformers() -> None:
 
     base = json.loads(json.dumps(find_entry("google/gemma-4-31B-it").config))
     base.pop("audio_config", None)
-    audio = {"model_type": "gemma4_audio", "hidden_size": 1024, "num_hidden_layers": 12,
-             "num_attention_heads": 8, "conv_kernel_size": 5,
-             "subsampling_conv_channels": [128, 32], "output_proj_dims": 1536}  # fmt: skip
+    audio = {
+        "model_type": "gemma4_audio",
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "conv_kernel_size": 5,
+        "subsampling_conv_channels": [128, 32],
+        "output_proj_dims": 1536,
+    }
     without = spec_from_config(base, name="g4", source="test")
     with_audio = spec_from_config({**base, "audio_config": audio}, name="g4", source="test")
     text_hidden = base["text_config"]["hidden_size"]

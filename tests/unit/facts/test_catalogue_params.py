@@ -140,8 +140,12 @@ FIXTURES = sorted(DATA.glob("*.json"))
 def test_fixture_config_matches_published_params(path: Path) -> None:
     config = json.loads(path.read_text())
     spec = spec_from_config(config, name=path.stem, source=str(path))
-    check = ParamCheck(path.stem, spec.total_params, int(config["_published_params"]),
-                       config.get("_published_params_rounding"))  # fmt: skip
+    check = ParamCheck(
+        path.stem,
+        spec.total_params,
+        int(config["_published_params"]),
+        config.get("_published_params_rounding"),
+    )
     assert check.ok, check.describe()
 
 

@@ -70,9 +70,19 @@ def test_gguf_round_trip(tmp_path: Path) -> None:
     expected_bytes = _write_llama(path)
     spec = spec_from_gguf(path)
     hd = HIDDEN // HEADS
-    assert (spec.hidden_size, spec.num_layers, spec.num_attention_heads, spec.num_kv_heads, spec.head_size) == (
-        HIDDEN, LAYERS, HEADS, KV_HEADS, hd,
-    )  # fmt: skip
+    assert (
+        spec.hidden_size,
+        spec.num_layers,
+        spec.num_attention_heads,
+        spec.num_kv_heads,
+        spec.head_size,
+    ) == (
+        HIDDEN,
+        LAYERS,
+        HEADS,
+        KV_HEADS,
+        hd,
+    )
     assert (
         spec.vocab_size == VOCAB
         and spec.derived_max_model_len == 4096

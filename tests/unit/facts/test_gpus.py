@@ -173,8 +173,13 @@ def test_gb10_keeps_the_small_batch_tier_from_0_33() -> None:
     from oomguard.memory.versions import batch_defaults, resolve_era
 
     gb10 = find_gpu("GB10")
-    kw = {"platform": "cuda", "usage_context": "server", "device_total_bytes": gb10.total_bytes,
-          "device_name": gb10.device_name, "compute_capability": gb10.compute_capability}  # fmt: skip
+    kw = {
+        "platform": "cuda",
+        "usage_context": "server",
+        "device_total_bytes": gb10.total_bytes,
+        "device_name": gb10.device_name,
+        "compute_capability": gb10.compute_capability,
+    }
     assert batch_defaults(resolve_era("0.33"), **kw).max_num_batched_tokens == 2048
     assert batch_defaults(resolve_era("0.32"), **kw).max_num_batched_tokens == 8192
 

@@ -35,9 +35,12 @@ def _fake_pynvml(*, init_error: bool = False) -> types.ModuleType:
     nv.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"  # type: ignore[attr-defined]
     nv.nvmlDeviceGetMemoryInfo = memory  # type: ignore[attr-defined]
     nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [  # type: ignore[attr-defined]
-        SimpleNamespace(pid=7, usedGpuMemory=10 * GIB)]  # fmt: skip
+        SimpleNamespace(pid=7, usedGpuMemory=10 * GIB)
+    ]
     nv.nvmlDeviceGetGraphicsRunningProcesses = lambda h: [  # type: ignore[attr-defined]
-        SimpleNamespace(pid=7, usedGpuMemory=GIB), SimpleNamespace(pid=8, usedGpuMemory=None)]  # fmt: skip
+        SimpleNamespace(pid=7, usedGpuMemory=GIB),
+        SimpleNamespace(pid=8, usedGpuMemory=None),
+    ]
     return nv
 
 

@@ -46,8 +46,12 @@ def test_fp8_block_and_per_tensor() -> None:
 
 
 def _ct(weights: dict[str, object], fmt: str, ignore: list[str] | None = None) -> dict[str, object]:
-    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ignore or ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "ignore": ignore or ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
 
 
 def test_compressed_tensors_w4a16_w8a8_fp8_nvfp4() -> None:
@@ -81,8 +85,13 @@ def test_compressed_tensors_w4a16_w8a8_fp8_nvfp4() -> None:
         _ct({"num_bits": 8, "type": "float", "strategy": "channel"}, "float-quantized")
     )
     assert (fp8.method, fp8.scale_granularity) == ("fp8", "channel")
-    nv = quant_from_config(_ct({"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, "nvfp4-pack-quantized",
-                               ["lm_head", "re:.*mlp.gate$", "re:visual.*"]))  # fmt: skip
+    nv = quant_from_config(
+        _ct(
+            {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+            "nvfp4-pack-quantized",
+            ["lm_head", "re:.*mlp.gate$", "re:visual.*"],
+        )
+    )
     assert (nv.method, nv.weight_bits, nv.group_size) == ("nvfp4", 4, 16)
     assert {"lm_head", "router", "vision"} <= set(nv.unquantized_groups)
 

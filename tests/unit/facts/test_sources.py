@@ -36,10 +36,17 @@ def _model_dir(tmp_path: Path) -> Path:
 
 def test_local_directory_with_safetensors_gives_exact_bytes(tmp_path: Path) -> None:
     d = _model_dir(tmp_path)
-    save_file({"model.embed_tokens.weight": np.zeros((100, 64), dtype=np.float16),
-               "model.norm.weight": np.zeros((64,), dtype=np.float32)}, str(d / "model-00001-of-00002.safetensors"))  # fmt: skip
-    save_file({"model.layers.0.mlp.up_proj.weight": np.zeros((128, 64), dtype=np.int8)},
-              str(d / "model-00002-of-00002.safetensors"))  # fmt: skip
+    save_file(
+        {
+            "model.embed_tokens.weight": np.zeros((100, 64), dtype=np.float16),
+            "model.norm.weight": np.zeros((64,), dtype=np.float32),
+        },
+        str(d / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"model.layers.0.mlp.up_proj.weight": np.zeros((128, 64), dtype=np.int8)},
+        str(d / "model-00002-of-00002.safetensors"),
+    )
     spec = spec_from_local(d)
     assert spec.name == "tiny-llama" and spec.source.endswith("config.json")
     assert spec.checkpoint_bytes_by_dtype == {"F16": 100 * 64 * 2, "F32": 64 * 4, "I8": 128 * 64}

@@ -390,6 +390,10 @@ def test_engine_config_dump_does_not_start_graph_capture() -> None:
     p = parse_stream(text)
     assert p.phase_reached == Phase.WEIGHT_LOADING
     assert Phase.CUDA_GRAPH_CAPTURE not in p.phases
-    v0 = parse_stream(["Graph capturing finished in 5 secs, took 0.47 GiB",
-                       "cudagraph_capture_sizes [2,1] (max_capture_size 2)"])  # fmt: skip
+    v0 = parse_stream(
+        [
+            "Graph capturing finished in 5 secs, took 0.47 GiB",
+            "cudagraph_capture_sizes [2,1] (max_capture_size 2)",
+        ]
+    )
     assert Phase.CUDA_GRAPH_CAPTURE in v0.phases

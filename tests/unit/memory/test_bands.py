@@ -38,8 +38,14 @@ from oomguard.memory.versions import resolve_era
 from .builders import llama_3_1_8b
 
 GIB = 2**30
-H100 = GPUSpec("H100 SXM", int(79.19 * GIB), 80, compute_capability="9.0",
-               device_name="NVIDIA H100 80GB HBM3", nvls=True)  # fmt: skip
+H100 = GPUSpec(
+    "H100 SXM",
+    int(79.19 * GIB),
+    80,
+    compute_capability="9.0",
+    device_name="NVIDIA H100 80GB HBM3",
+    nvls=True,
+)
 
 
 def test_every_source_weighs_the_same_however_many_logs_it_gave() -> None:
@@ -80,9 +86,12 @@ def test_with_many_sources_the_largest_errors_fall_outside() -> None:
 def test_sparse_groups_take_their_parents_residuals() -> None:
     residuals = [
         Residual("v1-triton", "a", 0.01),  # one log of the Triton era: too few
-        Residual("v1-sort", "b", 0.05), Residual("v1-sort", "c", -0.02),
-        Residual("v0", "d", 0.5), Residual("v0", "e", -0.4), Residual("v0", "f", 0.3),
-    ]  # fmt: skip
+        Residual("v1-sort", "b", 0.05),
+        Residual("v1-sort", "c", -0.02),
+        Residual("v0", "d", 0.5),
+        Residual("v0", "e", -0.4),
+        Residual("v0", "f", 0.3),
+    ]
     bands = bands_for_term("activation", ACTIVATION_GROUPS, residuals)
     assert MIN_GROUP_RESIDUALS == 3
     assert bands["v1-triton"].pooled_from == "v1"  # the V1 eras together: 3 residuals
@@ -120,16 +129,20 @@ def test_derive_bands_fills_every_group_of_every_term() -> None:
     logged = {"activation": "v0", "non_torch": "v0/one", "graph": "one", "weights": "dense"}
     residuals = {term: [Residual(logged[term], s, 0.1) for s in "abc"] for term in TERMS}
     bands = derive_bands(residuals)  # groups nobody logged fall back to "all"
-    for table, groups in ((bands.activation, ACTIVATION_GROUPS),
-                          (bands.non_torch_gib, NON_TORCH_GROUPS),
-                          (bands.graph_gib, GRAPH_GROUPS), (bands.weights, WEIGHTS_GROUPS)):  # fmt: skip
+    for table, groups in (
+        (bands.activation, ACTIVATION_GROUPS),
+        (bands.non_torch_gib, NON_TORCH_GROUPS),
+        (bands.graph_gib, GRAPH_GROUPS),
+        (bands.weights, WEIGHTS_GROUPS),
+    ):
         assert set(table) == set(groups)
         assert all(b.half_width == pytest.approx(0.1) for b in table.values())
 
 
 def test_the_shipped_table_covers_every_group_and_records_its_evidence() -> None:
-    for term, groups in zip(TERMS, (ACTIVATION_GROUPS, NON_TORCH_GROUPS, GRAPH_GROUPS,
-                                    WEIGHTS_GROUPS), strict=True):  # fmt: skip
+    for term, groups in zip(
+        TERMS, (ACTIVATION_GROUPS, NON_TORCH_GROUPS, GRAPH_GROUPS, WEIGHTS_GROUPS), strict=True
+    ):
         table = SHIPPED_BANDS.table(term)
         assert set(table) == set(groups)
         for band in table.values():
@@ -146,16 +159,18 @@ def test_the_model_takes_its_bands_from_the_coefficients() -> None:
     a = activation_peak(model, coef=replace(DEFAULT_COEFFICIENTS, bands=wide), **kw)
     assert a.low_bytes == pytest.approx(bare.value_bytes * 0.5, abs=1)
     assert a.high_bytes == pytest.approx(bare.value_bytes * 1.5, abs=1)
-    nt = non_torch(era, tp=4, pp=1, nvls=True,
-                   coef=replace(DEFAULT_COEFFICIENTS, bands=SHIPPED_BANDS))  # fmt: skip
+    nt = non_torch(
+        era, tp=4, pp=1, nvls=True, coef=replace(DEFAULT_COEFFICIENTS, bands=SHIPPED_BANDS)
+    )
     half = SHIPPED_BANDS.non_torch_gib["late/tp"].half_width
     assert (nt.high_bytes - nt.value_bytes) / GIB == pytest.approx(half, abs=1e-6)
 
 
 def test_without_bands_the_kv_range_is_the_mechanisms_own_span() -> None:
     settings = EngineSettings(vllm_version="0.19", gpu_memory_utilization=0.95)
-    bare = predict(llama_3_1_8b(), H100, settings,
-                   coefficients=replace(DEFAULT_COEFFICIENTS, bands=ZERO_BANDS))  # fmt: skip
+    bare = predict(
+        llama_3_1_8b(), H100, settings, coefficients=replace(DEFAULT_COEFFICIENTS, bands=ZERO_BANDS)
+    )
     assert bare.kv_cache_bytes_range == (bare.kv_cache_bytes, bare.kv_cache_bytes)
     shipped = predict(llama_3_1_8b(), H100, settings)
     low, high = shipped.kv_cache_bytes_range

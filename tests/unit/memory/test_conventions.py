@@ -37,23 +37,42 @@ T4 = GPUSpec("T4", int(14.57 * GIB), 16, compute_capability="7.5", device_name="
 def _falcon_h1_config() -> dict[str, object]:
     """A Falcon-H1-shaped config (attention and Mamba2 side by side in every layer)."""
     return {
-        "architectures": ["FalconH1ForCausalLM"], "model_type": "falcon_h1",
-        "hidden_size": 1024, "num_hidden_layers": 36, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048,
-        "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_ssm": 1536, "mamba_n_groups": 1,
-        "mamba_d_state": 128, "mamba_d_conv": 4, "vocab_size": 32784,
-        "max_position_embeddings": 16384, "torch_dtype": "bfloat16",
-    }  # fmt: skip
+        "architectures": ["FalconH1ForCausalLM"],
+        "model_type": "falcon_h1",
+        "hidden_size": 1024,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 2048,
+        "mamba_n_heads": 24,
+        "mamba_d_head": 64,
+        "mamba_d_ssm": 1536,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 128,
+        "mamba_d_conv": 4,
+        "vocab_size": 32784,
+        "max_position_embeddings": 16384,
+        "torch_dtype": "bfloat16",
+    }
 
 
 def _opt_125m_config() -> dict[str, object]:
     """facebook/opt-125m config.json (learned positions, fp16)."""
     return {
-        "architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 768,
-        "ffn_dim": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-        "vocab_size": 50272, "max_position_embeddings": 2048, "word_embed_proj_dim": 768,
-        "do_layer_norm_before": True, "torch_dtype": "float16", "enable_bias": True,
-    }  # fmt: skip
+        "architectures": ["OPTForCausalLM"],
+        "model_type": "opt",
+        "hidden_size": 768,
+        "ffn_dim": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "vocab_size": 50272,
+        "max_position_embeddings": 2048,
+        "word_embed_proj_dim": 768,
+        "do_layer_norm_before": True,
+        "torch_dtype": "float16",
+        "enable_bias": True,
+    }
 
 
 # -- cross-attention ---------------------------------------------------------------------------
@@ -77,12 +96,25 @@ def test_cross_attention_holds_the_encoder_budget_per_request() -> None:
         LayerSpec(AttentionKind.CROSS if i in (1, 4) else AttentionKind.FULL, 8, 128)
         for i in range(6)
     )
-    model = dense("cross-test", layers=6, hidden=1024, inter=4096, heads=8, kv=8, head=128,
-                  vocab=32000, max_len=4096, layer_specs=specs)  # fmt: skip
+    model = dense(
+        "cross-test",
+        layers=6,
+        hidden=1024,
+        inter=4096,
+        heads=8,
+        kv=8,
+        head=128,
+        vocab=32000,
+        max_len=4096,
+        layer_specs=specs,
+    )
     settings = EngineSettings(
-        vllm_version="0.32", max_model_len=4096, max_num_batched_tokens=1000, max_num_seqs=8,
+        vllm_version="0.32",
+        max_model_len=4096,
+        max_num_batched_tokens=1000,
+        max_num_seqs=8,
         kv_cache_memory_bytes=2 * GIB,
-    )  # fmt: skip
+    )
     p = predict(model, H100, settings)
     page = 16 * 8 * 2 * 128 * 2
     # groups: self-attention (4 layers → 2 groups of 2) and cross (1 group of 2), page × 2
@@ -120,8 +152,9 @@ def test_nemotron_h_pattern_blocks_without_state_are_skipped() -> None:
     assert len(model.layers) == model.num_layers
     kinds = {layer.kind for layer in model.layers}
     assert AttentionKind.NONE in kinds and AttentionKind.MAMBA in kinds
-    p = predict(model, H100, EngineSettings(vllm_version="0.19", tensor_parallel_size=4,
-                                           max_model_len=8192))  # fmt: skip
+    p = predict(
+        model, H100, EngineSettings(vllm_version="0.19", tensor_parallel_size=4, max_model_len=8192)
+    )
     n_attn = sum(layer.kind is AttentionKind.FULL for layer in model.layers)
     per_rank_heads = kvm.kv_heads_per_rank(model.num_kv_heads, 4)
     assert p.kv_bytes_per_token == n_attn * 2 * per_rank_heads * model.head_size * 2
@@ -247,9 +280,14 @@ def test_mamba_all_mode_block_follows_the_model_chunk_size() -> None:
             for ly in model.layers
         )
         built = kvm.build_layer_specs(
-            dataclasses.replace(model, layers=layers), tp=1, model_dtype="bfloat16",
-            kv_cache_dtype="auto", block_size=16, era=era, mamba_cache_mode="all",
-        )  # fmt: skip
+            dataclasses.replace(model, layers=layers),
+            tp=1,
+            model_dtype="bfloat16",
+            kv_cache_dtype="auto",
+            block_size=16,
+            era=era,
+            mamba_cache_mode="all",
+        )
         return built.block_size
 
     # m = 1,097,728 B, a1 = 2048 B → 536 tokens of attention page; rounded up to lcm(chunk, 16)
@@ -263,7 +301,9 @@ def test_mxfp4_padding_rounds_the_per_rank_intermediate_size() -> None:
     # gpt-oss: hidden 2880 → 3072; intermediate per rank 2880 → 2944 (TP1), 1440 → 1536 (TP2)
     assert mxfp4_expert_padding(2880, 2880, shards=1) == pytest.approx(3072 / 2880 * 2944 / 2880)
     assert mxfp4_expert_padding(2880, 2880, shards=2) == pytest.approx(3072 / 2880 * 1536 / 1440)
-    assert mxfp4_expert_padding(2880, 2880, shards=2, pad_intermediate=resolve_era("0.11").mxfp4_pad_intermediate) == pytest.approx(3072 / 2880)
+    assert mxfp4_expert_padding(
+        2880, 2880, shards=2, pad_intermediate=resolve_era("0.11").mxfp4_pad_intermediate
+    ) == pytest.approx(3072 / 2880)
     model = resolve_model("openai/gpt-oss-20b", allow_hub=False)
     s = EngineSettings(vllm_version="0.19", max_model_len=8192)
     tp1 = predict(model, H100, s).weights.gib

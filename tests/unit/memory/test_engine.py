@@ -219,8 +219,12 @@ def test_gpt_oss_mxfp4_weights_pad_experts() -> None:
     model = replace(
         model, quant=QuantSpec("mxfp4", 4, 32, unquantized_groups=("attn_qo", "attn_kv"))
     )
-    w19 = weight_bytes_per_stage(model, model_dtype="bfloat16", pad_intermediate=resolve_era("0.19").mxfp4_pad_intermediate)
-    w11 = weight_bytes_per_stage(model, model_dtype="bfloat16", pad_intermediate=resolve_era("0.11").mxfp4_pad_intermediate)
+    w19 = weight_bytes_per_stage(
+        model, model_dtype="bfloat16", pad_intermediate=resolve_era("0.19").mxfp4_pad_intermediate
+    )
+    w11 = weight_bytes_per_stage(
+        model, model_dtype="bfloat16", pad_intermediate=resolve_era("0.11").mxfp4_pad_intermediate
+    )
     assert w19.max_bytes > w11.max_bytes  # intermediate padded to 128 from 0.13
 
 

@@ -22,9 +22,14 @@ L4 = replace(L4_NVLINK, nvlink=False)
 
 @pytest.mark.parametrize(
     ("version", "engine", "pcie_gib", "nvlink_gib", "nvls_gib"),
-    [("0.28", "v1", 0.25, 0.55, 2.08), ("0.19", "v1", 0.25, 0.55, 2.08),
-     ("0.11", "v1", 0.25, 0.55, 0.55), ("0.7", "v0", 0.25, 2.0, 2.0), ("0.10", "v1", 0.25, 2.0, 2.0)],
-)  # fmt: skip
+    [
+        ("0.28", "v1", 0.25, 0.55, 2.08),
+        ("0.19", "v1", 0.25, 0.55, 2.08),
+        ("0.11", "v1", 0.25, 0.55, 0.55),
+        ("0.7", "v0", 0.25, 2.0, 2.0),
+        ("0.10", "v1", 0.25, 2.0, 2.0),
+    ],
+)
 def test_non_torch_tp_depends_on_the_link(
     version: str, engine: str, pcie_gib: float, nvlink_gib: float, nvls_gib: float
 ) -> None:
@@ -73,9 +78,14 @@ def test_v0_chunked_prefill_default_by_release() -> None:
 
 @pytest.mark.parametrize(
     ("version", "usage", "tokens"),
-    [("0.6.4.post1", "server", 512), ("0.6.4", "llm", 512), ("0.7.1", "server", 2048),
-     ("0.7.1", "llm", 2048), ("0.8.5", "llm", 2048)],
-)  # fmt: skip
+    [
+        ("0.6.4.post1", "server", 512),
+        ("0.6.4", "llm", 512),
+        ("0.7.1", "server", 2048),
+        ("0.7.1", "llm", 2048),
+        ("0.8.5", "llm", 2048),
+    ],
+)
 def test_v0_long_context_turns_chunked_prefill_on(version: str, usage: str, tokens: int) -> None:
     gpu = GPUSpec("A10", int(22.2 * GIB), 24, compute_capability="8.6", device_name="NVIDIA A10")
     settings = EngineSettings(vllm_version=version, engine="v0", usage_context=usage)
@@ -86,18 +96,24 @@ def test_v0_long_context_turns_chunked_prefill_on(version: str, usage: str, toke
 
 def test_v0_without_chunked_prefill_batches_the_whole_context() -> None:
     gpu = GPUSpec("H100", int(79.19 * GIB), 80, compute_capability="9.0")
-    short = predict(llama_3_1_8b(), gpu, EngineSettings(vllm_version="0.7.1", engine="v0",
-                                                          max_model_len=32768))  # fmt: skip
+    short = predict(
+        llama_3_1_8b(), gpu, EngineSettings(vllm_version="0.7.1", engine="v0", max_model_len=32768)
+    )
     assert short.settings.max_num_batched_tokens == 32768  # not > 32K: no chunked prefill
-    tiny = predict(llama_3_1_8b(), gpu, EngineSettings(vllm_version="0.7.1", engine="v0",
-                                                         max_model_len=1024))  # fmt: skip
+    tiny = predict(
+        llama_3_1_8b(), gpu, EngineSettings(vllm_version="0.7.1", engine="v0", max_model_len=1024)
+    )
     assert tiny.settings.max_num_batched_tokens == 2048
     # sliding-window layers keep chunked prefill off even for long contexts
     gemma = gemma_3_27b()
     assert any(layer.kind is AttentionKind.SLIDING for layer in gemma.layers)
     assert gemma.derived_max_model_len > 32768
-    long = predict(gemma, gpu, EngineSettings(vllm_version="0.7.1", engine="v0", max_model_len=65536),
-                   strict=False)  # fmt: skip
+    long = predict(
+        gemma,
+        gpu,
+        EngineSettings(vllm_version="0.7.1", engine="v0", max_model_len=65536),
+        strict=False,
+    )
     assert long.settings.max_num_batched_tokens == 65536
 
 
@@ -124,8 +140,14 @@ def test_first_k_dense_moe_loads_later_pp_stages_more() -> None:
 def test_worst_stage_drives_the_block_count() -> None:
     model = _deepseek_v2_5()
     gpu = GPUSpec("A100 40GB", int(39.49 * GIB), 40, compute_capability="8.0")
-    settings = EngineSettings(vllm_version="0.8.3", engine="v0", tensor_parallel_size=8,
-                              pipeline_parallel_size=2, max_model_len=8192, enforce_eager=True)  # fmt: skip
+    settings = EngineSettings(
+        vllm_version="0.8.3",
+        engine="v0",
+        tensor_parallel_size=8,
+        pipeline_parallel_size=2,
+        max_model_len=8192,
+        enforce_eager=True,
+    )
     pred = predict(model, gpu, settings)
     first, last = pred.stages
     assert last.weights_bytes > first.weights_bytes  # more MoE layers

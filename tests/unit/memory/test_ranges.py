@@ -19,8 +19,14 @@ from oomguard.memory.versions import resolve_era
 from .builders import llama_3_1_8b
 
 GIB = 2**30
-H100 = GPUSpec("H100 SXM", int(79.19 * GIB), 80, compute_capability="9.0",
-               device_name="NVIDIA H100 80GB HBM3", nvls=True)  # fmt: skip
+H100 = GPUSpec(
+    "H100 SXM",
+    int(79.19 * GIB),
+    80,
+    compute_capability="9.0",
+    device_name="NVIDIA H100 80GB HBM3",
+    nvls=True,
+)
 
 
 def test_sampler_bytes_are_counted_from_the_implementation() -> None:
@@ -33,11 +39,16 @@ def test_sampler_bytes_are_counted_from_the_implementation() -> None:
 
 @pytest.mark.parametrize(
     ("version", "engine", "rows", "path", "alternative"),
-    [("0.7", "v0", 256, "sort", None), ("0.11", "v1", 1024, "sort", "flashinfer"),
-     ("0.14", "v1", 1024, "sort", None), ("0.16", "v1", 1024, "sort", None),
-     ("0.17", "v1", 1024, "triton", None), ("0.33", "v1", 1024, "triton", None),
-     ("0.33", "v1", 4, "sort", None)],
-)  # fmt: skip
+    [
+        ("0.7", "v0", 256, "sort", None),
+        ("0.11", "v1", 1024, "sort", "flashinfer"),
+        ("0.14", "v1", 1024, "sort", None),
+        ("0.16", "v1", 1024, "sort", None),
+        ("0.17", "v1", 1024, "triton", None),
+        ("0.33", "v1", 1024, "triton", None),
+        ("0.33", "v1", 4, "sort", None),
+    ],
+)
 def test_which_sampler_runs_by_release(
     version: str, engine: str, rows: int, path: str, alternative: str | None
 ) -> None:
@@ -52,8 +63,14 @@ def test_logged_sampler_peaks_fall_inside_the_band() -> None:
         value, low, high, _ = sampler_peak_bytes(model, 1024, resolve_era(version), 2, 8192)
         assert abs(value / GIB - logged) / logged < 0.05  # counted, not fitted
         assert low <= value <= high  # the span of the implementations the release may run
-        peak = activation_peak(model, era=resolve_era(version), max_num_batched_tokens=8192,
-                               max_num_seqs=1024, tp=1, dtype_bytes=2)  # fmt: skip
+        peak = activation_peak(
+            model,
+            era=resolve_era(version),
+            max_num_batched_tokens=8192,
+            max_num_seqs=1024,
+            tp=1,
+            dtype_bytes=2,
+        )
         assert peak.low_bytes / GIB <= logged <= peak.high_bytes / GIB  # with the era's band
 
 
@@ -79,12 +96,14 @@ def test_v0_forward_holds_one_intermediate_buffer_fewer() -> None:
 
 
 def test_kv_range_brackets_the_value_and_follows_the_terms() -> None:
-    p = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.19",
-                                                     gpu_memory_utilization=0.95))  # fmt: skip
+    p = predict(
+        llama_3_1_8b(), H100, EngineSettings(vllm_version="0.19", gpu_memory_utilization=0.95)
+    )
     low, high = p.kv_cache_bytes_range
     assert low < p.kv_cache_bytes < high
-    spread = sum(e.high_bytes - e.low_bytes
-                 for e in (p.weights, p.activation, p.non_torch, p.cudagraph))  # fmt: skip
+    spread = sum(
+        e.high_bytes - e.low_bytes for e in (p.weights, p.activation, p.non_torch, p.cudagraph)
+    )
     assert high - low == pytest.approx(spread, abs=2)
     t_low, t_high = p.kv_cache_tokens_range
     assert t_low < p.kv_cache_tokens < t_high
@@ -96,8 +115,9 @@ def test_kv_range_brackets_the_value_and_follows_the_terms() -> None:
 
 def test_measured_terms_and_fixed_budgets_have_no_spread() -> None:
     settings = EngineSettings(vllm_version="0.19", gpu_memory_utilization=0.95)
-    measured = MeasuredTerms(weights_bytes=15 * GIB, activation_bytes=2 * GIB,
-                             non_torch_bytes=GIB // 4, source="log")  # fmt: skip
+    measured = MeasuredTerms(
+        weights_bytes=15 * GIB, activation_bytes=2 * GIB, non_torch_bytes=GIB // 4, source="log"
+    )
     p = predict(llama_3_1_8b(), H100, settings, measured=measured)
     assert p.kv_cache_bytes_range == (p.kv_cache_bytes, p.kv_cache_bytes)
     fixed = predict(llama_3_1_8b(), H100, replace(settings, kv_cache_memory_bytes=20 * GIB))
@@ -107,8 +127,7 @@ def test_measured_terms_and_fixed_budgets_have_no_spread() -> None:
 
 def test_graph_estimate_carries_a_wider_band_under_tensor_parallelism() -> None:
     one = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.28"))
-    two = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.28",
-                                                       tensor_parallel_size=2))  # fmt: skip
+    two = predict(llama_3_1_8b(), H100, EngineSettings(vllm_version="0.28", tensor_parallel_size=2))
     assert (two.cudagraph.high_bytes - two.cudagraph.value_bytes) > (
         one.cudagraph.high_bytes - one.cudagraph.value_bytes
     )

@@ -54,8 +54,14 @@ def test_linear_cache_is_positions_times_factor_and_longrope_stacks_two() -> Non
     spec = _spec({**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert spec.rope_caches == (RopeCache(8192 * 8, 64),)
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
-    spec = _spec({**LLAMA, "max_position_embeddings": 131072, "rope_scaling": longrope,
-                  "original_max_position_embeddings": 4096})  # fmt: skip
+    spec = _spec(
+        {
+            **LLAMA,
+            "max_position_embeddings": 131072,
+            "rope_scaling": longrope,
+            "original_max_position_embeddings": 4096,
+        }
+    )
     assert spec.rope_caches == (RopeCache(4096 + 131072, 64),)
 
 

@@ -97,9 +97,19 @@ def test_json_output_is_one_object(capsys) -> None:
 
 def test_pasted_command_after_double_dash(capsys) -> None:
     code, out, _ = _run(
-        capsys, "--gpu", "A100 80GB", "--json", "--",
-        "vllm", "serve", LLAMA_8B, "--max-model-len", "16k", "--port", "8000",
-    )  # fmt: skip
+        capsys,
+        "--gpu",
+        "A100 80GB",
+        "--json",
+        "--",
+        "vllm",
+        "serve",
+        LLAMA_8B,
+        "--max-model-len",
+        "16k",
+        "--port",
+        "8000",
+    )
     data = json.loads(out)
     assert code == 0
     assert data["settings"]["max_model_len"] == 16000
@@ -108,20 +118,48 @@ def test_pasted_command_after_double_dash(capsys) -> None:
 
 def test_misspelt_flag_in_a_pasted_command_names_the_real_one(capsys) -> None:
     code, out, err = _run(
-        capsys, "--gpu", "A100 80GB", "--",
-        "vllm", "serve", LLAMA_8B, "--max-model-length", "16k",
-    )  # fmt: skip
+        capsys,
+        "--gpu",
+        "A100 80GB",
+        "--",
+        "vllm",
+        "serve",
+        LLAMA_8B,
+        "--max-model-length",
+        "16k",
+    )
     assert code == 2
     assert "--max-model-length is not a vLLM flag" in out + err
     assert "--max-model-len" in (out + err).split("not a vLLM flag", 1)[1]
 
 
 def test_70b_on_4090_subprocess_is_useful() -> None:
-    args = [sys.executable, "-m", "oomguard.cli", "plan", "meta-llama/Llama-3.1-70B-Instruct",
-            "--gpu", "RTX 4090", "--p99-tokens", "8192", "--concurrency", "16", "--offline"]  # fmt: skip
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=120,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "COLUMNS": "160",
-                               "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"]})  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "oomguard.cli",
+        "plan",
+        "meta-llama/Llama-3.1-70B-Instruct",
+        "--gpu",
+        "RTX 4090",
+        "--p99-tokens",
+        "8192",
+        "--concurrency",
+        "16",
+        "--offline",
+    ]
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "PATH": "/usr/bin:/bin",
+            "COLUMNS": "160",
+            "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"],
+        },
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Alternatives, ranked" in proc.stdout
     assert "llama-server" in proc.stdout and "--tensor-parallel-size" in proc.stdout
@@ -133,8 +171,15 @@ def test_70b_on_4090_subprocess_is_useful() -> None:
 def test_bad_input_subprocess_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "oomguard.cli", "plan", LLAMA_8B, "--gpu", "nosuchgpu"],
-        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "300", "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"]},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "COLUMNS": "300",
+            "OOMGUARD_HOME": os.environ["OOMGUARD_HOME"],
+        },
+    )
     assert proc.returncode == 2
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -82,10 +82,23 @@ print("LOADED=" + ",".join(m for m in ("aiohttp", "oomguard.logs", "oomguard.doc
 
 def test_plan_imports_only_what_planning_needs() -> None:
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, "plan", LLAMA_70B, "--gpu", "RTX 4090",
-         "--p99-tokens", "8192", "--concurrency", "16"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "plan",
+            LLAMA_70B,
+            "--gpu",
+            "RTX 4090",
+            "--p99-tokens",
+            "8192",
+            "--concurrency",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = next(x for x in out.stderr.splitlines() if x.startswith("LOADED="))
     assert line == "LOADED="
 
@@ -94,10 +107,15 @@ def test_data_parallel_counts_every_gpu_and_sizes_each_rank() -> None:
     """TP 2 × DP 8 with expert parallelism is 16 GPUs; each DP rank is its own engine and
     holds 1/8 of the workload; experts are split over all 16 ranks."""
     result = plan(
-        "deepseek-ai/DeepSeek-V3", "H200", p99_tokens=8192, concurrency=512,
-        tensor_parallel_size=2, data_parallel_size=8, enable_expert_parallel=True,
+        "deepseek-ai/DeepSeek-V3",
+        "H200",
+        p99_tokens=8192,
+        concurrency=512,
+        tensor_parallel_size=2,
+        data_parallel_size=8,
+        enable_expert_parallel=True,
         allow_hub=False,
-    )  # fmt: skip
+    )
     c = result.plan
     assert c.gpus_used == 16 and c.parallel_label == "TP 2 × DP 8 (EP)"
     data = result.to_dict()
@@ -109,8 +127,9 @@ def test_data_parallel_counts_every_gpu_and_sizes_each_rank() -> None:
     assert "--enable-expert-parallel" in result.command
     assert "--tensor-parallel-size 2" in result.command
     # experts over 16 ranks, attention over TP 2: far less than the whole checkpoint per GPU
-    tp2_only = plan("deepseek-ai/DeepSeek-V3", "H200", tensor_parallel_size=2,
-                    gpu_count=16, allow_hub=False).plan.prediction.weights.value_bytes  # fmt: skip
+    tp2_only = plan(
+        "deepseek-ai/DeepSeek-V3", "H200", tensor_parallel_size=2, gpu_count=16, allow_hub=False
+    ).plan.prediction.weights.value_bytes
     assert c.prediction.weights.value_bytes < tp2_only / 4
 
 
@@ -122,9 +141,14 @@ def test_data_parallel_header_and_alternatives_name_all_gpus() -> None:
     from oomguard.plan.render import render
 
     result = plan(
-        "deepseek-ai/DeepSeek-V3", "H100", p99_tokens=8192, concurrency=256,
-        data_parallel_size=8, enable_expert_parallel=True, allow_hub=False,
-    )  # fmt: skip
+        "deepseek-ai/DeepSeek-V3",
+        "H100",
+        p99_tokens=8192,
+        concurrency=256,
+        data_parallel_size=8,
+        enable_expert_parallel=True,
+        allow_hub=False,
+    )
     out = StringIO()
     render(result, Console(file=out, width=100, highlight=False))
     text = out.getvalue()

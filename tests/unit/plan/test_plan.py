@@ -132,7 +132,10 @@ def test_70b_on_a_4090_ranks_alternatives_offline() -> None:
     more = next(a for a in result.alternatives if a.kind == "more_gpus")
     assert more.numbers["gpu_count"] in (2, 4, 8)
     lcpp = next(a for a in result.alternatives if a.kind == "llama_cpp")
-    assert 0 < lcpp.numbers["n_gpu_layers"] < 81 and f"--n-gpu-layers {lcpp.numbers['n_gpu_layers']}" in lcpp.command
+    assert (
+        0 < lcpp.numbers["n_gpu_layers"] < 81
+        and f"--n-gpu-layers {lcpp.numbers['n_gpu_layers']}" in lcpp.command
+    )
     offload = next(a for a in result.alternatives if a.kind == "cpu_offload")
     assert not offload.serves_workload  # 16×8k of KV alone exceeds the card
 
@@ -158,13 +161,15 @@ def test_cpu_offload_alternative_when_weights_are_the_problem() -> None:
 def test_cpu_offload_does_not_serve_beyond_the_host_memory() -> None:
     """The offload tier holds its weights in pinned host RAM: with less host memory than it
     needs it is shown with the reason and does not claim to serve."""
-    result = plan(LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False,
-                  host_memory_gib=16)  # fmt: skip
+    result = plan(
+        LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False, host_memory_gib=16
+    )
     offload = next(a for a in result.alternatives if a.kind == "cpu_offload")
     assert not offload.serves_workload
     assert "pinned host RAM" in offload.caveats[0] and "16.0 GiB usable" in offload.caveats[0]
-    roomy = plan(LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False,
-                 host_memory_gib=512)  # fmt: skip
+    roomy = plan(
+        LLAMA_70B, "RTX 4090", p99_tokens=4096, concurrency=1, allow_hub=False, host_memory_gib=512
+    )
     assert next(a for a in roomy.alternatives if a.kind == "cpu_offload").serves_workload
 
 
@@ -236,8 +241,11 @@ def test_given_config_that_does_not_fit_gets_a_fix_without_a_workload() -> None:
 def test_public_import_and_command_input() -> None:
     from oomguard import plan as public_plan
 
-    result = public_plan(command="vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 8k --port 8000",
-                         gpu="A100 80GB", allow_hub=False)  # fmt: skip
+    result = public_plan(
+        command="vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 8k --port 8000",
+        gpu="A100 80GB",
+        allow_hub=False,
+    )
     assert result.fits
     assert result.plan.settings.max_model_len == 8000
     assert "--port 8000" in result.command

@@ -58,8 +58,9 @@ def tiny_spec(model_dir: Path) -> ModelSpec:
 
 def cpu_node(total_gib: float = 12.59) -> GPUSpec:
     """The CPU node of the recording machine (the logs state its total)."""
-    return GPUSpec(name="CPU node 0", total_bytes=int(total_gib * GIB), marketing_gb=13.5,
-                   vendor="cpu")  # fmt: skip
+    return GPUSpec(
+        name="CPU node 0", total_bytes=int(total_gib * GIB), marketing_gb=13.5, vendor="cpu"
+    )
 
 
 def follow(name: str) -> LogFollower:

@@ -13,8 +13,16 @@ from oomguard.serve.command import EngineCommand
 
 def test_forms_read_to_the_same_configuration() -> None:
     serve = EngineCommand.from_tokens(["vllm", "serve", "org/m", "--max-model-len", "4096"])
-    module = EngineCommand.from_tokens(["python3", "-m", "vllm.entrypoints.openai.api_server",
-                                        "--model", "org/m", "--max_model_len=4096"])  # fmt: skip
+    module = EngineCommand.from_tokens(
+        [
+            "python3",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            "org/m",
+            "--max_model_len=4096",
+        ]
+    )
     pasted = EngineCommand.from_tokens(["vllm serve org/m \\\n  --max-model-len 4k"])
     assert serve.model == module.model == "org/m"
     assert module.python == "python3"
@@ -24,8 +32,9 @@ def test_forms_read_to_the_same_configuration() -> None:
 
 def test_environment_assignments_are_kept_and_part_of_the_configuration() -> None:
     plain = EngineCommand.from_tokens(["vllm", "serve", "m"])
-    with_env = EngineCommand.from_tokens(["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                                          "vllm", "serve", "m"])  # fmt: skip
+    with_env = EngineCommand.from_tokens(
+        ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "vllm", "serve", "m"]
+    )
     assert with_env.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert plain.key() != with_env.key()
     assert with_env.display().startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True vllm")
@@ -53,8 +62,9 @@ def test_boolean_flags_and_their_negations() -> None:
 def test_an_appended_flag_wins_over_the_config_file(tmp_path: Path) -> None:
     config = tmp_path / "serve.yaml"
     config.write_text("max-model-len: 8192\ngpu-memory-utilization: 0.9\n")
-    command = EngineCommand.from_tokens(["vllm", "serve", "m", "--config", "serve.yaml"],
-                                        base_dir=tmp_path)  # fmt: skip
+    command = EngineCommand.from_tokens(
+        ["vllm", "serve", "m", "--config", "serve.yaml"], base_dir=tmp_path
+    )
     assert command.parsed().settings_kwargs["max_model_len"] == 8192
     changed = command.with_flag("--max-model-len", "4096")
     assert changed.parsed().settings_kwargs["max_model_len"] == 4096

@@ -18,8 +18,11 @@ def test_cpu_node_reads_total_and_available_like_vllm() -> None:
     assert device.free_bytes is not None and 0 <= device.free_bytes <= device.spec.total_bytes
     meminfo = Path("/sys/devices/system/node/node0/meminfo")
     if meminfo.exists() and "cgroup" not in device.source:
-        fields = {line.split()[2].rstrip(":"): int(line.split()[3]) * 1024
-                  for line in meminfo.read_text().splitlines() if len(line.split()) >= 4}  # fmt: skip
+        fields = {
+            line.split()[2].rstrip(":"): int(line.split()[3]) * 1024
+            for line in meminfo.read_text().splitlines()
+            if len(line.split()) >= 4
+        }
         assert device.spec.total_bytes == fields["MemTotal"]
 
 

@@ -22,9 +22,18 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 def _setup() -> tuple[EngineCommand, Device, LogFollower]:
-    command = EngineCommand.from_tokens(["vllm", "serve", MODEL, "--max-model-len", "8192",
-                                         "--gpu-memory-utilization", "0.95",
-                                         "--no-enable-prefix-caching"])  # fmt: skip
+    command = EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            MODEL,
+            "--max-model-len",
+            "8192",
+            "--gpu-memory-utilization",
+            "0.95",
+            "--no-enable-prefix-caching",
+        ]
+    )
     device = Device(find_gpu("H100 SXM"), "cuda", None)
     follower = LogFollower()
     for line in LOG.read_text().splitlines():
@@ -37,8 +46,15 @@ def test_every_stated_term_is_compared() -> None:
     spec = resolve_model(MODEL, allow_hub=False)
     prediction = predict_command(command, spec, device, "0.19.0", use_calibration=False)
     rows = {r.term.name: r for r in compare(follower.parsed(), prediction.terms)}
-    assert set(rows) >= {"weights", "activation", "non_torch", "cudagraph", "kv_cache_gib",
-                         "kv_cache_tokens", "max_concurrency"}  # fmt: skip
+    assert set(rows) >= {
+        "weights",
+        "activation",
+        "non_torch",
+        "cudagraph",
+        "kv_cache_gib",
+        "kv_cache_tokens",
+        "max_concurrency",
+    }
     assert rows["weights"].observed == 14.99 and abs(rows["weights"].diff or 0) < 0.05
     assert rows["kv_cache_tokens"].observed == 476016
     assert all(r.predicted is not None and r.diff is not None for r in rows.values())
@@ -51,8 +67,14 @@ def test_the_next_prediction_uses_what_the_log_measured() -> None:
     assert observation is not None and observation.gpu == "H100 SXM"
     assert observation.weights_gib == 14.99 and observation.non_torch_gib == 0.25
     first = predict_command(command, spec, device, "0.19.0", use_calibration=False)
-    again = predict_command(command, spec, device, "0.19.0", use_calibration=False,
-                            session_logs=[(follower.parsed(), first.memory)])  # fmt: skip
+    again = predict_command(
+        command,
+        spec,
+        device,
+        "0.19.0",
+        use_calibration=False,
+        session_logs=[(follower.parsed(), first.memory)],
+    )
     rows = {r.term.name: r for r in compare(follower.parsed(), again.terms)}
     assert abs(rows["kv_cache_gib"].diff or 0) < 0.02  # measured terms: the budget as logged
     assert abs(rows["kv_cache_tokens"].diff_pct or 0) < 0.05

@@ -37,9 +37,19 @@ FLAGS = {
 
 
 def _command(model_dir: Path, name: str) -> EngineCommand:
-    return EngineCommand.from_tokens(["vllm", "serve", str(model_dir), "--load-format", "dummy",
-                                      "--max-model-len", "1024", "--enforce-eager",
-                                      *FLAGS[name].split()])  # fmt: skip
+    return EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            str(model_dir),
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            *FLAGS[name].split(),
+        ]
+    )
 
 
 def _context(
@@ -55,11 +65,18 @@ def _context(
     command = _command(model_dir, name)
     device = Device(cpu_node(), "cpu", int(free_gib * GIB))
     return HealContext(
-        parsed=follower.parsed(), failure=follower.failure, command=command,
-        tried={command.key(): 1}, spec=spec, device=device, vllm_version="0.32.0",
-        session_logs=[], free_bytes=int(free_gib * GIB), workload=workload or HealWorkload(),
+        parsed=follower.parsed(),
+        failure=follower.failure,
+        command=command,
+        tried={command.key(): 1},
+        spec=spec,
+        device=device,
+        vllm_version="0.32.0",
+        session_logs=[],
+        free_bytes=int(free_gib * GIB),
+        workload=workload or HealWorkload(),
         use_calibration=False,
-    )  # fmt: skip
+    )
 
 
 def test_doctor_fix_taken_and_predicted_as_vllm_printed(
@@ -159,8 +176,13 @@ def test_util_below_process_memory_healed_with_the_measured_memory(
 def test_nothing_runnable_explains_every_refusal(model_dir: Path, tiny_spec: ModelSpec) -> None:
     """The workload keeps the length, the memory left holds no larger pool, and an fp8 KV
     cache changes the model's numbers: nothing passes, and the decision says why for each."""
-    ctx = _context("kv_too_small_for_max_len", model_dir, tiny_spec, free_gib=0.01,
-                   workload=HealWorkload(1024, 1))  # fmt: skip
+    ctx = _context(
+        "kv_too_small_for_max_len",
+        model_dir,
+        tiny_spec,
+        free_gib=0.01,
+        workload=HealWorkload(1024, 1),
+    )
     decision = decide(ctx)
     assert decision.command is None
     refused = dict(decision.rejected)
@@ -171,13 +193,16 @@ def test_nothing_runnable_explains_every_refusal(model_dir: Path, tiny_spec: Mod
 
 
 def test_a_precision_change_needs_the_users_consent(model_dir: Path, tiny_spec: ModelSpec) -> None:
-    ctx = _context("kv_too_small_for_max_len", model_dir, tiny_spec, free_gib=0.01,
-                   workload=HealWorkload(1024, 1))  # fmt: skip
+    ctx = _context(
+        "kv_too_small_for_max_len",
+        model_dir,
+        tiny_spec,
+        free_gib=0.01,
+        workload=HealWorkload(1024, 1),
+    )
     ctx.allow_precision_change = True
     decision = decide(ctx)
-    assert decision.attempt is not None and decision.attempt.changes == {
-        "--kv-cache-dtype": "fp8"
-    }
+    assert decision.attempt is not None and decision.attempt.changes == {"--kv-cache-dtype": "fp8"}
     assert decision.prediction is not None and decision.prediction.fits
     assert decision.rejected and all(reason for _, reason in decision.rejected)
     assert decision.to_dict()["rejected"][0]["reason"]
@@ -186,16 +211,27 @@ def test_a_precision_change_needs_the_users_consent(model_dir: Path, tiny_spec: 
 def test_without_model_facts_the_margin_still_holds(model_dir: Path) -> None:
     """A GPU log of a startup check (free 6.44 of 11.63 GiB, utilization 0.9): no model facts,
     no device reading, only the log's numbers."""
-    text = ("ValueError: Free memory on device (6.44/11.63 GiB) on startup is less than desired "
-            "GPU memory utilization (0.9, 10.47 GiB). Decrease GPU memory utilization or reduce "
-            "GPU memory used by other processes.")  # fmt: skip
+    text = (
+        "ValueError: Free memory on device (6.44/11.63 GiB) on startup is less than desired "
+        "GPU memory utilization (0.9, 10.47 GiB). Decrease GPU memory utilization or reduce "
+        "GPU memory used by other processes."
+    )
     follower = LogFollower()
     follower.feed(text)
-    command = EngineCommand.from_tokens(["vllm", "serve", "org/unknown-model",
-                                         "--gpu-memory-utilization", "0.9"])  # fmt: skip
-    ctx = HealContext(parsed=parse_stream([text]), failure=follower.failure, command=command,
-                      tried={command.key(): 1}, spec=None, device=None, vllm_version="0.11.0",
-                      session_logs=[], free_bytes=None)  # fmt: skip
+    command = EngineCommand.from_tokens(
+        ["vllm", "serve", "org/unknown-model", "--gpu-memory-utilization", "0.9"]
+    )
+    ctx = HealContext(
+        parsed=parse_stream([text]),
+        failure=follower.failure,
+        command=command,
+        tried={command.key(): 1},
+        spec=None,
+        device=None,
+        vllm_version="0.11.0",
+        session_logs=[],
+        free_bytes=None,
+    )
     decision = decide(ctx)
     assert decision.command is not None
     util = decision.command.parsed().settings_kwargs["gpu_memory_utilization"]
@@ -204,8 +240,6 @@ def test_without_model_facts_the_margin_still_holds(model_dir: Path) -> None:
 
 def test_environment_fixes_apply_to_the_child(model_dir: Path) -> None:
     command = _command(model_dir, "no_cache_blocks")
-    fixed = apply(
-        command, HealAttempt({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "")
-    )
+    fixed = apply(command, HealAttempt({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, ""))
     assert fixed.env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert fixed.key() != command.key() and fixed.args == command.args

@@ -41,10 +41,12 @@ NO_MODEL = "org/unnamed-model"  # serve always has a model; a corpus case may na
 def _scenario_flags(scenario: scenarios.Scenario) -> list[str]:
     """The flags the integration tests start the failing server with (``ServeConfig.argv``)."""
     flags = ["--load-format", "dummy", "--enforce-eager"]
-    for flag, value in (("--kv-cache-memory-bytes", scenario.kv_cache_memory_bytes),
-                        ("--max-model-len", scenario.max_model_len),
-                        ("--max-num-seqs", scenario.max_num_seqs),
-                        ("--gpu-memory-utilization", scenario.gpu_memory_utilization)):  # fmt: skip
+    for flag, value in (
+        ("--kv-cache-memory-bytes", scenario.kv_cache_memory_bytes),
+        ("--max-model-len", scenario.max_model_len),
+        ("--max-num-seqs", scenario.max_num_seqs),
+        ("--gpu-memory-utilization", scenario.gpu_memory_utilization),
+    ):
         if value is not None:
             flags += [flag, str(value)]
     return flags + list(scenario.extra_args)
@@ -54,9 +56,7 @@ def _corpus() -> list[dict[str, Any]]:
     return [json.loads(line) for line in CORPUS.read_text().splitlines() if line.strip()]
 
 
-def _doctor_json(
-    log: Path, ctx: HealContext, capsys: pytest.CaptureFixture[str]
-) -> dict[str, Any]:
+def _doctor_json(log: Path, ctx: HealContext, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     """``oomguard doctor LOG --json`` with the model and command serve tells the doctor."""
     told = doctor_context(ctx)
     capsys.readouterr()
@@ -71,11 +71,18 @@ def _heal(log: Path, command: EngineCommand, spec: ModelSpec | None, device: Dev
     for line in log.read_text(errors="replace").splitlines():
         follower.feed(line)
     return HealContext(
-        parsed=follower.parsed(), failure=follower.failure, command=command,
-        tried={command.key(): 1}, spec=spec, device=device, vllm_version="0.32.0",
-        session_logs=[], free_bytes=device.free_bytes, use_calibration=False,
+        parsed=follower.parsed(),
+        failure=follower.failure,
+        command=command,
+        tried={command.key(): 1},
+        spec=spec,
+        device=device,
+        vllm_version="0.32.0",
+        session_logs=[],
+        free_bytes=device.free_bytes,
+        use_calibration=False,
         allow_precision_change=True,
-    )  # fmt: skip
+    )
 
 
 def _runnable(fix: dict[str, Any]) -> bool:
@@ -86,8 +93,10 @@ def _runnable(fix: dict[str, Any]) -> bool:
 def _changes(fix: dict[str, Any]) -> dict[str, str | None]:
     """The change a fix of the doctor's JSON makes, as serve's heal names it."""
     also = {a["flag"]: a["value"] for a in fix.get("also", [])}
-    return {name: None if value in (None, "") else str(value)
-            for name, value in {fix["flag"]: fix["value"], **also}.items()}  # fmt: skip
+    return {
+        name: None if value in (None, "") else str(value)
+        for name, value in {fix["flag"]: fix["value"], **also}.items()
+    }
 
 
 def _same_fix(report: dict[str, Any], decision: HealDecision) -> dict[str, Any] | None:

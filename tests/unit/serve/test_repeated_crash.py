@@ -77,11 +77,28 @@ def _session(tmp_path: Path, model_dir: Path, die_at: int) -> tuple[ServeSession
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = EngineCommand.from_tokens(["vllm", "serve", str(model_dir), "--load-format", "dummy",
-                                         "--max-model-len", "1024", "--enforce-eager",
-                                         "--port", str(port)])  # fmt: skip
-    opts = ServeOptions(command=command, log_dir=tmp_path / "logs", allow_hub=False,
-                        probe=False, calibrate=False, restart_window_s=600.0)  # fmt: skip
+    command = EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            str(model_dir),
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--port",
+            str(port),
+        ]
+    )
+    opts = ServeOptions(
+        command=command,
+        log_dir=tmp_path / "logs",
+        allow_hub=False,
+        probe=False,
+        calibrate=False,
+        restart_window_s=600.0,
+    )
     session = ServeSession(opts, engine=CrashingEngine(script, port, die_at))
     return session, f"http://127.0.0.1:{port}"
 

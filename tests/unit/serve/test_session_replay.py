@@ -56,9 +56,22 @@ def _session(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = EngineCommand.from_tokens(["vllm", "serve", str(model_dir), "--load-format", "dummy",
-                                         "--max-model-len", "1024", "--enforce-eager",
-                                         "--kv-cache-memory-bytes", "393216", "--port", str(port)])  # fmt: skip
+    command = EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            str(model_dir),
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            "393216",
+            "--port",
+            str(port),
+        ]
+    )
     opts = ServeOptions(command=command, log_dir=tmp_path / "logs", allow_hub=False, **options)  # type: ignore[arg-type]
     path = log if isinstance(log, Path) else DATA_DIR / f"{log}.log"
     return ServeSession(opts, engine=ReplayEngine(script, path, mode))

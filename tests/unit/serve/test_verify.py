@@ -18,8 +18,18 @@ from .conftest import GIB, cpu_node, follow
 
 def test_explicit_pool_compares_exactly(model_dir: Path, tiny_spec: ModelSpec) -> None:
     """guard_pool_2048_tokens: 16 blocks of 128 tokens, max_model_len 1024."""
-    command = EngineCommand.from_tokens(["vllm", "serve", str(model_dir), "--max-model-len", "1024",
-                                         "--enforce-eager", "--kv-cache-memory-bytes", "1048576"])  # fmt: skip
+    command = EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            str(model_dir),
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            "1048576",
+        ]
+    )
     device = Device(cpu_node(11.96), "cpu", int(8 * GIB))
     prediction = predict_command(command, tiny_spec, device, "0.32.0", use_calibration=False)
     rows = {
@@ -35,9 +45,20 @@ def test_auto_pool_states_the_worker_memory_and_its_estimate(
     model_dir: Path, tiny_spec: ModelSpec
 ) -> None:
     """startup_auto_kv_util: utilization 0.25 of 12.09 GiB; 0.62 GiB outside the KV cache."""
-    command = EngineCommand.from_tokens(["vllm", "serve", str(model_dir), "--max-model-len", "1024",
-                                         "--enforce-eager", "--max-num-seqs", "16",
-                                         "--gpu-memory-utilization", "0.25"])  # fmt: skip
+    command = EngineCommand.from_tokens(
+        [
+            "vllm",
+            "serve",
+            str(model_dir),
+            "--max-model-len",
+            "1024",
+            "--enforce-eager",
+            "--max-num-seqs",
+            "16",
+            "--gpu-memory-utilization",
+            "0.25",
+        ]
+    )
     device = Device(cpu_node(12.09), "cpu", int(8 * GIB))
     prediction = predict_command(command, tiny_spec, device, "0.32.0", use_calibration=False)
     rows = {

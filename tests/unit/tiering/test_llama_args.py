@@ -27,7 +27,9 @@ def test_every_spelling_of_a_flag_is_one_flag() -> None:
 
 
 def test_the_memory_settings_are_read_in_llama_servers_defaults() -> None:
-    read = read_args(["-m", "m.gguf", "-c", "8192", "-ngl", "20", "-nkvo", "-ctk", "q8_0", "-ctv", "q8_0"], TABLE)
+    read = read_args(
+        ["-m", "m.gguf", "-c", "8192", "-ngl", "20", "-nkvo", "-ctk", "q8_0", "-ctv", "q8_0"], TABLE
+    )
     s = read.llama_settings(1)
     assert (s.ctx_size, s.n_gpu_layers, s.kv_offload, s.cache_type_k) == (8192, 20, False, "q8_0")
     assert s.parallel == AUTO_SLOTS and s.kv_unified  # -np unset: 4 slots sharing one pool
@@ -37,19 +39,26 @@ def test_the_memory_settings_are_read_in_llama_servers_defaults() -> None:
 
 
 def test_a_flag_on_the_line_wins_over_its_variable() -> None:
-    read = read_args(["-m", "m.gguf", "-c", "1024"], TABLE, {"LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_ARG_N_PARALLEL": "2"})
+    read = read_args(
+        ["-m", "m.gguf", "-c", "1024"],
+        TABLE,
+        {"LLAMA_ARG_CTX_SIZE": "4096", "LLAMA_ARG_N_PARALLEL": "2"},
+    )
     s = read.llama_settings(0)
     assert (s.ctx_size, s.parallel, s.kv_unified) == (1024, 2, False)
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["-m", "m.gguf", "--ctx-sise", "10"], "not a llama-server flag: --ctx-sise"),
-    (["-m", "m.gguf", "-c"], "-c needs a value"),
-    (["-c", "10"], "names no model"),
-    (["-m", "m.gguf", "-ngl", "many"], "is not a number"),
-    (["-m", "m.gguf", "-ot", "exps"], "is not PATTERN=BUFFER_TYPE"),
-    (["-m", "m.gguf", "stray"], "unexpected word"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["-m", "m.gguf", "--ctx-sise", "10"], "not a llama-server flag: --ctx-sise"),
+        (["-m", "m.gguf", "-c"], "-c needs a value"),
+        (["-c", "10"], "names no model"),
+        (["-m", "m.gguf", "-ngl", "many"], "is not a number"),
+        (["-m", "m.gguf", "-ot", "exps"], "is not PATTERN=BUFFER_TYPE"),
+        (["-m", "m.gguf", "stray"], "unexpected word"),
+    ],
+)
 def test_bad_command_lines_are_refused_with_the_problem(args: list[str], words: str) -> None:
     with pytest.raises(BadInput, match=words):
         read_args(args, TABLE)
@@ -58,8 +67,23 @@ def test_bad_command_lines_are_refused_with_the_problem(args: list[str], words: 
 def test_the_command_keeps_other_flags_and_rewrites_the_memory_ones(tmp_path: Path) -> None:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    command, read = LlamaCommand.from_args(["-m", str(gguf), "-c", "2048", "--alias", "tiny", "--port", "9001",
-                                            "-ngl", "3", "--fit", "on"], TABLE)  # fmt: skip
+    command, read = LlamaCommand.from_args(
+        [
+            "-m",
+            str(gguf),
+            "-c",
+            "2048",
+            "--alias",
+            "tiny",
+            "--port",
+            "9001",
+            "-ngl",
+            "3",
+            "--fit",
+            "on",
+        ],
+        TABLE,
+    )
     command = command.with_settings(read.llama_settings(1))
     argv = command.argv("llama-server")
     assert argv[argv.index("--n-gpu-layers") + 1] == "3" and argv[argv.index("--fit") + 1] == "off"
@@ -97,6 +121,8 @@ def test_an_allocation_failure_is_read_on_its_line() -> None:
 
 def test_a_cuda_malloc_failure_names_the_device_and_size() -> None:
     reader = LlamaLogReader()
-    reader.feed("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on device 0: "
-                "cudaMalloc failed: out of memory")  # fmt: skip
+    reader.feed(
+        "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on device 0: "
+        "cudaMalloc failed: out of memory"
+    )
     assert reader.failure is not None and reader.failed_buffer == ("CUDA0", 1024 * 2**20)

@@ -76,7 +76,9 @@ def test_overrides_and_n_cpu_moe(tiny: dict[str, Path]) -> None:
     assert experts == {(0, CPU), (1, CPU), (2, "GPU0")}
     attn = {x.device for x in p.tensors if ".attn_" in x.tensor.name}
     assert attn == {"GPU0"}
-    o = place(m, LlamaCppSettings(n_gpu_layers=-1, gpu_count=1, overrides=(Override(r"ffn_down", "CPU"),)))
+    o = place(
+        m, LlamaCppSettings(n_gpu_layers=-1, gpu_count=1, overrides=(Override(r"ffn_down", "CPU"),))
+    )
     assert all(x.device == CPU for x in o.tensors if "ffn_down" in x.tensor.name)
 
 
@@ -86,7 +88,9 @@ def test_tied_head_is_loaded_twice_on_the_gpu(tiny: dict[str, Path]) -> None:
     mem = predict_llama_cpp(m, LlamaCppSettings(ctx_size=1024, n_gpu_layers=1, gpu_count=1))
     gpu = mem.buffer("model", "GPU0")
     embd = m.by_name["token_embd.weight"]
-    assert gpu is not None and gpu.size_bytes >= embd.nbytes + m.by_name["output_norm.weight"].nbytes
+    assert (
+        gpu is not None and gpu.size_bytes >= embd.nbytes + m.by_name["output_norm.weight"].nbytes
+    )
 
 
 def test_context_padding_and_slots(tiny: dict[str, Path]) -> None:
@@ -101,7 +105,9 @@ def test_kv_bytes_by_cache_type(tiny: dict[str, Path]) -> None:
     m = read_gguf(tiny["q8_0"])  # 4 layers × 2 KV heads × 64
     f16 = predict_llama_cpp(m, LlamaCppSettings(ctx_size=4096)).buffer("kv", CPU)
     assert f16 is not None and f16.size_bytes == 4 * 2 * 4096 * 128 * 2
-    q8 = predict_llama_cpp(m, LlamaCppSettings(ctx_size=4096, cache_type_k="q8_0", cache_type_v="q8_0"))
+    q8 = predict_llama_cpp(
+        m, LlamaCppSettings(ctx_size=4096, cache_type_k="q8_0", cache_type_v="q8_0")
+    )
     kv = q8.buffer("kv", CPU)
     assert kv is not None and kv.size_bytes == 4 * 2 * 4096 * (128 // 32 * 34)
     with pytest.raises(BadInput):
@@ -117,7 +123,9 @@ def test_cuda_pads_quantized_rows_to_512(tiny: dict[str, Path]) -> None:
     on_gpu = [p.tensor for p in mem.placement.tensors if p.device == "GPU0"]
     plain = sum(t.nbytes for t in on_gpu)
     assert gpu is not None and gpu.size_bytes > plain
-    rpc = predict_llama_cpp(m, LlamaCppSettings(ctx_size=512, n_gpu_layers=-1, gpu_count=1, gpu_backend="rpc"))
+    rpc = predict_llama_cpp(
+        m, LlamaCppSettings(ctx_size=512, n_gpu_layers=-1, gpu_count=1, gpu_backend="rpc")
+    )
     rgpu = rpc.buffer("model", "GPU0")
     assert rgpu is not None and rgpu.size_bytes == sum((t.nbytes + 31) // 32 * 32 for t in on_gpu)
 
@@ -137,24 +145,49 @@ def test_load_log_parser_reads_every_buffer() -> None:
     assert log.total("compute", CPU) == round(8.51 * MIB)
     assert log.context["n_ctx"] == "4096" and log.context["flash_attn"] == "auto"
     assert not log.allocation_failed
-    failed = parse_load_log(["ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9000.00 MiB on device 0: "
-                             "cudaMalloc failed: out of memory",
-                             "alloc_tensor_range: failed to allocate CUDA0 buffer of size 9437184000"])  # fmt: skip
+    failed = parse_load_log(
+        [
+            "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9000.00 MiB on device 0: "
+            "cudaMalloc failed: out of memory",
+            "alloc_tensor_range: failed to allocate CUDA0 buffer of size 9437184000",
+        ]
+    )
     assert failed.allocation_failed and len(failed.failures) == 2
 
 
 def test_command_pins_what_the_prediction_assumed() -> None:
-    argv = llama_server_argv("m.gguf", LlamaCppSettings(ctx_size=8192, parallel=4, n_gpu_layers=21, gpu_count=1,
-                                                         cache_type_k="q8_0", cache_type_v="q8_0"))  # fmt: skip
+    argv = llama_server_argv(
+        "m.gguf",
+        LlamaCppSettings(
+            ctx_size=8192,
+            parallel=4,
+            n_gpu_layers=21,
+            gpu_count=1,
+            cache_type_k="q8_0",
+            cache_type_v="q8_0",
+        ),
+    )
     line = " ".join(argv)
-    for part in ("--ctx-size 8192", "--parallel 4", "--n-gpu-layers 21", "--cache-type-k q8_0",
-                 "--cache-type-v q8_0", "--fit off", "--flash-attn on"):  # fmt: skip
+    for part in (
+        "--ctx-size 8192",
+        "--parallel 4",
+        "--n-gpu-layers 21",
+        "--cache-type-k q8_0",
+        "--cache-type-v q8_0",
+        "--fit off",
+        "--flash-attn on",
+    ):
         assert part in line
 
 
 def test_plan_of_70b_on_one_24gb_gpu_gives_a_llama_cpp_split_under_budget() -> None:
-    result = plan("meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090", p99_tokens=8192, concurrency=16,
-                  host_memory_gib=128)  # fmt: skip
+    result = plan(
+        "meta-llama/Llama-3.1-70B-Instruct",
+        gpu="RTX 4090",
+        p99_tokens=8192,
+        concurrency=16,
+        host_memory_gib=128,
+    )
     assert not result.fits
     tiers = [a.numbers["tier"] for a in result.alternatives]
     assert tiers == sorted(tiers) and tiers[0] == 1 and 6 in tiers and 7 in tiers
@@ -167,22 +200,31 @@ def test_plan_of_70b_on_one_24gb_gpu_gives_a_llama_cpp_split_under_budget() -> N
     assert "--n-gpu-layers" in llama.command and "--fit off" in llama.command
     assert n["host_gib"] <= n["host_budget_gib"]
     assert n["slowdown"] is not None and n["slowdown"] > 1
-    small_host = plan("meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090", p99_tokens=8192, concurrency=16,
-                      host_memory_gib=32)  # fmt: skip
+    small_host = plan(
+        "meta-llama/Llama-3.1-70B-Instruct",
+        gpu="RTX 4090",
+        p99_tokens=8192,
+        concurrency=16,
+        host_memory_gib=32,
+    )
     llama_small = next(a for a in small_host.alternatives if a.kind == "llama_cpp")
     assert not llama_small.serves_workload  # 59 GiB of host memory needed, 30 usable
 
 
 def test_plan_json_carries_the_chain() -> None:
-    result = plan("meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090", p99_tokens=8192, concurrency=16)
+    result = plan(
+        "meta-llama/Llama-3.1-70B-Instruct", gpu="RTX 4090", p99_tokens=8192, concurrency=16
+    )
     data = result.to_dict()
     kinds = [a["kind"] for a in data["alternatives"]]
     assert kinds[0] == "as_planned" and kinds[-1] == "cpu_only"
     assert all("tier" in a["numbers"] for a in data["alternatives"])
 
 
-@pytest.mark.parametrize(("model_ref", "concurrency"), [("meta-llama/Llama-3.1-70B-Instruct", 16),
-                                                        ("Qwen/Qwen3-30B-A3B", 8)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model_ref", "concurrency"),
+    [("meta-llama/Llama-3.1-70B-Instruct", 16), ("Qwen/Qwen3-30B-A3B", 8)],
+)
 def test_split_search_finds_what_trying_every_split_finds(model_ref: str, concurrency: int) -> None:
     import dataclasses
 
@@ -194,12 +236,20 @@ def test_split_search_finds_what_trying_every_split_finds(model_ref: str, concur
     found = best_split(model, base, total)
     assert found.fits_gpu
     if model.n_expert:
-        every = [k for k in range(model.n_layer + 1)
-                 if price_split(model, dataclasses.replace(base, n_gpu_layers=-1, n_cpu_moe=k), total).fits_gpu]  # fmt: skip
+        every = [
+            k
+            for k in range(model.n_layer + 1)
+            if price_split(
+                model, dataclasses.replace(base, n_gpu_layers=-1, n_cpu_moe=k), total
+            ).fits_gpu
+        ]
         assert found.settings.n_cpu_moe == min(every)
     else:
-        every = [k for k in range(model.n_layer + 2)
-                 if price_split(model, dataclasses.replace(base, n_gpu_layers=k), total).fits_gpu]  # fmt: skip
+        every = [
+            k
+            for k in range(model.n_layer + 2)
+            if price_split(model, dataclasses.replace(base, n_gpu_layers=k), total).fits_gpu
+        ]
         assert found.settings.n_gpu_layers == max(every)
 
 
@@ -208,13 +258,29 @@ def test_cli_host_memory_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
     from oomguard.cli import main
 
-    code = main(["plan", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "RTX 4090", "--p99-tokens", "8192",
-                 "--concurrency", "16", "--host-memory-gib", "32", "--json", "--offline"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "meta-llama/Llama-3.1-70B-Instruct",
+            "--gpu",
+            "RTX 4090",
+            "--p99-tokens",
+            "8192",
+            "--concurrency",
+            "16",
+            "--host-memory-gib",
+            "32",
+            "--json",
+            "--offline",
+        ]
+    )
     out, _ = capsys.readouterr()
     assert code == 1
     llama = next(a for a in json.loads(out)["alternatives"] if a["kind"] == "llama_cpp")
     assert llama["numbers"]["host_budget_gib"] == 30.0 and not llama["serves_workload"]
-    code = main(["plan", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--host-memory-gib", "0"])
+    code = main(
+        ["plan", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--host-memory-gib", "0"]
+    )
     _, err = capsys.readouterr()
     assert code == 2 and "--host-memory-gib" in err and "Traceback" not in err
 
@@ -228,7 +294,12 @@ def test_after_an_allocation_failure_the_split_shrinks() -> None:
     # the log said: failed to allocate CUDA0 buffer of 2 GiB (something else holds the memory)
     retry = after_allocation_failure(model, first.settings, total, 2 * GIB)
     assert retry is not None and retry.settings.n_gpu_layers < first.settings.n_gpu_layers
-    assert retry.gpu_need_bytes <= first.gpu_need_bytes - 2 * GIB + 2**29  # freed about the shortfall
+    assert (
+        retry.gpu_need_bytes <= first.gpu_need_bytes - 2 * GIB + 2**29
+    )  # freed about the shortfall
     tiny = after_allocation_failure(model, first.settings, total, 1)
     assert tiny is not None and tiny.settings.n_gpu_layers == first.settings.n_gpu_layers - 1
-    assert after_allocation_failure(model, LlamaCppSettings(gpu_count=1, n_gpu_layers=0), total, GIB) is None
+    assert (
+        after_allocation_failure(model, LlamaCppSettings(gpu_count=1, n_gpu_layers=0), total, GIB)
+        is None
+    )

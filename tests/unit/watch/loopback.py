@@ -11,7 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-PAGE = (Path(__file__).parents[2] / "integration" / "data" / "metrics_vllm_0.32.0_after_burst.txt").read_text()
+PAGE = (
+    Path(__file__).parents[2] / "integration" / "data" / "metrics_vllm_0.32.0_after_burst.txt"
+).read_text()
 
 
 @contextmanager
@@ -63,4 +65,8 @@ def vllm_page(path: str) -> tuple[int, str]:
 
 def not_vllm_page(path: str) -> tuple[int, str]:
     """Some other service: its /metrics has no vLLM metric."""
-    return (200, "# TYPE http_requests_total counter\nhttp_requests_total 3\n") if path == "/metrics" else (404, "")
+    return (
+        (200, "# TYPE http_requests_total counter\nhttp_requests_total 3\n")
+        if path == "/metrics"
+        else (404, "")
+    )

@@ -6,7 +6,9 @@ from oomguard.watch import rules as R
 from oomguard.watch.alerts import AlertTracker, observe
 
 
-def _run(values: list[float], rule: R.AlertRule = R.KV_HIGH, **kw: float) -> list[tuple[float, str]]:
+def _run(
+    values: list[float], rule: R.AlertRule = R.KV_HIGH, **kw: float
+) -> list[tuple[float, str]]:
     tracker = AlertTracker(**kw)  # type: ignore[arg-type]
     out = []
     for t, v in enumerate(values):
@@ -41,10 +43,27 @@ def test_below_threshold_rules() -> None:
 
 def test_event_fields_and_json_form() -> None:
     tracker = AlertTracker(min_duration_s=0)
-    e = tracker.update(1_700_000_000.0, [observe(R.KV_CRITICAL, "http://a:8000", 0.95, "msg", gpu="0")])[0]
+    e = tracker.update(
+        1_700_000_000.0, [observe(R.KV_CRITICAL, "http://a:8000", 0.95, "msg", gpu="0")]
+    )[0]
     d = e.to_dict()
-    assert set(d) >= {"event", "alert", "severity", "state", "value", "threshold", "server", "since", "message"}
-    assert (d["event"], d["alert"], d["severity"], d["state"]) == ("alert", "OomguardKvCacheCritical", "critical", "firing")
+    assert set(d) >= {
+        "event",
+        "alert",
+        "severity",
+        "state",
+        "value",
+        "threshold",
+        "server",
+        "since",
+        "message",
+    }
+    assert (d["event"], d["alert"], d["severity"], d["state"]) == (
+        "alert",
+        "OomguardKvCacheCritical",
+        "critical",
+        "firing",
+    )
     assert d["value"] == 0.95 and d["threshold"] == 0.9 and d["labels"] == {"gpu": "0"}
     assert d["since"] == "2023-11-14T22:13:20.000Z"
 

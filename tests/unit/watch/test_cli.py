@@ -44,17 +44,39 @@ def _one_error_line(run: Run) -> str:
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [((), "nothing to watch"), (("ftp://x",), "is not a server address"),
-     (("http://127.0.0.1:1", "--interval", "0"), "--interval 0 must be positive"),
-     (("http://127.0.0.1:1", "http://127.0.0.1:1/"), "given twice"),
-     (("http://127.0.0.1:1", "--pid", "1", "--pid", "2"), "2 --pid for 1 servers"),
-     (("--pid", "999999999",), "no process with PID"),
-     (("http://127.0.0.1:1", "--gpu", "H100"), "--gpu is a plan flag, but no --model"),
-     (("http://127.0.0.1:1", "--webhook", "alertmanager:9093"), "is not an http(s) URL"),
-     (("http://127.0.0.1:1", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--gpu-memory-utilization", "2", "--offline"),
-      "--gpu-memory-utilization 2.0 is outside (0, 1]")],
-)  # fmt: skip
-def test_bad_input_is_one_line_and_exit_2(watch: Callable[..., Run], args: tuple[str, ...], needle: str) -> None:
+    [
+        ((), "nothing to watch"),
+        (("ftp://x",), "is not a server address"),
+        (("http://127.0.0.1:1", "--interval", "0"), "--interval 0 must be positive"),
+        (("http://127.0.0.1:1", "http://127.0.0.1:1/"), "given twice"),
+        (("http://127.0.0.1:1", "--pid", "1", "--pid", "2"), "2 --pid for 1 servers"),
+        (
+            (
+                "--pid",
+                "999999999",
+            ),
+            "no process with PID",
+        ),
+        (("http://127.0.0.1:1", "--gpu", "H100"), "--gpu is a plan flag, but no --model"),
+        (("http://127.0.0.1:1", "--webhook", "alertmanager:9093"), "is not an http(s) URL"),
+        (
+            (
+                "http://127.0.0.1:1",
+                "--model",
+                "Qwen/Qwen3-8B",
+                "--gpu",
+                "H100",
+                "--gpu-memory-utilization",
+                "2",
+                "--offline",
+            ),
+            "--gpu-memory-utilization 2.0 is outside (0, 1]",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    watch: Callable[..., Run], args: tuple[str, ...], needle: str
+) -> None:
     run = watch(*args)
     assert run.returncode == 2
     assert needle in _one_error_line(run)
@@ -88,8 +110,17 @@ def test_once_healthy_against_a_vllm_page(watch: Callable[..., Run]) -> None:
 
 def test_an_unreachable_server_is_alerted_and_the_others_watched(watch: Callable[..., Run]) -> None:
     with http_server(vllm_page) as (url, _):
-        run = watch(url, "http://127.0.0.1:1", "--json", "--interval", "0.2", "--duration", "2",
-                    "--min-duration", "0.5")  # fmt: skip
+        run = watch(
+            url,
+            "http://127.0.0.1:1",
+            "--json",
+            "--interval",
+            "0.2",
+            "--duration",
+            "2",
+            "--min-duration",
+            "0.5",
+        )
     events = [json.loads(line) for line in run.stdout.splitlines()]
     down = [e for e in events if e.get("alert") == "OomguardServerDown"]
     assert [(e["server"], e["state"]) for e in down] == [("http://127.0.0.1:1", "firing")]
@@ -97,7 +128,9 @@ def test_an_unreachable_server_is_alerted_and_the_others_watched(watch: Callable
     assert run.returncode == 1  # still firing when the watch ended
 
 
-def test_a_not_vllm_url_among_good_ones_is_dropped_and_the_rest_watched(watch: Callable[..., Run]) -> None:
+def test_a_not_vllm_url_among_good_ones_is_dropped_and_the_rest_watched(
+    watch: Callable[..., Run],
+) -> None:
     with http_server(vllm_page) as (good, _), http_server(not_vllm_page) as (bad, _):
         run = watch(good, bad, "--json", "--interval", "0.2", "--duration", "1")
     assert run.returncode == 0, run.stderr
@@ -108,7 +141,10 @@ def test_a_not_vllm_url_among_good_ones_is_dropped_and_the_rest_watched(watch: C
 
 def test_the_guard_url_is_named_as_such(watch: Callable[..., Run]) -> None:
     def guard_page(path: str) -> tuple[int, str]:
-        return 200, '# TYPE oomguard_backend_healthy gauge\noomguard_backend_healthy{backend="x"} 1\n'
+        return (
+            200,
+            '# TYPE oomguard_backend_healthy gauge\noomguard_backend_healthy{backend="x"} 1\n',
+        )
 
     with http_server(guard_page) as (url, _):
         run = watch(url, "--once")
@@ -130,7 +166,16 @@ def test_a_port_in_use_is_one_line(watch: Callable[..., Run]) -> None:
 def test_several_pids_are_watched_as_processes(watch: Callable[..., Run]) -> None:
     import os
 
-    run = watch("--pid", str(os.getpid()), "--pid", str(os.getppid()), "--once", "--json", "--interval", "0.1")
+    run = watch(
+        "--pid",
+        str(os.getpid()),
+        "--pid",
+        str(os.getppid()),
+        "--once",
+        "--json",
+        "--interval",
+        "0.1",
+    )
     status = json.loads(run.stdout.splitlines()[-1])
     assert run.returncode == 0, run.stderr
     assert [s["server"] for s in status["servers"]] == [f"pid:{os.getpid()}", f"pid:{os.getppid()}"]

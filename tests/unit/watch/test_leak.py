@@ -24,14 +24,22 @@ def load_trace(name: str) -> tuple[dict[str, object], list[tuple[float, float]]]
     return header, [(float(t), float(v)) for t, v in (json.loads(line) for line in lines[1:])]
 
 
-def leak_events(samples: list[tuple[float, float]], available_bytes: float = 8 * GIB) -> list[AlertEvent]:
+def leak_events(
+    samples: list[tuple[float, float]], available_bytes: float = 8 * GIB
+) -> list[AlertEvent]:
     """The leak alert's events over a trace, as the watcher raises them (with its for_s)."""
     tracker = AlertTracker()
     events = []
     for t, v in replay(samples, available_bytes):
         if v.ready:
-            obs = Observation(R.MEMORY_LEAK, "trace", v.slope_bytes_per_s, v.suspected,
-                              v.slope_bytes_per_s >= R.MEMORY_LEAK.clear, "")  # fmt: skip
+            obs = Observation(
+                R.MEMORY_LEAK,
+                "trace",
+                v.slope_bytes_per_s,
+                v.suspected,
+                v.slope_bytes_per_s >= R.MEMORY_LEAK.clear,
+                "",
+            )
             events.extend(tracker.update(t, [obs]))
     return events
 
@@ -67,8 +75,10 @@ def test_time_to_exhaustion_counts_down_from_what_is_left() -> None:
 def test_a_step_is_not_a_leak() -> None:
     """A warm-up allocation of 300 MiB once, then flat, with noise: nothing fires."""
     rng = np.random.default_rng(0)
-    samples = [(float(t), 4 * GIB + (300 * MIB if t > 400 else 0) + rng.normal(0, 5 * MIB))
-               for t in range(3600)]  # fmt: skip
+    samples = [
+        (float(t), 4 * GIB + (300 * MIB if t > 400 else 0) + rng.normal(0, 5 * MIB))
+        for t in range(3600)
+    ]
     assert leak_events(samples) == []
 
 

@@ -26,22 +26,29 @@ def test_a_plan_file_written_by_oomguard_plan(tmp_path: Path) -> None:
 
 
 def test_model_flags_plan_the_same_as_the_plan_command() -> None:
-    figures = plan_from_flags(["Qwen/Qwen3-8B", "--gpu", "L40S", "--gpu-memory-utilization", "0.9", "--offline"])
+    figures = plan_from_flags(
+        ["Qwen/Qwen3-8B", "--gpu", "L40S", "--gpu-memory-utilization", "0.9", "--offline"]
+    )
     direct = plan("Qwen/Qwen3-8B", "L40S", allow_hub=False, gpu_memory_utilization=0.9)
     assert figures.kv_cache_tokens == direct.plan.prediction.kv_cache_tokens
 
 
 def test_bad_plan_flags_are_one_line() -> None:
     with pytest.raises(BadInput, match="--gpu-memory-utilization"):
-        plan_from_flags(["Qwen/Qwen3-8B", "--gpu", "L40S", "--gpu-memory-utilization", "1.5", "--offline"])
+        plan_from_flags(
+            ["Qwen/Qwen3-8B", "--gpu", "L40S", "--gpu-memory-utilization", "1.5", "--offline"]
+        )
 
 
 @pytest.mark.parametrize(
     ("text", "match"),
-    [("{not json", "is not JSON"), ("[1, 2]", "not a JSON object"),
-     ('{"memory": {}}', "has no gpu.count"),
-     ('{"gpu": {"count": 1}, "memory": {"total_gib": "x"}}', "not a number")],
-)  # fmt: skip
+    [
+        ("{not json", "is not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"memory": {}}', "has no gpu.count"),
+        ('{"gpu": {"count": 1}, "memory": {"total_gib": "x"}}', "not a number"),
+    ],
+)
 def test_plan_files_that_do_not_parse(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "plan.json"
     path.write_text(text)

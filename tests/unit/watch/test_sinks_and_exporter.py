@@ -43,10 +43,16 @@ def test_webhook_receiver_gets_alertmanagers_payload_and_a_failed_post_is_retrie
     assert sink.delivered == 2 and sink.failed == 0
     assert [r["status"] for r in received] == [503, 200, 200]
     firing, resolved = received[1]["body"], received[2]["body"]
-    assert firing["version"] == "4" and firing["status"] == "firing" and resolved["status"] == "resolved"
+    assert (
+        firing["version"] == "4"
+        and firing["status"] == "firing"
+        and resolved["status"] == "resolved"
+    )
     alert = firing["alerts"][0]
     assert alert["labels"]["alertname"] == "OomguardKvCacheCritical"
-    assert alert["labels"]["severity"] == "critical" and alert["labels"]["server"] == "http://v:8000"
+    assert (
+        alert["labels"]["severity"] == "critical" and alert["labels"]["server"] == "http://v:8000"
+    )
     assert alert["endsAt"] == "0001-01-01T00:00:00Z"
     assert resolved["alerts"][0]["endsAt"] > resolved["alerts"][0]["startsAt"]
     assert alert["fingerprint"] == resolved["alerts"][0]["fingerprint"]
@@ -56,7 +62,12 @@ def test_an_alertmanager_url_gets_postable_alerts() -> None:
     with http_server() as (url, received):
         asyncio.run(_deliver(url + "/api/v2/alerts"))
     firing, resolved = (r["body"] for r in received)
-    assert isinstance(firing, list) and set(firing[0]) == {"labels", "annotations", "startsAt", "generatorURL"}
+    assert isinstance(firing, list) and set(firing[0]) == {
+        "labels",
+        "annotations",
+        "startsAt",
+        "generatorURL",
+    }
     assert "endsAt" in resolved[0] and resolved[0]["labels"] == firing[0]["labels"]
 
 

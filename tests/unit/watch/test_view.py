@@ -23,14 +23,26 @@ GIB = 2**30
 
 
 def test_the_view_shows_the_pool_against_the_plan_and_the_alerts() -> None:
-    plan = PlanFigures(source="t", model="m", gpu_name="L4", gpu_count=1, gpu_total_bytes=22 * GIB,
-                       requested_bytes=20 * GIB, weights_bytes=2 * GIB, kv_cache_bytes=16 * GIB,
-                       kv_cache_tokens=4096, gpu_memory_utilization=0.9, max_num_seqs=None,
-                       max_model_len=None)  # fmt: skip
+    plan = PlanFigures(
+        source="t",
+        model="m",
+        gpu_name="L4",
+        gpu_count=1,
+        gpu_total_bytes=22 * GIB,
+        requested_bytes=20 * GIB,
+        weights_bytes=2 * GIB,
+        kv_cache_bytes=16 * GIB,
+        kv_cache_tokens=4096,
+        gpu_memory_utilization=0.9,
+        max_num_seqs=None,
+        max_model_len=None,
+    )
 
     async def rounds(url: str) -> Watch:
         target = Target.for_url(url)
-        watch = Watch([target], Evaluator({target.name: plan}), AlertTracker(min_duration_s=0), Outputs())
+        watch = Watch(
+            [target], Evaluator({target.name: plan}), AlertTracker(min_duration_s=0), Outputs()
+        )
         async with aiohttp.ClientSession() as session:
             await watch.round(session)
         return watch
