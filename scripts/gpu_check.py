@@ -125,17 +125,10 @@ def oomguard(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[
 
 
 def nvml_used_bytes() -> dict[int, int]:
-    """Used memory of every device, by NVML index."""
-    import pynvml
+    """Used memory of every device, by NVML index, as serve reads it before a launch."""
+    from oomguard.engine import gpu_memory
 
-    pynvml.nvmlInit()
-    try:
-        return {
-            i: int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used)
-            for i in range(pynvml.nvmlDeviceGetCount())
-        }
-    finally:
-        pynvml.nvmlShutdown()
+    return {d.index: d.used_bytes for d in gpu_memory() or []}
 
 
 def nvml_free_bytes(index: int = 0) -> int:

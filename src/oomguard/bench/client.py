@@ -20,6 +20,8 @@ from typing import Any
 
 import aiohttp
 
+from oomguard import vllm_http
+
 ProgressCallback = Callable[["RequestRecord"], None]
 
 _ERROR_TEXT_CHARS = 300
@@ -120,7 +122,7 @@ def trace_config() -> aiohttp.TraceConfig:
 def new_session(connection_limit: int) -> aiohttp.ClientSession:
     """The one session of a run: a pool larger than the concurrency, a large read buffer
     (long streams collapse with aiohttp's 64 KiB default), connection queueing traced."""
-    connector = aiohttp.TCPConnector(limit=connection_limit, limit_per_host=connection_limit)
+    connector = vllm_http.connector(limit=connection_limit, limit_per_host=connection_limit)
     return aiohttp.ClientSession(
         connector=connector,
         trace_configs=[trace_config()],

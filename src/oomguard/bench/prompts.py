@@ -55,21 +55,34 @@ class ServerTokenizer:
 
     async def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
         try:
-            async with self.session.post(
-                self.base_url + path, json=body, timeout=self.timeout
-            ) as r:
-                data = await r.json(content_type=None)
+            r, data = await self._post_once(path, body)
+        except aiohttp.ClientConnectionError:
+            # the server closed an idle keep-alive connection as it was reused: the request
+            # never reached it, and tokenizing is idempotent, so ask again on a fresh one
+            try:
+                r, data = await self._post_once(path, body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                raise self._unavailable(path, exc) from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
-            raise TokenizerUnavailable(
-                f"{self.base_url}{path} failed ({type(exc).__name__}: {exc})"[:300],
-                "check that the server still runs, or pass --tokenizer",
-            ) from None
+            raise self._unavailable(path, exc) from None
         if r.status != 200 or not isinstance(data, dict):
             raise TokenizerUnavailable(
                 f"{self.base_url}{path} answered {r.status}: {str(data)[:200]}",
                 "pass --tokenizer with the model's tokenizer.json",
             )
         return data
+
+    async def _post_once(
+        self, path: str, body: dict[str, object]
+    ) -> tuple[aiohttp.ClientResponse, object]:
+        async with self.session.post(self.base_url + path, json=body, timeout=self.timeout) as r:
+            return r, await r.json(content_type=None)
+
+    def _unavailable(self, path: str, exc: BaseException) -> TokenizerUnavailable:
+        return TokenizerUnavailable(
+            f"{self.base_url}{path} failed ({type(exc).__name__}: {exc})"[:300],
+            "check that the server still runs, or pass --tokenizer",
+        )
 
     async def encode(self, text: str, *, special: bool) -> list[int]:
         """Ids from ``/tokenize``."""

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from oomguard import vllm_http
 from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, RequestCost
 from oomguard.guard.auth import ApiKeys, ClientIdentity
@@ -272,7 +273,7 @@ class GuardApp:
     async def startup(self, _app: web.Application) -> None:
         self._tokenize_slots = asyncio.Semaphore(self.config.tokenize_concurrency)
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
+            connector=vllm_http.connector(limit=0, ttl_dns_cache=300),
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from oomguard import vllm_http
 from oomguard.guard import llama_backend
 from oomguard.guard.admission import AdmissionSettings, BackendAdmission
 from oomguard.guard.config import BackendConfig, GuardConfig
@@ -200,7 +201,7 @@ class BackendPool:
     async def start(self) -> None:
         """Open the polling session, poll every backend once, then keep polling."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=vllm_http.connector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
         )
         await asyncio.gather(*(self.poll_once(b) for b in self.backends))

@@ -6,9 +6,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import aiohttp
+import aiohttp.web
 import pytest
 
-from oomguard.bench.prompts import LocalTokenizer, PromptMaker, pseudo_text
+from oomguard.bench.prompts import (
+    LocalTokenizer,
+    PromptMaker,
+    ServerTokenizer,
+    TokenizerUnavailable,
+    pseudo_text,
+)
 from oomguard.bench.workload import RequestShape
 
 
@@ -58,3 +66,50 @@ def test_shared_prefix_is_the_same_text_then_distinct(tokenizer_json: Path) -> N
     assert len(asyncio.run(tok.encode(prefix, special=False))) == 40
     assert len({t[len(prefix) :] for t in texts}) == 3
     assert all(len(asyncio.run(tok.encode(t, special=True))) == 120 for t in texts)
+
+
+async def _tokenize_server(drops: int) -> tuple[aiohttp.web.AppRunner, str, list[int]]:
+    """A /tokenize that cuts the connection of its first ``drops`` requests mid-way, as a
+    server closing an idle keep-alive connection does to a request written into it."""
+    from aiohttp import web
+
+    seen = [0]
+
+    async def tokenize(request: web.Request) -> web.Response:
+        seen[0] += 1
+        if seen[0] <= drops:
+            assert request.transport is not None
+            request.transport.close()
+        body = await request.json()
+        return web.json_response({"tokens": list(range(len(body["prompt"].split())))})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+async def test_server_tokenizer_asks_again_after_a_cut_connection() -> None:
+    runner, url, seen = await _tokenize_server(drops=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            ids = await ServerTokenizer(session, url, "m").encode("a b c", special=True)
+    finally:
+        await runner.cleanup()
+    assert ids == [0, 1, 2]
+    assert seen[0] == 2
+
+
+async def test_server_tokenizer_gives_up_after_a_second_cut() -> None:
+    runner, url, seen = await _tokenize_server(drops=2)
+    try:
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(TokenizerUnavailable, match="tokenize failed"):
+                await ServerTokenizer(session, url, "m").encode("a b", special=True)
+    finally:
+        await runner.cleanup()
+    assert seen[0] == 2

@@ -57,8 +57,11 @@ def nvmlDeviceGetName(handle: int) -> str:
 
 
 def nvmlDeviceGetMemoryInfo(handle: int, version: int | None = None) -> SimpleNamespace:
+    """v1 counts the driver's reserve as used; v2 reports it apart, as a real driver does."""
     used = BASE_USED + sum(processes().values())
-    return SimpleNamespace(total=TOTAL, used=used, free=TOTAL - used, reserved=RESERVED)
+    if version is None:
+        return SimpleNamespace(total=TOTAL, used=used, free=TOTAL - used)
+    return SimpleNamespace(total=TOTAL, used=used - RESERVED, free=TOTAL - used, reserved=RESERVED)
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[SimpleNamespace]:

@@ -44,7 +44,7 @@ def empty(nbytes: int, dtype: str = uint8, device: str = "cuda") -> _Tensor:
 
 
 def _mem_get_info(index: int = 0) -> tuple[int, int]:
-    memory = pynvml.nvmlDeviceGetMemoryInfo(index)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(index, version=pynvml.nvmlMemory_v2)
     return memory.free, memory.total - memory.reserved
 
 
