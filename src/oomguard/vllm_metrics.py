@@ -29,10 +29,16 @@ GENERATION_TOKENS = "vllm:generation_tokens"  # counter
 REQUEST_SUCCESS = "vllm:request_success"  # counter, label finished_reason
 SLEEP_STATE = "vllm:engine_sleep_state"  # 0.12+
 PROCESS_START = "process_start_time_seconds"  # prometheus_client's process collector
+# prompt tokens looked up in / served from the local prefix cache, counted at admission of new
+# (not re-admitted preempted) requests, only while prefix caching is on (0.32:
+# vllm/v1/metrics/loggers.py registers them, vllm/v1/core/kv_cache_manager.py counts them)
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, tokens
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, tokens
 
 FAMILIES = (
     KV_USAGE, KV_USAGE_LEGACY, PREEMPTIONS, RUNNING, WAITING, WAITING_BY_REASON, CACHE_CONFIG,
     PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, SLEEP_STATE, PROCESS_START,
+    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
 )  # fmt: skip
 _PREFIXES = (
     FAMILIES + tuple(f"# TYPE {f}" for f in FAMILIES) + tuple(f"# HELP {f}" for f in FAMILIES)
@@ -57,6 +63,9 @@ class VllmSnapshot:
     cache_config: dict[str, str] = field(default_factory=dict)  # every label of cache_config_info
     sleeping: bool | None = None
     process_start_time_s: float | None = None  # Unix time the server process started
+    prefix_cache_queries_total: float | None = None  # prompt tokens looked up, all engines
+    prefix_cache_hits_total: float | None = None  # of them, tokens found cached
+    model_name: str | None = None  # the served model name (every vLLM metric's label)
 
     @property
     def prefix_caching(self) -> bool | None:
@@ -122,12 +131,14 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
     cache_config: dict[str, str] = {}
     sleeping: bool | None = None
     started: float | None = None
+    model_name: str | None = None
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
             engine = labels.get("engine", "0")
             if name.startswith("vllm:"):
                 engines.add(engine)
+                model_name = model_name or labels.get("model_name")
             if name == KV_USAGE:
                 usage[engine] = value
             elif name == KV_USAGE_LEGACY:
@@ -153,6 +164,10 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
                 # one sample per state (awake, weights_offloaded, discard_all); 1 marks the current
                 asleep = value > 0 and labels.get("sleep_state", "awake") != "awake"
                 sleeping = bool(sleeping) or asleep
+            elif name == PREFIX_CACHE_QUERIES + "_total":
+                values["prefix_queries"] = _add(values.get("prefix_queries"), value)
+            elif name == PREFIX_CACHE_HITS + "_total":
+                values["prefix_hits"] = _add(values.get("prefix_hits"), value)
             elif name == PROCESS_START and started is None:
                 started = value
     chosen = usage or legacy_usage
@@ -171,4 +186,7 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
         cache_config=cache_config,
         sleeping=sleeping,
         process_start_time_s=started,
+        prefix_cache_queries_total=values.get("prefix_queries"),
+        prefix_cache_hits_total=values.get("prefix_hits"),
+        model_name=model_name,
     )

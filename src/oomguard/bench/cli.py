@@ -185,9 +185,9 @@ def bench_command(
     with LiveProgress(err, settings.budget_s, settings.high_watermark) as progress:
         result = run_bench(settings, progress)
     if record:
-        from oomguard.bench.calibrate import record_capacity
+        from oomguard.bench.calibrate import record_run
 
-        result.calibration = record_capacity(result, gpu=gpu, tp=tensor_parallel_size)
+        result.calibration = record_run(result, gpu=gpu, tp=tensor_parallel_size)
     from oomguard.bench.report import print_summary, result_dict, write_json
 
     data = result_dict(result)

@@ -39,6 +39,18 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def _prefix_cache(result: BenchResult) -> dict[str, Any] | None:
+    """The hit rate over the stages and what the seeds' step 6 makes of it (None: the server
+    exports no prefix-cache counters, or looked nothing up: prefix caching off)."""
+    window = result.prefix_cache
+    if window is None or not window.queries:
+        return None
+    from oomguard.calibration.prefix import advise
+
+    advice = advise(window, source=f"bench {result.server.url}")
+    return {**window.to_dict(), "flag": advice.flag, "advice": advice.reason}
+
+
 def result_dict(result: BenchResult) -> dict[str, Any]:
     """The whole run as plain data: the figures, the recommendation, every stage and sample."""
     rec = result.recommendation
@@ -82,6 +94,7 @@ def result_dict(result: BenchResult) -> dict[str, Any]:
         "conditions": result.conditions,
         "notes": list(result.notes) + (list(rec.notes) if rec else []),
         "calibration": result.calibration,
+        "prefix_cache": _prefix_cache(result),
         "timeline": [_sample_row(s) for s in result.samples],
     }
 
@@ -219,6 +232,10 @@ def summary_renderable(data: dict[str, Any]) -> Group:
                 f"after the first sign{bound} ({stop['preemptions'] or 0:g} preemption(s))"
             )
         )
+    prefix = data.get("prefix_cache")
+    if prefix:
+        flag = f"{prefix['flag']}: " if prefix["flag"] else ""
+        parts.append(Text.assemble(("prefix cache: ", "bold"), f"{flag}{prefix['advice']}"))
     for note in data["notes"]:
         parts.append(Text(f"note: {note}", style="yellow"))
     return Group(*parts)

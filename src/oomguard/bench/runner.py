@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from oomguard.bench.client import RequestRecord, completion_body, new_session, stream_completion
 from oomguard.bench.prompts import (
     BuiltPrompt,
@@ -35,7 +37,9 @@ from oomguard.bench.search import ConcurrencySearch, first_guess
 from oomguard.bench.server import ServerClient, ServerInfo, preflight
 from oomguard.bench.stage import Sample, StageListener, StageResult, StageRunner, StageSpec
 from oomguard.bench.workload import LoadProfile, ReplayWorkload
+from oomguard.calibration.prefix import PrefixCacheWindow, window_between
 from oomguard.errors import BadInput
+from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 
 DEFAULT_BUDGET_S = 600.0
 DEFAULT_MAX_CONCURRENCY = 256
@@ -102,6 +106,8 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     stopped_by: str | None = None
     calibration: dict[str, Any] | None = None
+    # vLLM's prefix-cache counters over the stages (None: the server does not export them)
+    prefix_cache: PrefixCacheWindow | None = None
 
     @property
     def exit_code(self) -> int:
@@ -172,6 +178,7 @@ class _Run:
                 request_timeout_s=s.request_timeout_s,
             )
             await runner.wait_quiet(_QUIET_TIMEOUT_S)
+            before = await _counters(client, info)
             try:
                 if s.concurrency is not None:
                     await self._fixed(runner, maker, result)
@@ -184,6 +191,9 @@ class _Run:
             except TokenizerUnavailable as exc:
                 result.stopped_by = "server_down"
                 self.note(result, f"prompts could not be built any more: {exc.message}")
+            after = await _counters(client, info)
+            if before is not None and after is not None:
+                result.prefix_cache = window_between(before[0], after[0], before[1], after[1])
         self._finish(result)
         return result
 
@@ -479,6 +489,17 @@ class _Run:
             "gpu_memory": result.conditions.get("gpu_memory", "not sampled"),
             "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
+
+
+async def _counters(client: ServerClient, info: ServerInfo) -> tuple[VllmSnapshot, float] | None:
+    """vLLM's counters now and the Unix time (None without a vLLM ``/metrics`` to read)."""
+    if info.metrics_source != "vllm" or not info.metrics_url:
+        return None
+    try:
+        status, text = await client.get_text(info.metrics_url)
+        return (parse_vllm_metrics(text), time.time()) if status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
 
 
 def _server_cap(stages: list[StageResult]) -> int | None:

@@ -108,6 +108,15 @@ class StartupMeasurement:
     max_safe_concurrency: int | None = None
     bench_sequence_tokens: int | None = None
     kv_bytes_per_token: float | None = None
+    # measured by `oomguard bench` or `oomguard watch` (:mod:`oomguard.calibration.prefix`):
+    # over a window of ``prefix_cache_window_s`` seconds from ``prefix_cache_since`` (ISO, UTC),
+    # the prompt tokens looked up in vLLM's prefix cache, those found there, and the requests
+    # that finished meanwhile
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    prefix_cache_requests: int | None = None
+    prefix_cache_window_s: float | None = None
+    prefix_cache_since: str | None = None
 
     @property
     def key(self) -> str:
@@ -330,14 +339,16 @@ class Store:
     def add(self, observations: Iterable[StartupMeasurement]) -> list[StartupMeasurement]:
         """Store observations (newest first per key); returns those stored.
 
-        Recording the same log again replaces its earlier row instead of adding a copy.
+        Recording the same log again replaces its earlier row instead of adding a copy, and
+        a longer window of the same hit-rate measurement (same source and start) replaces the
+        shorter one.
         """
         entries = self.load()
         stored: list[StartupMeasurement] = []
         for obs in observations:
             rows = entries.setdefault(obs.key, [])
             row = asdict(obs)
-            rows[:] = [r for r in rows if not _same_measurement(r, row)]
+            rows[:] = [r for r in rows if not (_same_measurement(r, row) or _same_window(r, row))]
             rows.insert(0, row)
             del rows[KEEP_PER_KEY:]
             stored.append(obs)
@@ -397,6 +408,16 @@ def _same_measurement(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return json.loads(json.dumps({k: v for k, v in row.items() if k != "recorded_at"}))
 
     return strip(a) == strip(b)
+
+
+def _same_window(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two rows of one hit-rate measurement that goes on (the later one covers the earlier)."""
+    since = b.get("prefix_cache_since")
+    return (
+        since is not None
+        and a.get("prefix_cache_since") == since
+        and a.get("source") == b.get("source")
+    )
 
 
 def observation_from_log(
@@ -567,7 +588,7 @@ def lookup(
     if not store.path.exists():
         return None  # nothing calibrated yet: the common case, answered without reading
     family = model_family(model_name)
-    rows = _rows_for(store, gpu_name, vllm_version, family, tp, pp)
+    rows = rows_for(store, gpu_name, vllm_version, family, tp, pp)
     found = terms_from(
         rows,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -621,7 +642,7 @@ def terms_from(
     )
 
 
-def _rows_for(
+def rows_for(
     store: Store, gpu_name: str, vllm_version: str, family: str, tp: int, pp: int
 ) -> list[StartupMeasurement]:
     """Observations for the key, newest first: under the catalogue GPU name, the name as

@@ -54,6 +54,7 @@ class _Command:
     prediction: Any = None
     gpu_total_gib: float | None = None
     evidence: list[Evidence] = field(default_factory=list)
+    prefix: Any = None  # PrefixCacheAdvice from a measured hit rate (None: none measured)
 
 
 @dataclass
@@ -99,6 +100,7 @@ def lint_command(
         prediction=prediction,
         gpu_total_gib=gpu_spec.total_bytes / GIB if gpu_spec is not None else None,
         evidence=[Evidence.of(0, command)],
+        prefix=_measured_prefix(parsed, gpu_spec, notes),
     )
     findings = [f for check in _CHECKS if (f := check(c)) is not None]
     findings.sort(key=lambda f: (f.severity != "problem", -f.confidence))
@@ -293,7 +295,44 @@ def _check_length_against_p99(c: _Command) -> LintFinding | None:
     )
 
 
+def _measured_prefix(parsed: Any, gpu_spec: Any, notes: list[str]) -> Any:
+    """Advice from a prefix-cache hit rate bench or watch measured for this GPU, model, TP and
+    PP (the command's vLLM version when it names one); None when none was, or without --gpu."""
+    if gpu_spec is None:
+        return None
+    from oomguard.calibration.prefix import measured_advice
+    from oomguard.errors import OomguardError
+
+    s = parsed.settings()
+    version = None if s.vllm_version in (None, "", "latest") else s.vllm_version
+    try:
+        advice = measured_advice(
+            gpu_spec.name,
+            version,
+            parsed.model,
+            s.tensor_parallel_size,
+            s.pipeline_parallel_size,
+        )
+    except OomguardError as exc:
+        notes.append(f"prefix caching not checked against the calibration store: {exc.one_line()}")
+        return None
+    if advice is not None and (
+        advice.enable is None or advice.enable is _prefix_on(parsed.settings_kwargs)
+    ):
+        notes.append(f"prefix caching: {advice.reason}")
+    return advice
+
+
+def _prefix_on(args: Any) -> bool:
+    """Whether the command leaves prefix caching on (unset: vLLM's default, on for most models;
+    0.32: config/cache.py and EngineArgs)."""
+    return args.get("enable_prefix_caching") is not False
+
+
 def _check_prefix_caching(c: _Command) -> LintFinding | None:
+    advice = c.prefix
+    if advice is not None and advice.enable is not None:
+        return _check_measured_prefix(c, advice)
     if not c.args.get("enable_prefix_caching") or c.workload.shared_prefix_tokens > 0:
         return None
     return _finding(
@@ -311,6 +350,29 @@ def _check_prefix_caching(c: _Command) -> LintFinding | None:
         "",
         severity="tip",
         confidence=0.5,
+    )
+
+
+def _check_measured_prefix(c: _Command, advice: Any) -> LintFinding | None:
+    """The seeds' step 6 on a measured hit rate: a tip when the command does the opposite."""
+    on = _prefix_on(c.args)
+    if on is advice.enable:
+        return None
+    rate = advice.window.hit_rate
+    state = "left on (vLLM's default)" if c.args.get("enable_prefix_caching") is None else "on"
+    summary = (
+        f"prefix caching is {state} but its measured hit rate is {rate:.0%}"
+        if on
+        else f"prefix caching is off but its measured hit rate is {rate:.0%}"
+    )
+    return _finding(
+        c,
+        "prefix_caching_unused" if on else "prefix_caching_off",
+        summary,
+        [Fix(advice.flag, None, advice.reason)],
+        "",
+        severity="tip",
+        confidence=0.8,
     )
 
 

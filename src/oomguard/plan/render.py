@@ -453,6 +453,26 @@ def commands(result: PlanResult) -> RenderableType:
     )
 
 
+def prefix_caching(result: PlanResult) -> Text | None:
+    """Prefix caching on or off from the hit rate bench or watch measured (nothing when none
+    was measured)."""
+    advice = result.prefix_caching
+    if advice is None:
+        return None
+    text = Text()
+    if advice.flag is None:
+        text.append("Prefix caching: ", style="bold")
+        text.append(advice.reason + ".\n", style="dim")
+        return text
+    text.append("Prefix caching: ", style="bold")
+    text.append(advice.flag, style="bold green" if advice.enable else "bold yellow")
+    text.append(f" ({advice.reason}).\n")
+    planned = result.plan.settings.enable_prefix_caching
+    if planned is not None and planned != advice.enable:
+        text.append(f"The command below sets the opposite: use {advice.flag}.\n", style="yellow")
+    return text
+
+
 def footer(result: PlanResult) -> Text:
     """Calibration status, notes, and the time the plan took."""
     text = Text()
@@ -502,7 +522,8 @@ def render(result: PlanResult, console: Console) -> None:
     box = log_lines(result.plan)
     if box is not None:
         console.print(box)
-    for part in (recommendation(result), sizing(result), alternatives(result, console.width)):
+    parts = (recommendation(result), prefix_caching(result), sizing(result))
+    for part in (*parts, alternatives(result, console.width)):
         if part is not None:
             console.print(part)
     if result.fits:

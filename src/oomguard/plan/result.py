@@ -17,6 +17,7 @@ from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_
 from oomguard.workload import Workload
 
 if TYPE_CHECKING:
+    from oomguard.calibration.prefix import PrefixCacheAdvice
     from oomguard.memory.engine import EngineSettings, MemoryPrediction
     from oomguard.memory.spec import GPUSpec, ModelSpec
 
@@ -302,6 +303,8 @@ class PlanResult:
     notes: tuple[str, ...] = ()
     other_flags: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    # prefix caching on or off from a hit rate bench or watch measured (None: none measured)
+    prefix_caching: PrefixCacheAdvice | None = None
 
     @property
     def fits(self) -> bool:
@@ -431,6 +434,9 @@ class PlanResult:
             "sizing": [row.to_dict() for row in self.sizing],
             "estimates": self._estimates_dict(),
             "calibration": self.calibration.to_dict(),
+            "prefix_caching": None
+            if self.prefix_caching is None
+            else self.prefix_caching.to_dict(),
             "given": self._given_dict(),
             "notes": list(self.notes),
             "elapsed_s": round(self.elapsed_s, 4),

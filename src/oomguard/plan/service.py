@@ -348,6 +348,26 @@ def _calibration(plan: Candidate, measured: _CalibrationLookup | None) -> Calibr
     )
 
 
+def _prefix_caching(space: SearchSpace, plan: Candidate, notes: list[str]) -> Any:
+    """Prefix caching on or off from a hit rate measured for this GPU, model, TP and PP (any
+    vLLM version unless one was given); None when none was measured."""
+    from oomguard.calibration.prefix import measured_advice
+
+    s = plan.settings
+    version = None if space.base.vllm_version in (None, "", "latest") else space.base.vllm_version
+    try:
+        return measured_advice(
+            space.gpu.name,
+            version,
+            space.model.name,
+            s.tensor_parallel_size,
+            s.pipeline_parallel_size,
+        )
+    except OomguardError as exc:  # an unreadable store must not stop a plan
+        notes.append(f"calibration store not used for prefix caching: {exc.one_line()}")
+        return None
+
+
 def assemble(
     space: SearchSpace,
     target: Target,
@@ -370,6 +390,7 @@ def assemble(
             f"NVML: {target.free_bytes / GIB:.2f} GiB free of {gpu.total_gib:.2f} GiB on the fullest GPU"
         )
     return PlanResult(
+        prefix_caching=_prefix_caching(space, found.plan, notes) if measured else None,
         model_ref=space.model_ref,
         plan=found.plan,
         given=found.given,

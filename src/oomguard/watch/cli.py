@@ -20,6 +20,7 @@ from oomguard.errors import BadInput
 
 if TYPE_CHECKING:
     from oomguard.watch.plan_figures import PlanFigures
+    from oomguard.watch.prefix import RecordKey
     from oomguard.watch.sampling import Target
 
 _PLAN_FLAGS = (
@@ -116,6 +117,13 @@ LeakSettle = Annotated[
         "--leak-settle", help="Seconds after the pool is allocated before leaks are measured."
     ),
 ]
+Record = Annotated[
+    bool,
+    typer.Option(
+        "--record/--no-record",
+        help="Store each server's prefix-cache hit rate in the calibration store (not --once).",
+    ),
+]
 # the plan flags (with --model)
 Gpu = Annotated[str | None, typer.Option("--gpu", help="Plan flag (with --model).")]
 GpuCount = Annotated[int | None, typer.Option("--gpu-count", help="Plan flag.")]
@@ -166,6 +174,7 @@ def watch_command(
     leak_window: LeakWindow = 300.0,
     leak_rate_mib_per_min: LeakRate = 10.0,
     leak_settle: LeakSettle = 60.0,
+    record: Record = True,
     gpu: Gpu = None,
     gpu_count: GpuCount = None,
     gpu_memory_gib: GpuMemoryGib = None,
@@ -223,6 +232,8 @@ def watch_command(
         leak_window_s=leak_window,
         leak_rate_bytes_per_s=leak_rate_mib_per_min * 2**20 / 60,
         leak_settle_s=leak_settle,
+        record=record and not once,
+        record_key=_record_key(gpu, vllm_version, tensor_parallel_size, pipeline_parallel_size),
     )
     raise SystemExit(asyncio.run(_run(targets, plans, settings)))
 
@@ -264,6 +275,14 @@ class RunSettings:
     leak_window_s: float
     leak_rate_bytes_per_s: float
     leak_settle_s: float
+    record: bool = False
+    record_key: RecordKey | None = None
+
+
+def _record_key(gpu: str | None, version: str | None, tp: int | None, pp: int | None) -> RecordKey:
+    from oomguard.watch.prefix import RecordKey
+
+    return RecordKey(gpu=gpu, vllm_version=version, tp=tp or 1, pp=pp or 1)
 
 
 def _plans(
@@ -336,6 +355,12 @@ async def _run(targets: list[Target], plans: list[PlanFigures | None], s: RunSet
         live=not s.json_output and not s.once and sys.stdout.isatty(),
     )
     watch = Watch(targets, evaluator, tracker, outputs, s.interval_s, port=s.port, host=s.host)
+    if s.record and s.record_key is not None:
+        from oomguard.watch.prefix import PrefixCacheRecorder
+
+        watch.recorder = PrefixCacheRecorder(
+            s.record_key, {t.name: p for t, p in zip(targets, plans, strict=True)}
+        )
     try:
         return await watch.run(once=s.once, duration_s=s.duration_s)
     except BrokenPipeError:  # whoever read the JSON lines went away: nothing left to do

@@ -23,6 +23,7 @@ from oomguard.engine.memory import DeviceMemory
 from oomguard.errors import BadInput
 from oomguard.watch.alerts import AlertEvent, AlertTracker
 from oomguard.watch.evaluate import Evaluator
+from oomguard.watch.prefix import PrefixCacheRecorder
 from oomguard.watch.sampling import GpuReader, Target, TargetSample, sample_target
 from oomguard.watch.sinks import JsonLinesSink, WebhookSink
 
@@ -67,6 +68,7 @@ class Watch:
         self.rounds = 0
         self._stop = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        self.recorder: PrefixCacheRecorder | None = None  # stores the prefix-cache hit rate
 
     # -- one round ------------------------------------------------------------------------
     async def round(self, session: aiohttp.ClientSession) -> list[AlertEvent]:
@@ -87,6 +89,10 @@ class Watch:
             if not s.up:
                 self.scrape_errors[s.name] = self.scrape_errors.get(s.name, 0) + 1
         now_s = time.time()
+        if self.recorder is not None:
+            self.recorder.observe(kept, now_s)
+            if self.recorder.due():
+                await self.record_prefix_cache(session)
         observations = self.evaluator.round(kept, self.devices)
         covered = {s.name for s in kept if s.up}
         if self.devices is not None:
@@ -97,6 +103,22 @@ class Watch:
             self.event_counts[e.state] = self.event_counts.get(e.state, 0) + 1
             self._emit(e)
         return events
+
+    async def record_prefix_cache(self, session: aiohttp.ClientSession) -> None:
+        """Store each server's prefix-cache window in the calibration store and say so."""
+        if self.recorder is None:
+            return
+        local = {t.name for t in self.targets if t.local}
+        for row in await self.recorder.record(session, self.devices, local):
+            if self.outputs.json is not None:
+                self.outputs.json.emit({"event": "prefix_cache", **row})
+            elif self.outputs.console is not None and not self.outputs.live:
+                what = (
+                    f"stored under {row['key']}" if row["stored"] else f"not stored: {row['why']}"
+                )
+                self.outputs.console.print(
+                    f"prefix cache {row['server']}: {what}", style="dim", highlight=False
+                )
 
     def _refused(self, s: TargetSample) -> bool:
         """Drop a target that answered but is not vLLM (said once); True when dropped."""
@@ -231,6 +253,7 @@ class Watch:
         try:
             async with aiohttp.ClientSession() as session:
                 code = await (self._once(session) if once else self._forever(session, duration_s))
+                await self.record_prefix_cache(session)
             for hook in self.outputs.webhooks:
                 await hook.drain()
             return code

@@ -36,7 +36,8 @@ _LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 # keeps a round over several servers well under 1 % of a core.
 _WANTED_SAMPLES = frozenset({
     vm.KV_USAGE, vm.KV_USAGE_LEGACY, vm.PREEMPTIONS + "_total", vm.RUNNING, vm.WAITING,
-    vm.WAITING_BY_REASON, vm.CACHE_CONFIG, vm.SLEEP_STATE,
+    vm.WAITING_BY_REASON, vm.CACHE_CONFIG, vm.SLEEP_STATE, vm.PREFIX_CACHE_QUERIES + "_total",
+    vm.PREFIX_CACHE_HITS + "_total", vm.REQUEST_SUCCESS + "_total",
 })  # fmt: skip
 
 
