@@ -127,7 +127,8 @@ TensorParallelSizeOption = Annotated[
 RecordOption = Annotated[
     bool,
     typer.Option(
-        "--record/--no-record", help="Write the measured capacity into the calibration store."
+        "--record/--no-record",
+        help="Write the measured capacity and prefix-cache hit rate into the calibration store.",
     ),
 ]
 
