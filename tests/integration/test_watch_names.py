@@ -109,6 +109,7 @@ def scrapes(
             str(port),
             "--plan",
             str(plan_file),
+            "--no-record",
         ],
         stdout=subprocess.DEVNULL,
         stderr=(logs / "watch.log").open("w"),

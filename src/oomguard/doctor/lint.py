@@ -303,15 +303,15 @@ def _measured_prefix(parsed: Any, gpu_spec: Any, notes: list[str]) -> Any:
     from oomguard.calibration.prefix import measured_advice
     from oomguard.errors import OomguardError
 
-    s = parsed.settings()
-    version = None if s.vllm_version in (None, "", "latest") else s.vllm_version
+    args = parsed.settings_kwargs
+    version = args.get("vllm_version")
     try:
         advice = measured_advice(
             gpu_spec.name,
-            version,
+            None if version in (None, "", "latest") else str(version),
             parsed.model,
-            s.tensor_parallel_size,
-            s.pipeline_parallel_size,
+            int(args.get("tensor_parallel_size") or 1),
+            int(args.get("pipeline_parallel_size") or 1),
         )
     except OomguardError as exc:
         notes.append(f"prefix caching not checked against the calibration store: {exc.one_line()}")
@@ -343,8 +343,9 @@ def _check_prefix_caching(c: _Command) -> LintFinding | None:
             Fix(
                 "--no-enable-prefix-caching",
                 None,
-                "without shared prefixes (hit rate < 30 %) the "
-                "cached blocks only hold memory; keep it if prompts share a system prompt",
+                "without shared prefixes it saves no prefill (the checklist turns it off below "
+                "30 % hits); keep it if prompts share a system prompt, and measure the rate "
+                "with `oomguard bench` or `oomguard watch`",
             )
         ],
         "",
