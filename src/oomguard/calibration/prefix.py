@@ -175,15 +175,15 @@ def advise(
     )
     if rate >= HIT_RATE_LINE:
         why = (
-            f"{measured}, at or above the checklist's {HIT_RATE_LINE:.0%} line (step 6): that share of prefill is "
-            "not recomputed (throughput, time to first token), and requests sharing a prefix "
-            "hold its KV blocks once, so the same pool holds more of them"
+            f"{measured}, at or above the checklist's {HIT_RATE_LINE:.0%} line (step 6): that "
+            "share of prefill is not recomputed (throughput, time to first token), and requests "
+            "sharing a prefix hold its KV blocks once, so the same pool holds more of them"
         )
         return PrefixCacheAdvice(window, source, key, recorded_at, True, ON_FLAG, why + near)
     why = (
-        f"{measured}, below the checklist's {HIT_RATE_LINE:.0%} line (step 6): the cache saves little prefill for "
-        "the hashing and lookups every request pays, and on hybrid (Mamba) models it keeps "
-        "extra state pages per request that the live KV cache could use"
+        f"{measured}, below the checklist's {HIT_RATE_LINE:.0%} line (step 6): the cache saves "
+        "little prefill for the hashing and lookups every request pays, and on hybrid (Mamba) "
+        "models it keeps extra state pages per request that the live KV cache could use"
     )
     return PrefixCacheAdvice(window, source, key, recorded_at, False, OFF_FLAG, why + near)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
@@ -33,6 +33,9 @@ from oomguard.plan.result import (
 from oomguard.units import GIB
 from oomguard.vllm_args import ParsedCommand, parse_command, parse_human_int
 from oomguard.workload import DEFAULT_MARGIN, Workload, shared_prefix_tokens
+
+if TYPE_CHECKING:
+    from oomguard.calibration.prefix import PrefixCacheAdvice
 
 # the format words oomguard.calibration.model_family keeps in a family name
 _CHECKPOINT_FORMATS = ("awq", "gptq", "fp8", "int4", "int8", "w4a16", "w8a8", "bnb-4bit", "gguf",
@@ -348,7 +351,9 @@ def _calibration(plan: Candidate, measured: _CalibrationLookup | None) -> Calibr
     )
 
 
-def _prefix_caching(space: SearchSpace, plan: Candidate, notes: list[str]) -> Any:
+def _prefix_caching(
+    space: SearchSpace, plan: Candidate, notes: list[str]
+) -> PrefixCacheAdvice | None:
     """Prefix caching on or off from a hit rate measured for this GPU, model, TP and PP (any
     vLLM version unless one was given); None when none was measured."""
     from oomguard.calibration.prefix import measured_advice

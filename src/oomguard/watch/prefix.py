@@ -155,4 +155,6 @@ class PrefixCacheRecorder:
             store.add([obs])
         except OomguardError as exc:
             return {"server": name, "stored": False, "why": exc.one_line()}
+        except OSError as exc:  # a store that cannot be written must not end the watch
+            return {"server": name, "stored": False, "why": f"{store.path}: {exc.strerror or exc}"}
         return {"server": name, "stored": True, "key": obs.key, **window.to_dict()}
