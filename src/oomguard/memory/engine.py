@@ -473,6 +473,17 @@ def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers |
     )
 
 
+def _encoder_range(b: _BudgetInputs, a: Estimate) -> Estimate:
+    """The activation range with what the multimodal profile leaves unpriced: the encoder
+    pass's own peak (up to one more copy of its outputs above) and, with item sizes in
+    ``--limit-mm-per-prompt``, smaller items than the maximal one priced (down to none)."""
+    if not b.encoder_tokens or b.model.vision is None:
+        return a
+    kept = b.encoder_tokens * b.model.hidden_size * b.dbytes
+    low = a.low_bytes - kept if mm.has_size_options(b.settings.limit_mm_per_prompt) else a.low_bytes
+    return Estimate(a.value_bytes, max(0, low), a.high_bytes + kept, a.basis)
+
+
 def _stage_weights(
     b: _BudgetInputs,
     weights_bytes: int,
@@ -566,6 +577,7 @@ def _stage_memory(
         coef=b.coef,
         encoder_tokens=b.encoder_tokens,
     )
+    a_est = _encoder_range(b, a_est)
     if measured and measured.activation_bytes is not None:
         a_est = Estimate.measured(measured.activation_bytes, measured.source)
         _note(measured_names, "activation")

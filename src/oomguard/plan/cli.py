@@ -75,6 +75,17 @@ def plan_command(
     cpu_offload_gb: opt.CpuOffloadGb = None,
     block_size: opt.BlockSize = None,
     vllm_version: opt.VllmVersion = None,
+    enable_lora: opt.EnableLora = None,
+    max_loras: opt.MaxLoras = None,
+    max_lora_rank: opt.MaxLoraRank = None,
+    max_cpu_loras: opt.MaxCpuLoras = None,
+    lora_dtype: opt.LoraDtype = None,
+    fully_sharded_loras: opt.FullyShardedLoras = None,
+    limit_mm_per_prompt: opt.LimitMmPerPrompt = None,
+    skip_mm_profiling: opt.SkipMmProfiling = None,
+    mm_encoder_tp_mode: opt.MmEncoderTpMode = None,
+    mm_processor_cache_gb: opt.MmProcessorCacheGb = None,
+    mm_processor_cache_type: opt.MmProcessorCacheType = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
     shared_prefix: opt.SharedPrefix = None,
@@ -132,6 +143,9 @@ _ENGINE_FLAGS = frozenset({
     "max_num_batched_tokens", "kv_cache_dtype", "quantization", "dtype", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "cpu_offload_gb", "block_size",
     "vllm_version",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+    "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling", "mm_encoder_tp_mode",
+    "mm_processor_cache_gb", "mm_processor_cache_type",
 })  # fmt: skip
 
 

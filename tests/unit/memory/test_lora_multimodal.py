@@ -262,3 +262,24 @@ def test_moe_layers_use_expert_buffers() -> None:
         + lora.moe_experts(BF16, 1024, 512, 8)
     )
     assert got.bytes == 2 * per_layer + lora.punica_metadata_bytes(64, 8, 1)
+
+
+def test_unpriced_encoder_terms_widen_the_activation_range() -> None:
+    model = _vision_model(item=1000)
+    base = EngineSettings(vllm_version="0.32", max_model_len=8192)
+    text_only = predict(model, H100, dataclasses.replace(base, skip_mm_profiling=True))
+    plain = predict(model, H100, base)
+    sized = predict(
+        model,
+        H100,
+        dataclasses.replace(base, limit_mm_per_prompt='{"image":{"count":2,"width":448}}'),
+    )
+    kept = 8 * 1000 * 4096 * 2
+    # the encoder pass's own peak: up to one more copy of its outputs above the priced value
+    assert plain.activation.high_bytes - plain.activation.value_bytes >= (
+        text_only.activation.high_bytes - text_only.activation.value_bytes + kept
+    )
+    # smaller items than the maximal one: down to no encoder outputs at all
+    assert sized.activation.value_bytes == plain.activation.value_bytes
+    assert plain.activation.low_bytes - sized.activation.low_bytes == kept
+    assert sized.kv_cache_bytes_range[1] > plain.kv_cache_bytes_range[1]
