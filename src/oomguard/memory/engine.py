@@ -455,6 +455,7 @@ class _BudgetInputs:
     block_size: int
     lora_shape: lora.LoraShape | None = None  # --enable-lora: the adapter buffers' shape
     encoder_tokens: int | None = None  # encoder outputs the profile keeps (None: V0 rule)
+    encoder_video_tokens: int = 0  # the same were a largest video item profiled
 
 
 def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers | None:
@@ -474,14 +475,27 @@ def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers |
 
 
 def _encoder_range(b: _BudgetInputs, a: Estimate) -> Estimate:
-    """The activation range with what the multimodal profile leaves unpriced: the encoder
-    pass's own peak (up to one more copy of its outputs above) and, with item sizes in
-    ``--limit-mm-per-prompt``, smaller items than the maximal one priced (down to none)."""
+    """The activation with the multimodal encoder pass, a measurement priced as a range.
+
+    The pass runs before the text dummy run and holds its activations and its outputs; its
+    point estimate counts when it exceeds the text phase, its range (½× to 2×) and a video item
+    at its largest (Qwen-VL towers) widen the high end. Item sizes in ``--limit-mm-per-prompt``
+    can make the profiled item smaller than the maximal one priced: down to none.
+    """
     if not b.encoder_tokens or b.model.vision is None:
         return a
-    kept = b.encoder_tokens * b.model.hidden_size * b.dbytes
-    low = a.low_bytes - kept if mm.has_size_options(b.settings.limit_mm_per_prompt) else a.low_bytes
-    return Estimate(a.value_bytes, max(0, low), a.high_bytes + kept, a.basis)
+    width = b.model.hidden_size * b.dbytes
+    kept = b.encoder_tokens * width
+    worst = max(b.encoder_tokens, b.encoder_video_tokens)
+    encoder = mm.encoder_pass_bytes(b.model, b.encoder_tokens, b.dbytes) + kept
+    encoder_high = 2 * mm.encoder_pass_bytes(b.model, worst, b.dbytes) + worst * width
+    value = max(a.value_bytes, encoder)
+    high = max(a.high_bytes + (worst - b.encoder_tokens) * width, encoder_high, value)
+    low = a.low_bytes
+    if mm.has_size_options(b.settings.limit_mm_per_prompt):
+        low -= kept
+    basis = a.basis if value == a.value_bytes else f"estimate: multimodal encoder pass ({a.basis})"
+    return Estimate(value, max(0, min(low, value)), high, basis)
 
 
 def _stage_weights(
@@ -946,7 +960,7 @@ def lora_shape(settings: EngineSettings, r: ResolvedSettings) -> lora.LoraShape 
 
 
 def encoder_profile_of(
-    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, video: bool = False
 ) -> mm.EncoderProfile | None:
     """The multimodal encoder batch of the profile run (V1 engine), or None."""
     return mm.encoder_profile(
@@ -956,13 +970,16 @@ def encoder_profile_of(
         max_num_seqs=r.seqs,
         max_model_len=r.max_len,
         skip_profiling=settings.skip_mm_profiling,
+        video=video,
     )
 
 
-def _encoder_tokens(model: ModelSpec, settings: EngineSettings, r: ResolvedSettings) -> int | None:
+def _encoder_tokens(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, video: bool = False
+) -> int | None:
     if model.vision is None or r.era.engine == "v0":
         return None  # the V0 engine's own encoder profile (budget × hidden) stays as it was
-    profile = encoder_profile_of(model, settings, r)
+    profile = encoder_profile_of(model, settings, r, video)
     return profile.kept_tokens if profile else 0
 
 
@@ -1009,6 +1026,7 @@ def budget_stages(
         block_size=kv.block_size,
         lora_shape=lora_shape(settings, r),
         encoder_tokens=_encoder_tokens(model, settings, r),
+        encoder_video_tokens=_encoder_tokens(model, settings, r, video=True) or 0,
     )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []

@@ -25,8 +25,8 @@ From vllm 0.32:
   every API-server and engine process, or one shared-memory ring with ``shm``.
 
 The encoder pass's own activation peak (the vision transformer over the dummy batch) is a
-measurement that depends on the attention backend; it is not priced beyond the encoder
-outputs it leaves behind.
+measurement that depends on the attention backend; :func:`encoder_pass_bytes` estimates it
+and the engine prices it as a range.
 """
 
 from __future__ import annotations
@@ -60,6 +60,22 @@ ENCODER_DATA_PARALLEL_MODEL_TYPES = frozenset(
         "glm4v", "glm4v_moe", "internvl_chat", "minicpmv", "step3_vl", "dots_ocr",
     }
 )  # fmt: skip
+
+
+# Vision-transformer patches per encoder output token (the projector's merge: 2×2 spatial
+# merge in Qwen-VL, Kimi-VL's MoonViT and Mistral 3, Llama 4's pixel shuffle; Gemma 3 pools
+# 4×4); other towers: 1.
+PATCHES_PER_TOKEN = {
+    "qwen2_vl": 4, "qwen2_5_vl": 4, "qwen3_vl": 4, "qwen3_vl_moe": 4, "kimi_vl": 4,
+    "llama4": 4, "mistral3": 4, "gemma3": 16,
+}  # fmt: skip
+# A video item of the Qwen-VL towers fills the context with frames of the largest image size,
+# two frames per temporal patch, up to 14 frames (model_executor/models/qwen2_vl.py:
+# _MAX_FRAMES_PER_VIDEO, get_num_frames_with_most_features): at most 7 image-sized groups.
+VIDEO_FRAME_GROUPS = 7
+# The encoder pass holds, per patch, about one layer's MLP (≈ 4 × its width) and the residual
+# stream (≈ 3 × its width): a measurement in vLLM, priced as a range of ½× to 2× this.
+ENCODER_WIDTH_FACTOR = 7
 
 
 @dataclass(frozen=True)
@@ -130,8 +146,10 @@ def encoder_profile(
     max_model_len: int,
     chunked_prefill: bool = True,
     skip_profiling: bool = False,
+    video: bool = False,
 ) -> EncoderProfile | None:
-    """The encoder batch the profile run encodes, or None when it encodes none."""
+    """The encoder batch the profile run encodes, or None when it encodes none. ``video``:
+    the batch if the profile picks the video modality at its largest item (an upper bound)."""
     if model.vision is None or skip_profiling or not tower_loaded(model, limits):
         return None
     item = model.vision.max_tokens_per_item
@@ -139,12 +157,25 @@ def encoder_profile(
         return None
     # the image item's size stands in for a video item when only video is allowed
     modality = next(m for m in tower_modalities(model) if limit_for(limits, m) > 0)
+    if video:
+        if "video" not in tower_modalities(model) or limit_for(limits, "video") == 0:
+            return None
+        modality = "video"
+        item *= max(1, min(max_model_len // item, VIDEO_FRAME_GROUPS))
     budget = max(max_num_batched_tokens, item)
     limit = limit_for(limits, modality)
     per_prompt = max(1, min(limit, max_model_len // item))
     seqs = max_num_seqs if chunked_prefill else min(max_num_seqs, max_num_batched_tokens // item)
     items = max(1, min(budget // item, seqs * per_prompt))
     return EncoderProfile(budget, items, modality, items * item)
+
+
+def encoder_pass_bytes(model: ModelSpec, output_tokens: int, dtype_bytes: int) -> int:
+    """The encoder pass's activations for a batch of ``output_tokens`` (an estimate)."""
+    if model.vision is None or not model.vision.hidden_size:
+        return 0
+    patches = output_tokens * PATCHES_PER_TOKEN.get(model.model_type, 1)
+    return patches * ENCODER_WIDTH_FACTOR * model.vision.hidden_size * dtype_bytes
 
 
 def encoder_log_line(profile: EncoderProfile) -> str:

@@ -501,8 +501,8 @@ def adapter_notes(spec: ModelSpec, settings: EngineSettings) -> list[str]:
     )
     notes.append(
         f"multimodal processor cache: {cache / GIB:.1f} GiB of host memory "
-        f"({settings.mm_processor_cache_type}); the encoder pass's own activation peak is a "
-        "measurement, priced only by the outputs it keeps"
+        f"({settings.mm_processor_cache_type}); the encoder pass's activation peak is a "
+        "measurement, priced as a range"
     )
     return notes
 

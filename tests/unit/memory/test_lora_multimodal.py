@@ -264,22 +264,31 @@ def test_moe_layers_use_expert_buffers() -> None:
     assert got.bytes == 2 * per_layer + lora.punica_metadata_bytes(64, 8, 1)
 
 
-def test_unpriced_encoder_terms_widen_the_activation_range() -> None:
+def test_item_sizes_lower_the_activation_range_to_no_encoder_outputs() -> None:
     model = _vision_model(item=1000)
     base = EngineSettings(vllm_version="0.32", max_model_len=8192)
-    text_only = predict(model, H100, dataclasses.replace(base, skip_mm_profiling=True))
     plain = predict(model, H100, base)
-    sized = predict(
-        model,
-        H100,
-        dataclasses.replace(base, limit_mm_per_prompt='{"image":{"count":2,"width":448}}'),
-    )
-    kept = 8 * 1000 * 4096 * 2
-    # the encoder pass's own peak: up to one more copy of its outputs above the priced value
-    assert plain.activation.high_bytes - plain.activation.value_bytes >= (
-        text_only.activation.high_bytes - text_only.activation.value_bytes + kept
-    )
-    # smaller items than the maximal one: down to no encoder outputs at all
+    sized_limits = '{"image":{"count":2,"width":448}}'
+    sized = predict(model, H100, dataclasses.replace(base, limit_mm_per_prompt=sized_limits))
     assert sized.activation.value_bytes == plain.activation.value_bytes
-    assert plain.activation.low_bytes - sized.activation.low_bytes == kept
+    assert plain.activation.low_bytes - sized.activation.low_bytes == 8 * 1000 * 4096 * 2
     assert sized.kv_cache_bytes_range[1] > plain.kv_cache_bytes_range[1]
+
+
+def test_the_encoder_pass_and_a_video_item_bound_the_activation() -> None:
+    model = _vision_model(item=4096)
+    base = EngineSettings(vllm_version="0.32", max_model_len=32768)
+    images = dataclasses.replace(base, limit_mm_per_prompt='{"video":{"count":0}}')
+    both = predict(model, H100, base)
+    image_only = predict(model, H100, images)
+    assert both.activation.value_bytes == image_only.activation.value_bytes
+    # a video item at its largest: 7 image-sized groups (28,672 tokens) instead of 2 images
+    extra = (7 * 4096 - 2 * 4096) * 4096 * 2
+    assert both.activation.high_bytes - image_only.activation.high_bytes >= extra
+    # a wide tower's pass outweighs the text phase: its estimate is the value
+    assert model.vision is not None
+    wide = dataclasses.replace(model, vision=dataclasses.replace(model.vision, hidden_size=16384))
+    got = predict(wide, H100, images)
+    expected = mm.encoder_pass_bytes(wide, 8192, 2) + 8192 * 4096 * 2
+    assert got.activation.value_bytes == expected > image_only.activation.value_bytes
+    assert got.activation.high_bytes >= 2 * mm.encoder_pass_bytes(wide, 8192, 2)
