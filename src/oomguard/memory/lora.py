@@ -83,6 +83,7 @@ class LoraShape:
     tp: int = 1
     ep: int = 1
     fully_sharded: bool = False
+    block: int = ALLOCATION_BLOCK  # allocation granularity (1: the tensors' own bytes)
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,10 @@ class LoraBuffers:
     exact: bool
 
 
-def _block(nbytes: float) -> int:
-    """One allocation as the caching allocator counts it (rounded up to 512 bytes)."""
+def _block(nbytes: float, block: int = ALLOCATION_BLOCK) -> int:
+    """One allocation as the caching allocator counts it (rounded up to ``block`` bytes)."""
     n = int(nbytes)
-    return max(ALLOCATION_BLOCK, -(-n // ALLOCATION_BLOCK) * ALLOCATION_BLOCK) if n else 0
+    return max(block, -(-n // block) * block) if n else 0
 
 
 def _stack(s: LoraShape, *dims: int) -> int:
@@ -104,7 +105,7 @@ def _stack(s: LoraShape, *dims: int) -> int:
     elems = s.max_loras
     for d in dims:
         elems *= d
-    return _block(elems * s.dtype_bytes)
+    return _block(elems * s.dtype_bytes, s.block)
 
 
 def column_parallel(s: LoraShape, hidden_in: int, outputs: tuple[int, ...]) -> int:
@@ -200,6 +201,21 @@ def punica_metadata_bytes(max_num_batched_tokens: int, max_num_seqs: int, max_lo
     return base + 2 * (2 * _block(4 * t) + per_adapter)
 
 
+def module_bytes(
+    model: ModelSpec, s: LoraShape, layers: range, *, first: bool, last: bool
+) -> LoraBuffers:
+    """The wrapped modules' A/B stacks on one rank of the stage owning ``layers``."""
+    moe_flags = _moe_layer_flags(model)
+    total, exact = 0, True
+    for i in layers:
+        layer = model.layers[i] if i < len(model.layers) else LayerSpec(AttentionKind.FULL)
+        if layer.kind not in _STANDARD_KINDS:
+            exact = False  # MLA, Mamba and linear attention priced as standard attention
+        total += _attention(model, layer, s) + _mlp_layer(model, s, moe_flags[i])
+    total += vocab_buffers(model, s, first=first, last=last)
+    return LoraBuffers(total, exact)
+
+
 def lora_stage_bytes(
     model: ModelSpec,
     s: LoraShape,
@@ -211,16 +227,9 @@ def lora_stage_bytes(
     seqs: int,
 ) -> LoraBuffers:
     """LoRA buffers one rank of the stage owning ``layers`` allocates while loading."""
-    moe_flags = _moe_layer_flags(model)
-    total, exact = 0, True
-    for i in layers:
-        layer = model.layers[i] if i < len(model.layers) else LayerSpec(AttentionKind.FULL)
-        if layer.kind not in _STANDARD_KINDS:
-            exact = False  # MLA, Mamba and linear attention priced as standard attention
-        total += _attention(model, layer, s) + _mlp_layer(model, s, moe_flags[i])
-    total += vocab_buffers(model, s, first=first, last=last)
-    total += punica_metadata_bytes(tokens, seqs, s.max_loras)
-    return LoraBuffers(total, exact)
+    modules = module_bytes(model, s, layers, first=first, last=last)
+    total = modules.bytes + punica_metadata_bytes(tokens, seqs, s.max_loras)
+    return LoraBuffers(total, modules.exact)
 
 
 def adapter_host_bytes(model: ModelSpec, s: LoraShape) -> int:
