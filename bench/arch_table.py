@@ -49,9 +49,6 @@ NODE_TOTAL_BYTES = 12 * 2**30  # only the planner's "total" line depends on it
 CAUSES = {
     "DeepseekV2ForCausalLM": "parameters: the planner counts 953,790,464, vLLM holds "
     "966,385,664 (-1.3 %; not yet traced); the rotary cache agrees (163,840 × 64 × 4 B).",
-    "KimiVLForConditionalGeneration": "the vision tower: the engine ran with every multimodal "
-    "limit at 0, so vLLM loads no vision weights, while the planner, which has no such setting, "
-    "counts the tower (266 MB here); the text tower agrees.",
     "DeepseekV32ForCausalLM": "vLLM 0.32.0 has no sparse-attention (DSA) backend on CPU.",
     "Exaone4ForCausalLM": "the installed transformers fails to parse the config "
     "(integer modulo by zero; the published config has sliding_window_pattern null), before "
