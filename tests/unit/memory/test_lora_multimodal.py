@@ -292,3 +292,13 @@ def test_the_encoder_pass_and_a_video_item_bound_the_activation() -> None:
     expected = mm.encoder_pass_bytes(wide, 8192, 2) + 8192 * 4096 * 2
     assert got.activation.value_bytes == expected > image_only.activation.value_bytes
     assert got.activation.high_bytes >= 2 * mm.encoder_pass_bytes(wide, 8192, 2)
+
+
+def test_a_dropped_tower_leaves_the_checkpoint_cross_check_out() -> None:
+    model = dataclasses.replace(
+        _vision_model(), checkpoint_bytes_by_dtype={"BF16": 2 * 8_630_000_000}
+    )
+    view = mm.weights_view(model, '{"image":{"count":0},"video":{"count":0}}', "weights", 1)
+    assert view.checkpoint_bytes_by_dtype == {} and view.vision is None
+    basis = weight_bytes_per_stage(view, model_dtype="bfloat16").basis
+    assert "checkpoint" not in basis
