@@ -110,6 +110,9 @@ UNMODELLED_MEMORY_FLAGS = frozenset(
     {
         "speculative-config",
         "lora-target-modules",  # LoRA is priced on every module it may wrap (an upper bound)
+        "enable-tower-connector-lora",  # LoRA buffers on the vision tower and connector
+        "enable-moe-shared-loras",  # expert LoRA stacks shared across experts (fewer bytes)
+        "specialize-active-lora",  # graphs per power-of-two adapter count (more graphs)
         "spec-method",
         "spec-model",
         "spec-tokens",
