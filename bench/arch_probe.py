@@ -63,6 +63,27 @@ def _measure_before_repacking() -> None:
     base_loader.process_weights_after_loading = measured
 
 
+def _lora_bytes(core: object) -> int | None:
+    """Bytes of the LoRA A/B stacks of every wrapped module, each storage once (None without
+    LoRA); vLLM keeps them as plain tensor attributes, not as parameters or buffers."""
+    runner = core.model_executor.driver_worker.worker.model_runner  # type: ignore[attr-defined]
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        return None
+    seen: set[int] = set()
+    total = 0
+    for module in manager._adapter_manager.modules.values():
+        for name, value in vars(module).items():
+            if "lora_" not in name or not name.endswith("stacked"):
+                continue
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
+
+
 def _probe(job: dict[str, object]) -> dict[str, object]:
     """Load one job's model, read what vLLM holds, and shut the engine down."""
     import gc
@@ -100,6 +121,7 @@ def _probe(job: dict[str, object]) -> dict[str, object]:
             "kv_cache_tokens": cache.kv_cache_size_tokens,
             "max_concurrency": f"{cache.kv_cache_max_concurrency:.2f}",
             "max_model_len": llm.llm_engine.vllm_config.model_config.max_model_len,
+            "lora_bytes": _lora_bytes(core),
         }
     finally:
         del llm

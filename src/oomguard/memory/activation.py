@@ -279,12 +279,17 @@ def sampler_peak_bytes(
     return int(value), int(low), int(high), path
 
 
-def encoder_cache_bytes(model: ModelSpec, max_num_batched_tokens: int, dtype_bytes: int) -> int:
-    """Multimodal encoder outputs kept during the profile (§2.3 budget × text hidden size)."""
+def encoder_cache_bytes(
+    model: ModelSpec, max_num_batched_tokens: int, dtype_bytes: int, tokens: int | None = None
+) -> int:
+    """Multimodal encoder outputs kept during the profile (§2.3): ``tokens`` encoder output
+    tokens (``oomguard.memory.multimodal.encoder_profile``) × text hidden size; without
+    ``tokens``, the whole budget."""
     if model.vision is None:
         return 0
-    budget = max(max_num_batched_tokens, model.vision.max_tokens_per_item)
-    return budget * model.hidden_size * dtype_bytes
+    if tokens is None:
+        tokens = max(max_num_batched_tokens, model.vision.max_tokens_per_item)
+    return tokens * model.hidden_size * dtype_bytes
 
 
 def activation_peak(
@@ -299,6 +304,7 @@ def activation_peak(
     ep: int = 1,
     dp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
+    encoder_tokens: int | None = None,
 ) -> Estimate:
     """Torch peak increase of the profile run on one rank (§2.3): ``max(forward, sampler) + kept``.
 
@@ -316,7 +322,7 @@ def activation_peak(
     else:
         sampler, s_low, s_high, path = 0, 0, 0, "none (not the last pipeline stage)"
     moe_kept = moe_workspace_bytes(model, t, tp, dtype_bytes, ep)
-    kept = moe_kept + encoder_cache_bytes(model, t, dtype_bytes)
+    kept = moe_kept + encoder_cache_bytes(model, t, dtype_bytes, encoder_tokens)
     k_high = kept
     if ep > 1 and dp > 1 and moe_kept:
         k_high += moe_workspace_bytes(model, min(t * dp, 32768), tp, dtype_bytes, ep) - moe_kept
@@ -424,11 +430,13 @@ def cudagraph_estimate(
     compute_capability: str = "",
     tp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
+    graph_variants: int = 1,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
 
     Zero with ``enforce_eager``, on CPU, and before 0.20 (the estimate is not applied then;
-    graphs come out of the (1 − util) slack).
+    graphs come out of the (1 − util) slack). ``graph_variants`` graphs are captured per size
+    (2 with LoRA: with and without adapters, vllm 0.32 ``v1/cudagraph_dispatcher.py``).
     """
     if enforce_eager:
         return Estimate.exact(0, "enforce_eager: no CUDA graphs")
@@ -441,6 +449,7 @@ def cudagraph_estimate(
     if platform == "rocm" and not era.rocm_cudagraph_profiled:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
     n = len(capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability))
+    n *= graph_variants
     gib = (
         coef.graph_base_gib + coef.graph_per_layer_gib * stage_layers * n / GRAPH_REFERENCE_CAPTURES
     )

@@ -16,6 +16,8 @@ from typing import Any
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory import kv as kvm
+from oomguard.memory import lora
+from oomguard.memory import multimodal as mm
 from oomguard.memory.activation import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
@@ -94,6 +96,19 @@ class EngineSettings:
     # are loaded only for an MTP method ("mtp", "deepseek_mtp", "qwen3_next_mtp", ...)
     speculative_method: str | None = None
     cpu_numa_node: int = 0  # CPU backend: NUMA node of the worker's first CPU (log text only)
+    # LoRA (vllm/config/lora.py; buffers in oomguard.memory.lora). None: vLLM's default
+    enable_lora: bool = False
+    max_loras: int | None = None  # default 1
+    max_lora_rank: int | None = None  # default 16
+    max_cpu_loras: int | None = None  # default max_loras (host memory only)
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
+    # multimodal (vllm/config/multimodal.py; oomguard.memory.multimodal)
+    limit_mm_per_prompt: str | None = None  # canonical JSON {modality: {"count": n, …}}
+    skip_mm_profiling: bool = False
+    mm_encoder_tp_mode: str = "weights"
+    mm_processor_cache_gb: float | None = None  # host memory; default 4
+    mm_processor_cache_type: str = "lru"
 
 
 @dataclass(frozen=True)
@@ -336,6 +351,30 @@ def _validate(settings: EngineSettings) -> None:
         raise BadInput("--kv-cache-memory-bytes is negative", "pass a byte count such as 8G")
     if settings.cpu_offload_gb < 0:
         raise BadInput("--cpu-offload-gb is negative", "pass 0 or more")
+    _validate_lora(settings)
+
+
+def _validate_lora(settings: EngineSettings) -> None:
+    """vLLM's LoRAConfig checks (vllm/config/lora.py), as one-line errors."""
+    loras, cpu_loras = lora_slots(settings), settings.max_cpu_loras
+    if loras < 1:
+        raise BadInput(f"--max-loras {loras} must be at least 1", "pass 1 or more")
+    if cpu_loras is not None and cpu_loras < loras:
+        raise BadInput(
+            f"--max-cpu-loras {cpu_loras} is below --max-loras {loras}",
+            "vLLM requires max_cpu_loras >= max_loras; raise --max-cpu-loras",
+        )
+    rank = settings.max_lora_rank
+    if rank is not None and rank not in lora.LORA_RANKS:
+        raise BadInput(
+            f"--max-lora-rank {rank} is not a rank vLLM accepts",
+            "use one of " + ", ".join(str(r) for r in lora.LORA_RANKS),
+        )
+
+
+def lora_slots(settings: EngineSettings) -> int:
+    """``max_loras`` as vLLM resolves it."""
+    return lora.DEFAULT_MAX_LORAS if settings.max_loras is None else settings.max_loras
 
 
 def _default_block_size(
@@ -414,12 +453,60 @@ class _BudgetInputs:
     kv_override: int | None
     model_dtype: str
     block_size: int
+    lora_shape: lora.LoraShape | None = None  # --enable-lora: the adapter buffers' shape
+    encoder_tokens: int | None = None  # encoder outputs the profile keeps (None: V0 rule)
+    encoder_video_tokens: int = 0  # the same were a largest video item profiled
+
+
+def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers | None:
+    """The LoRA buffers the stage's rank allocates while loading (None without LoRA)."""
+    if b.lora_shape is None:
+        return None
+    pp = b.settings.pipeline_parallel_size
+    return lora.lora_stage_bytes(
+        b.model,
+        b.lora_shape,
+        layers,
+        first=idx == 0,
+        last=idx == pp - 1,
+        tokens=b.tokens,
+        seqs=b.seqs,
+    )
+
+
+def _encoder_range(b: _BudgetInputs, a: Estimate) -> Estimate:
+    """The activation with the multimodal encoder pass, a measurement priced as a range.
+
+    The pass runs before the text dummy run and holds its activations and its outputs; its
+    point estimate counts when it exceeds the text phase, its range (½× to 2×) and a video item
+    at its largest (Qwen-VL towers) widen the high end. Item sizes in ``--limit-mm-per-prompt``
+    can make the profiled item smaller than the maximal one priced: down to none.
+    """
+    if not b.encoder_tokens or b.model.vision is None:
+        return a
+    width = b.model.hidden_size * b.dbytes
+    kept = b.encoder_tokens * width
+    worst = max(b.encoder_tokens, b.encoder_video_tokens)
+    encoder = mm.encoder_pass_bytes(b.model, b.encoder_tokens, b.dbytes) + kept
+    encoder_high = 2 * mm.encoder_pass_bytes(b.model, worst, b.dbytes) + worst * width
+    value = max(a.value_bytes, encoder)
+    high = max(a.high_bytes + (worst - b.encoder_tokens) * width, encoder_high, value)
+    low = a.low_bytes
+    if mm.has_size_options(b.settings.limit_mm_per_prompt):
+        low -= kept
+    basis = a.basis if value == a.value_bytes else f"estimate: multimodal encoder pass ({a.basis})"
+    return Estimate(value, max(0, min(low, value)), high, basis)
 
 
 def _stage_weights(
-    b: _BudgetInputs, weights_bytes: int, weights_basis: str, measured_names: list[str]
+    b: _BudgetInputs,
+    weights_bytes: int,
+    weights_basis: str,
+    measured_names: list[str],
+    adapters: lora.LoraBuffers | None = None,
 ) -> Estimate:
-    """One stage's weights: the computed count with its band, or the measured figure."""
+    """One stage's weights: the computed count with its band (plus the LoRA buffers, exact
+    or ±50 % where a layer kind is priced as standard attention), or the measured figure."""
     settings, measured = b.settings, b.measured
     # parameters × bytes per format; the band is what such counts missed by on real logs
     quantized = bool(b.model.quant.method or settings.quantization)
@@ -427,11 +514,16 @@ def _stage_weights(
     if not b.model.verified:
         # read by the generic reader: modules it does not know may add or remove weights
         half = max(half, UNVERIFIED_WEIGHTS_BAND)
+    extra = adapters.bytes if adapters else 0
+    spread = 0 if adapters is None or adapters.exact else extra // 2
+    basis = f"computed: {weights_basis}"
+    if adapters:
+        basis += f" + {extra / GIB:.3f} GiB LoRA buffers"
     w_est = Estimate(
-        weights_bytes,
-        int(weights_bytes * (1 - half)),
-        int(weights_bytes * (1 + half)),
-        f"computed: {weights_basis}",
+        weights_bytes + extra,
+        int(weights_bytes * (1 - half)) + extra - spread,
+        int(weights_bytes * (1 + half)) + extra + spread,
+        basis,
     )
     if measured and measured.weights_bytes is not None:
         w_est = Estimate.measured(measured.weights_bytes, measured.source)
@@ -484,7 +576,8 @@ def _stage_memory(
     """
     settings, era, measured = b.settings, b.era, b.measured
     pp = settings.pipeline_parallel_size
-    w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names)
+    adapters = _stage_lora(b, idx, layers)
+    w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names, adapters)
     a_est = activation_peak(
         b.model,
         era=era,
@@ -496,7 +589,9 @@ def _stage_memory(
         ep=b.ep,
         dp=settings.data_parallel_size,
         coef=b.coef,
+        encoder_tokens=b.encoder_tokens,
     )
+    a_est = _encoder_range(b, a_est)
     if measured and measured.activation_bytes is not None:
         a_est = Estimate.measured(measured.activation_bytes, measured.source)
         _note(measured_names, "activation")
@@ -511,6 +606,7 @@ def _stage_memory(
         compute_capability=b.gpu.compute_capability,
         tp=b.tp,
         coef=b.coef,
+        graph_variants=2 if b.lora_shape is not None else 1,  # with and without adapters
     )
     if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
         # only where this version subtracts a graph estimate at all (else the term stays 0)
@@ -848,6 +944,45 @@ def _non_torch_term(
     return nt
 
 
+def lora_shape(settings: EngineSettings, r: ResolvedSettings) -> lora.LoraShape | None:
+    """The adapter buffers' shape with ``--enable-lora`` (None without it)."""
+    if not settings.enable_lora:
+        return None
+    dtype = r.model_dtype if settings.lora_dtype == "auto" else settings.lora_dtype
+    return lora.LoraShape(
+        max_loras=lora_slots(settings),
+        rank=settings.max_lora_rank or lora.DEFAULT_MAX_LORA_RANK,
+        dtype_bytes=kvm.dtype_bytes(dtype),
+        tp=r.tp,
+        ep=r.ep,
+        fully_sharded=settings.fully_sharded_loras,
+    )
+
+
+def encoder_profile_of(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, video: bool = False
+) -> mm.EncoderProfile | None:
+    """The multimodal encoder batch of the profile run (V1 engine), or None."""
+    return mm.encoder_profile(
+        model,
+        settings.limit_mm_per_prompt,
+        max_num_batched_tokens=r.tokens,
+        max_num_seqs=r.seqs,
+        max_model_len=r.max_len,
+        skip_profiling=settings.skip_mm_profiling,
+        video=video,
+    )
+
+
+def _encoder_tokens(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, video: bool = False
+) -> int | None:
+    if model.vision is None or r.era.engine == "v0":
+        return None  # the V0 engine's own encoder profile (budget × hidden) stays as it was
+    profile = encoder_profile_of(model, settings, r, video)
+    return profile.kept_tokens if profile else 0
+
+
 def budget_stages(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -858,8 +993,9 @@ def budget_stages(
 ) -> StageBudgets:
     """Weights, activation, non-torch, graphs and the KV budget of every pipeline stage."""
     era, pp = r.era, settings.pipeline_parallel_size
+    loaded = mm.weights_view(model, settings.limit_mm_per_prompt, settings.mm_encoder_tp_mode, r.tp)
     wb = weight_bytes_per_stage(
-        model,
+        loaded,
         model_dtype=r.model_dtype,
         tp=r.tp,
         pp=pp,
@@ -888,6 +1024,9 @@ def budget_stages(
         kv_override=r.kv_override,
         model_dtype=r.model_dtype,
         block_size=kv.block_size,
+        lora_shape=lora_shape(settings, r),
+        encoder_tokens=_encoder_tokens(model, settings, r),
+        encoder_video_tokens=_encoder_tokens(model, settings, r, video=True) or 0,
     )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []
@@ -960,6 +1099,24 @@ def startup_checks(
                 weights_exceed_budget_text(weights_gib, requested, r.util, total),
             )
         )
+
+
+def adapter_checks(
+    model: ModelSpec,
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    problems: list[Problem],
+    logs: list[str],
+) -> None:
+    """LoRA's refusal of a large vocabulary and the multimodal encoder's profile line."""
+    if settings.enable_lora and lora.head_refused(model):
+        # vllm 0.32 lora/layers/logits_processor.py: create_lora_weights
+        text = f"When using LoRA, vocab size must be <= {lora.LORA_MAX_VOCAB}"
+        problems.append(Problem("lora_vocab_too_large", text))
+    if model.vision is not None and r.era.engine == "v1":
+        profile = encoder_profile_of(model, settings, r)
+        if profile is not None:
+            logs.append(mm.encoder_log_line(profile))
 
 
 def _startup_context(
@@ -1163,6 +1320,7 @@ def predict(
     sb = budget_stages(model, gpu, settings, r, kv, measured)
     logs = list(kv.log_lines)
     startup_checks(settings, r, sb, free_bytes, problems, logs)
+    adapter_checks(model, settings, r, problems, logs)
     ctx = _startup_context(model, gpu, settings, free_bytes, r, kv, sb)
     fit = v0_fit if r.era.engine == "v0" else v1_fit
     return fit(ctx, r, kv, sb, problems, logs)
@@ -1232,6 +1390,7 @@ class _StartupContext:
 # problems that stop vLLM's startup: the prediction does not fit
 _BLOCKING_CODES = frozenset(
     {
+        "lora_vocab_too_large",
         "no_kv_memory",
         "max_len_exceeds_kv",
         "free_memory_below_requested",

@@ -6,7 +6,7 @@ command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no trac
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -75,6 +75,17 @@ def plan_command(
     cpu_offload_gb: opt.CpuOffloadGb = None,
     block_size: opt.BlockSize = None,
     vllm_version: opt.VllmVersion = None,
+    enable_lora: opt.EnableLora = None,
+    max_loras: opt.MaxLoras = None,
+    max_lora_rank: opt.MaxLoraRank = None,
+    max_cpu_loras: opt.MaxCpuLoras = None,
+    lora_dtype: opt.LoraDtype = None,
+    fully_sharded_loras: opt.FullyShardedLoras = None,
+    limit_mm_per_prompt: opt.LimitMmPerPrompt = None,
+    skip_mm_profiling: opt.SkipMmProfiling = None,
+    mm_encoder_tp_mode: opt.MmEncoderTpMode = None,
+    mm_processor_cache_gb: opt.MmProcessorCacheGb = None,
+    mm_processor_cache_type: opt.MmProcessorCacheType = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
     shared_prefix: opt.SharedPrefix = None,
@@ -86,12 +97,18 @@ def plan_command(
     json_output: JsonOption = False,
 ) -> None:
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
+    run_plan(ctx, locals())
+
+
+def run_plan(ctx: typer.Context, given: dict[str, Any]) -> None:
+    """Plan with the options ``plan_command`` was given (its locals) and exit with the verdict."""
     from rich.console import Console
 
     from oomguard.plan.render import render
     from oomguard.plan.service import plan
     from oomguard.vllm_args import settings_from_flags
 
+    model = given["model"]
     command: list[str] | None = None
     if ctx.args:
         command = ([model] if model else []) + list(ctx.args)
@@ -100,24 +117,24 @@ def plan_command(
         raise BadInput(
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
-    flags = {name: value for name, value in locals().items() if name in _ENGINE_FLAGS}
+    flags = {name: value for name, value in given.items() if name in _ENGINE_FLAGS}
     result = plan(
         model,
-        gpu,
-        gpu_count=gpu_count,
-        gpu_memory_gib=gpu_memory_gib,
-        p99_tokens=p99_tokens,
-        concurrency=concurrency,
-        shared_prefix=shared_prefix,
-        headroom_gib=headroom_gib,
-        margin=margin,
-        host_memory_gib=host_memory_gib,
+        given["gpu"],
+        gpu_count=given["gpu_count"],
+        gpu_memory_gib=given["gpu_memory_gib"],
+        p99_tokens=given["p99_tokens"],
+        concurrency=given["concurrency"],
+        shared_prefix=given["shared_prefix"],
+        headroom_gib=given["headroom_gib"],
+        margin=given["margin"],
+        host_memory_gib=given["host_memory_gib"],
         command=command,
-        allow_hub=not offline,
-        use_calibration=not no_calibration,
+        allow_hub=not given["offline"],
+        use_calibration=not given["no_calibration"],
         **settings_from_flags(flags),
     )
-    if json_output:
+    if given["json_output"]:
         typer.echo(result.to_json())
     else:
         render(result, Console(highlight=False))
@@ -132,6 +149,9 @@ _ENGINE_FLAGS = frozenset({
     "max_num_batched_tokens", "kv_cache_dtype", "quantization", "dtype", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "cpu_offload_gb", "block_size",
     "vllm_version",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+    "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling", "mm_encoder_tp_mode",
+    "mm_processor_cache_gb", "mm_processor_cache_type",
 })  # fmt: skip
 
 

@@ -245,7 +245,11 @@ _SETTINGS_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parall
                   "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "quantization",
                   "dtype", "enforce_eager", "block_size", "enable_prefix_caching",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "cpu_offload_gb",
-                  "performance_mode")  # fmt: skip
+                  "performance_mode",
+                  "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+                  "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling",
+                  "mm_encoder_tp_mode", "mm_processor_cache_gb",
+                  "mm_processor_cache_type")  # fmt: skip
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

@@ -460,6 +460,7 @@ def plan(
     spec = resolve_model_with_quantization(req.model, req.base.quantization, allow_hub=allow_hub)
     model_ref = serve_reference(req.model)
     notes = [*req.notes, *spec.caveats]  # generic reader, a sibling's or base model's config
+    notes.extend(adapter_notes(spec, req.base))
     workload = req.workload(spec)
     target = resolve_target(req, spec, gpu, gpu_memory_gib, notes)
     version = resolve_era(req.base.vllm_version, req.base.engine).label
@@ -482,6 +483,54 @@ def plan(
     check_tp(spec, target.gpu, req.base)
     found = find_plan(space, req, target, catalogue)
     return assemble(space, target, found, version, notes, req.other_flags, started)
+
+
+def adapter_notes(spec: ModelSpec, settings: EngineSettings) -> list[str]:
+    """What the plan says about LoRA and the multimodal encoder: host memory, and what is an
+    upper bound or a measurement it does not price."""
+    from oomguard.memory import lora
+    from oomguard.memory import multimodal as mm
+    from oomguard.memory.dtypes import dtype_bytes
+    from oomguard.memory.engine import lora_slots
+
+    notes: list[str] = []
+    if settings.enable_lora:
+        rank = settings.max_lora_rank or lora.DEFAULT_MAX_LORA_RANK
+        slots = lora_slots(settings)
+        cached = settings.max_cpu_loras or slots
+        dtype = spec.dtype if settings.lora_dtype == "auto" else settings.lora_dtype
+        shape = lora.LoraShape(slots, rank, dtype_bytes(dtype))
+        host = cached * lora.adapter_host_bytes(spec, shape) / GIB
+        notes.append(
+            f"LoRA: buffers for {slots} adapter(s) at rank {rank} are counted in the weights; "
+            f"{cached} adapter(s) cached in host memory take up to {host:.2f} GiB"
+        )
+        kinds = sorted({layer.kind.value for layer in spec.layers} - {"full", "sliding", "chunked"})
+        if kinds:
+            notes.append(f"LoRA on {', '.join(kinds)} layers is priced as attention (±50 %)")
+    if spec.vision is None:
+        return notes
+    if settings.skip_mm_profiling:
+        notes.append(
+            "--skip-mm-profiling: the encoder's activations and cache are not reserved at "
+            "startup; large images or videos can run out of memory while serving"
+        )
+    elif mm.has_size_options(settings.limit_mm_per_prompt):
+        notes.append(
+            "the item sizes in --limit-mm-per-prompt shrink the profiled item; the plan keeps "
+            "the model's largest item (an upper bound on the encoder outputs)"
+        )
+    cache = mm.processor_cache_host_bytes(
+        settings.mm_processor_cache_gb,
+        settings.mm_processor_cache_type,
+        data_parallel=settings.data_parallel_size,
+    )
+    notes.append(
+        f"multimodal processor cache: {cache / GIB:.1f} GiB of host memory "
+        f"({settings.mm_processor_cache_type}); the encoder pass's activation peak is a "
+        "measurement, priced as a range"
+    )
+    return notes
 
 
 def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:

@@ -92,6 +92,9 @@ _PLAN_FLAGS = (
     "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "kv_cache_dtype", "kv_cache_memory_bytes", "quantization", "dtype", "tensor_parallel_size",
     "enforce_eager",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
+    "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling", "mm_encoder_tp_mode",
+    "mm_processor_cache_gb", "mm_processor_cache_type",
 )  # fmt: skip
 
 
@@ -110,6 +113,17 @@ def serve_command(
     dtype: opt.Dtype = None,
     tensor_parallel_size: opt.TensorParallelSize = None,
     enforce_eager: opt.EnforceEager = None,
+    enable_lora: opt.EnableLora = None,
+    max_loras: opt.MaxLoras = None,
+    max_lora_rank: opt.MaxLoraRank = None,
+    max_cpu_loras: opt.MaxCpuLoras = None,
+    lora_dtype: opt.LoraDtype = None,
+    fully_sharded_loras: opt.FullyShardedLoras = None,
+    limit_mm_per_prompt: opt.LimitMmPerPrompt = None,
+    skip_mm_profiling: opt.SkipMmProfiling = None,
+    mm_encoder_tp_mode: opt.MmEncoderTpMode = None,
+    mm_processor_cache_gb: opt.MmProcessorCacheGb = None,
+    mm_processor_cache_type: opt.MmProcessorCacheType = None,
     host: Host = None,
     port: Port = None,
     max_attempts: MaxAttempts = 3,

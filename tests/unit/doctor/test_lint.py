@@ -167,3 +167,16 @@ def test_tips_are_labelled_and_never_followed_by_no_problems_found(
         == 0
     )
     assert "No problems found in this command." in capsys.readouterr().out
+
+
+def test_the_lint_prices_lora_and_multimodal_flags_as_vllm_reads_them() -> None:
+    base = "vllm serve meta-llama/Llama-3.1-8B-Instruct --max-model-len 8192"
+    assert not lint_command(base, gpu="L4").problems
+    # 16 adapters of rank 256 preallocate about 20 GiB of buffers: no room left for the KV cache
+    heavy = lint_command(base + " --enable-lora --max-loras 16 --max-lora-rank 256", gpu="L4")
+    assert heavy.problems
+    assert not lint_command(base + " --enable-lora --max-loras 2", gpu="L4").problems
+    limits = " --limit-mm-per-prompt.image 2 --mm-encoder-tp-mode data --skip-mm-profiling"
+    assert not lint_command(base + limits, gpu="L4").problems
+    with pytest.raises(BadInput, match="not JSON"):
+        lint_command(base + " --limit-mm-per-prompt image=2", gpu="L4")

@@ -23,6 +23,9 @@ from oomguard.errors import EXIT_ENVIRONMENT
         (["--", "docker", "run", "vllm/vllm-openai", "--model", "m"], "container"),
         (["--p99-tokens", "0", "--", "vllm", "serve", "m"], "--p99-tokens 0"),
         ([], "nothing to serve"),
+        (["m", "--enable-lora", "--max-lora-rank", "24"], "--max-lora-rank 24"),
+        (["m", "--limit-mm-per-prompt", "image=2"], "is not JSON"),
+        (["--", "vllm", "serve", "m", "--mm-encoder-tp-mode", "split"], "not a value vLLM"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
