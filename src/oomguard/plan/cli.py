@@ -6,7 +6,7 @@ command line. Exit codes: 0 fits, 1 does not fit, 2 bad input (one line, no trac
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -75,6 +75,19 @@ def plan_command(
     cpu_offload_gb: opt.CpuOffloadGb = None,
     block_size: opt.BlockSize = None,
     vllm_version: opt.VllmVersion = None,
+    decode_context_parallel_size: opt.DecodeContextParallelSize = None,
+    prefill_context_parallel_size: opt.PrefillContextParallelSize = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
+    kv_transfer_config: opt.KvTransferConfig = None,
+    enable_sleep_mode: opt.EnableSleepMode = None,
+    compilation_config: opt.CompilationConfig = None,
+    cudagraph_capture_sizes: opt.CudagraphCaptureSizes = None,
+    max_cudagraph_capture_size: opt.MaxCudagraphCaptureSize = None,
+    mamba_cache_dtype: opt.MambaCacheDtype = None,
+    mamba_ssm_cache_dtype: opt.MambaSsmCacheDtype = None,
+    mamba_block_size: opt.MambaBlockSize = None,
+    mamba_cache_mode: opt.MambaCacheMode = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
     shared_prefix: opt.SharedPrefix = None,
@@ -86,12 +99,18 @@ def plan_command(
     json_output: JsonOption = False,
 ) -> None:
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
+    _run_plan(ctx, dict(locals()))
+
+
+def _run_plan(ctx: typer.Context, given: dict[str, Any]) -> None:
+    """Plan from ``plan_command``'s parameters, print the result and exit with its code."""
     from rich.console import Console
 
     from oomguard.plan.render import render
     from oomguard.plan.service import plan
     from oomguard.vllm_args import settings_from_flags
 
+    model = given["model"]
     command: list[str] | None = None
     if ctx.args:
         command = ([model] if model else []) + list(ctx.args)
@@ -100,24 +119,25 @@ def plan_command(
         raise BadInput(
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
-    flags = {name: value for name, value in locals().items() if name in _ENGINE_FLAGS}
+    flags = {name: value for name, value in given.items() if name in _ENGINE_FLAGS}
+    flags["estimate_cudagraphs"] = _estimate_from_environment(command)
     result = plan(
         model,
-        gpu,
-        gpu_count=gpu_count,
-        gpu_memory_gib=gpu_memory_gib,
-        p99_tokens=p99_tokens,
-        concurrency=concurrency,
-        shared_prefix=shared_prefix,
-        headroom_gib=headroom_gib,
-        margin=margin,
-        host_memory_gib=host_memory_gib,
+        given["gpu"],
+        gpu_count=given["gpu_count"],
+        gpu_memory_gib=given["gpu_memory_gib"],
+        p99_tokens=given["p99_tokens"],
+        concurrency=given["concurrency"],
+        shared_prefix=given["shared_prefix"],
+        headroom_gib=given["headroom_gib"],
+        margin=given["margin"],
+        host_memory_gib=given["host_memory_gib"],
         command=command,
-        allow_hub=not offline,
-        use_calibration=not no_calibration,
+        allow_hub=not given["offline"],
+        use_calibration=not given["no_calibration"],
         **settings_from_flags(flags),
     )
-    if json_output:
+    if given["json_output"]:
         typer.echo(result.to_json())
     else:
         render(result, Console(highlight=False))
@@ -131,8 +151,23 @@ _ENGINE_FLAGS = frozenset({
     "enable_expert_parallel", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "kv_cache_dtype", "quantization", "dtype", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "cpu_offload_gb", "block_size",
-    "vllm_version",
+    "vllm_version", "decode_context_parallel_size", "prefill_context_parallel_size",
+    "kv_offloading_size", "kv_offloading_backend", "kv_transfer_config", "enable_sleep_mode",
+    "compilation_config", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+    "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size", "mamba_cache_mode",
 })  # fmt: skip
+
+
+def _estimate_from_environment(command: list[str] | None) -> bool | None:
+    """VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS from this shell, as vLLM started here would read
+    it; a pasted command that sets it itself keeps its own value."""
+    import os
+
+    from oomguard.vllm_args import ESTIMATE_CUDAGRAPHS_ENV, estimate_cudagraphs_from_env
+
+    if command and any(word.startswith(ESTIMATE_CUDAGRAPHS_ENV + "=") for word in command):
+        return None
+    return estimate_cudagraphs_from_env(os.environ)
 
 
 def register(app: typer.Typer) -> None:
