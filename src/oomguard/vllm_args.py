@@ -255,13 +255,15 @@ MAMBA_CACHE_MODE_CHOICES = ("align", "none", "all")  # 'all': vLLM 0.15–0.31
 
 
 def _json_object(text: str, flag: str) -> str:
-    """A JSON-object flag (vLLM reads it with ``json.loads``), kept as the text given."""
+    """A JSON-object flag (vLLM reads it with ``json.loads``), kept as compact JSON text."""
+    import json
+
     from oomguard.memory.compilation import parse_json_object, read_compilation_config
 
-    parse_json_object(text, flag)
+    value = parse_json_object(text, flag)
     if flag == "--compilation-config":
         read_compilation_config(text)  # its graph keys are checked as vLLM checks them
-    return str(text).strip()
+    return json.dumps(value)
 
 
 def _capture_sizes(value: str | Sequence[str], flag: str) -> tuple[int, ...]:
