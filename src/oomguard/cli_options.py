@@ -91,6 +91,34 @@ MmProcessorCacheGb = Annotated[
 MmProcessorCacheType = Annotated[
     str | None, typer.Option("--mm-processor-cache-type", help="lru or shm.")
 ]
+# context parallelism, KV offloading, sleep mode, CUDA graphs, Mamba caches (vLLM's names and
+# value forms: JSON objects as text, capture sizes as "1 2 4" or "1,2,4")
+DecodeContextParallelSize = Annotated[
+    int | None, typer.Option("--decode-context-parallel-size", "-dcp")
+]
+PrefillContextParallelSize = Annotated[
+    int | None, typer.Option("--prefill-context-parallel-size", "-pcp")
+]
+KvOffloadingSize = Annotated[
+    float | None,
+    typer.Option("--kv-offloading-size", help="GiB of host memory for offloaded KV (all ranks)."),
+]
+KvOffloadingBackend = Annotated[str | None, typer.Option("--kv-offloading-backend")]
+KvTransferConfig = Annotated[
+    str | None, typer.Option("--kv-transfer-config", help="JSON, as vLLM takes it.")
+]
+EnableSleepMode = Annotated[bool | None, typer.Option("--enable-sleep-mode/--no-enable-sleep-mode")]
+CompilationConfig = Annotated[
+    str | None, typer.Option("--compilation-config", "-cc", help="JSON, as vLLM takes it.")
+]
+CudagraphCaptureSizes = Annotated[
+    str | None, typer.Option("--cudagraph-capture-sizes", help="Sizes: '1 2 4 8' or '1,2,4,8'.")
+]
+MaxCudagraphCaptureSize = Annotated[int | None, typer.Option("--max-cudagraph-capture-size")]
+MambaCacheDtype = Annotated[str | None, typer.Option("--mamba-cache-dtype")]
+MambaSsmCacheDtype = Annotated[str | None, typer.Option("--mamba-ssm-cache-dtype")]
+MambaBlockSize = Annotated[int | None, typer.Option("--mamba-block-size")]
+MambaCacheMode = Annotated[str | None, typer.Option("--mamba-cache-mode")]
 VllmVersion = Annotated[
     str | None, typer.Option("--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest).")
 ]

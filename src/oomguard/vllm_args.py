@@ -121,20 +121,8 @@ UNMODELLED_MEMORY_FLAGS = frozenset(
         "mm-ipc-gpu-memory-gb",
         "disable-sliding-window",
         "disable-hybrid-kv-cache-manager",
-        "mamba-cache-dtype",
-        "mamba-ssm-cache-dtype",
-        "mamba-block-size",
-        "mamba-cache-mode",
-        "compilation-config",
-        "cudagraph-capture-sizes",
-        "max-cudagraph-capture-size",
-        "kv-offloading-size",
-        "kv-transfer-config",
-        "decode-context-parallel-size",
-        "prefill-context-parallel-size",
         "swap-space",
         "hf-overrides",
-        "enable-sleep-mode",
         "async-scheduling",
         "max-seq-len-to-capture",
     }
@@ -306,6 +294,57 @@ def parse_mm_limits(text: str, flag: str) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
+# -- context parallelism, KV offloading, sleep mode, CUDA graphs, Mamba caches (§14) ---------
+KV_OFFLOADING_BACKEND_CHOICES = ("native", "lmcache")  # vllm 0.32 config/cache.py
+MAMBA_DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+MAMBA_CACHE_MODE_CHOICES = ("align", "none", "all")  # 'all': vLLM 0.15–0.31
+
+
+def _json_object(text: str, flag: str) -> str:
+    """A JSON-object flag (vLLM reads it with ``json.loads``), kept as compact JSON text."""
+    import json
+
+    from oomguard.memory.compilation import parse_json_object, read_compilation_config
+
+    value = parse_json_object(text, flag)
+    if flag == "--compilation-config":
+        read_compilation_config(text)  # its graph keys are checked as vLLM checks them
+    return json.dumps(value)
+
+
+def _capture_sizes(value: str | Sequence[str], flag: str) -> tuple[int, ...]:
+    """``--cudagraph-capture-sizes 1 2 4`` (nargs="+" of int) or one comma/space-separated
+    string (a YAML list or a CLI option)."""
+    items = [value] if isinstance(value, str) else list(value)
+    words = [w for item in items for w in str(item).replace(",", " ").strip("[] ").split()]
+    if not words:
+        raise BadInput(f"{flag} needs at least one size", f"write {flag} 1 2 4 8")
+    return tuple(_positive(_parse_int)(w, flag) for w in words)
+
+
+def _positive_float(text: str, flag: str) -> float:
+    value = parse_float(text, flag)
+    if value <= 0:
+        raise BadInput(f"{flag} {text!r} must be positive", f"pass a size in GiB to {flag}")
+    return value
+
+
+ESTIMATE_CUDAGRAPHS_ENV = "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"
+
+
+def estimate_cudagraphs_from_env(env: Mapping[str, str]) -> bool | None:
+    """The variable as vLLM reads it (``bool(int(value))``, vllm 0.32 envs.py); None: unset."""
+    text = env.get(ESTIMATE_CUDAGRAPHS_ENV)
+    if text is None:
+        return None
+    try:
+        return bool(int(text))
+    except ValueError:
+        raise BadInput(
+            f"{ESTIMATE_CUDAGRAPHS_ENV}={text!r} is not an integer", "set it to 0 or 1"
+        ) from None
+
+
 # vLLM flag (canonical long name) → (EngineSettings field, value parser). Boolean fields use
 # ``None`` as parser (presence means True; ``--no-`` means False).
 _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
@@ -339,7 +378,25 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "mm-encoder-tp-mode": ("mm_encoder_tp_mode", choice_parser(ENCODER_TP_MODES)),
     "mm-processor-cache-gb": ("mm_processor_cache_gb", _non_negative_float),
     "mm-processor-cache-type": ("mm_processor_cache_type", choice_parser(PROCESSOR_CACHE_TYPES)),
+    # §14: context parallelism, KV offloading and connectors, sleep mode, graphs, Mamba caches
+    "decode-context-parallel-size": ("decode_context_parallel_size", _positive(_parse_int)),
+    "prefill-context-parallel-size": ("prefill_context_parallel_size", _positive(_parse_int)),
+    "kv-offloading-size": ("kv_offloading_size", _positive_float),
+    "kv-offloading-backend": (
+        "kv_offloading_backend",
+        choice_parser(KV_OFFLOADING_BACKEND_CHOICES),
+    ),
+    "kv-transfer-config": ("kv_transfer_config", _json_object),
+    "enable-sleep-mode": ("enable_sleep_mode", None),
+    "compilation-config": ("compilation_config", _json_object),
+    "cudagraph-capture-sizes": ("cudagraph_capture_sizes", _capture_sizes),
+    "max-cudagraph-capture-size": ("max_cudagraph_capture_size", _positive(_parse_int)),
+    "mamba-cache-dtype": ("mamba_cache_dtype", choice_parser(MAMBA_DTYPE_CHOICES)),
+    "mamba-ssm-cache-dtype": ("mamba_ssm_cache_dtype", choice_parser(MAMBA_DTYPE_CHOICES)),
+    "mamba-block-size": ("mamba_block_size", _positive(_parse_int)),
+    "mamba-cache-mode": ("mamba_cache_mode", choice_parser(MAMBA_CACHE_MODE_CHOICES)),
 }
+_LIST_SETTINGS = frozenset({"cudagraph-capture-sizes"})  # flags whose value is a list of sizes
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
 
@@ -356,6 +413,9 @@ def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
         parse = _SETTING_FLAGS[flag][1] if flag is not None else None
         if parse is None or isinstance(value, bool):
             out[name] = value
+            continue
+        if flag in _LIST_SETTINGS and isinstance(value, (list, tuple)):
+            out[name] = _capture_sizes(value, f"--{flag}")
             continue
         parsed = parse(str(value), f"--{flag}")
         if parsed is not None:
@@ -393,6 +453,19 @@ _RENDER_ORDER = (
     "mm_encoder_tp_mode",
     "mm_processor_cache_gb",
     "mm_processor_cache_type",
+    "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+    "kv_offloading_size",
+    "kv_offloading_backend",
+    "kv_transfer_config",
+    "enable_sleep_mode",
+    "compilation_config",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+    "mamba_block_size",
+    "mamba_cache_mode",
 )
 # Field values that equal vLLM's own defaults are not rendered (None = "vLLM decides").
 _FIELD_DEFAULTS: dict[str, Any] = {
@@ -410,6 +483,12 @@ _FIELD_DEFAULTS: dict[str, Any] = {
     "skip_mm_profiling": False,
     "mm_encoder_tp_mode": "weights",
     "mm_processor_cache_type": "lru",
+    "decode_context_parallel_size": 1,
+    "prefill_context_parallel_size": 1,
+    "kv_offloading_backend": "native",
+    "enable_sleep_mode": False,
+    "mamba_cache_dtype": "auto",
+    "mamba_ssm_cache_dtype": "auto",
 }
 
 
@@ -764,6 +843,8 @@ def parse_command(
                 if not isinstance(value, bool):
                     value = _parse_bool(str(value), f"--{name}")
                 settings[field_name] = value
+            elif name in _LIST_SETTINGS and isinstance(value, list):
+                settings[field_name] = _capture_sizes(value, f"--{name}")
             else:
                 if isinstance(value, bool) or isinstance(value, list):
                     raise BadInput(f"--{name} needs a value", f"write --{name} VALUE")
@@ -778,6 +859,9 @@ def parse_command(
         other[name] = value
         if name in UNMODELLED_MEMORY_FLAGS and name not in unmodelled:
             unmodelled.append(name)
+    estimate = estimate_cudagraphs_from_env(launcher.env)
+    if estimate is not None:
+        settings["estimate_cudagraphs"] = estimate
     for stray in extra_positionals:
         unknown.append(stray)
     strays = tuple(extra_positionals)
@@ -838,6 +922,8 @@ def _flag_tokens(settings: EngineSettings) -> list[str]:
         flag = "--" + FIELD_TO_FLAG[name]
         if isinstance(value, bool):
             tokens.append(flag if value else "--no-" + FIELD_TO_FLAG[name])
+        elif isinstance(value, tuple):
+            tokens.extend([flag, *(str(v) for v in value)])
         else:
             tokens.extend([flag, _cli_value(name, value)])
     return tokens
@@ -887,13 +973,27 @@ def render_serve(
     return " \\\n".join(lines)
 
 
+# JSON-valued fields: LLM(...) and the YAML config take the mapping itself
+_JSON_FIELDS = frozenset({"kv_transfer_config", "compilation_config", "limit_mm_per_prompt"})
+
+
+def _structured(name: str, value: Any) -> Any:
+    """A field's value as ``LLM(...)`` and the YAML config take it: JSON flags as mappings,
+    lists as lists."""
+    import json
+
+    if name in _JSON_FIELDS and isinstance(value, str):
+        return json.loads(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 def render_llm(model: str, settings: EngineSettings) -> str:
     """``LLM(model=..., field=value, ...)`` for offline use (keyword names are vLLM's)."""
     args = [f"model={model!r}"]
     for name, value in explicit_flags(settings):
-        if name == "limit_mm_per_prompt":
-            value = json.loads(value)  # LLM(...) takes the mapping itself
-        args.append(f"{name}={value!r}")
+        args.append(f"{name}={_structured(name, value)!r}")
     return "LLM(" + ", ".join(args) + ")"
 
 
@@ -905,7 +1005,7 @@ def render_yaml(model: str, settings: EngineSettings) -> str:
     for name, value in explicit_flags(settings):
         if name == "max_model_len" and value == -1:
             value = "auto"
-        data[FIELD_TO_FLAG[name]] = value
+        data[FIELD_TO_FLAG[name]] = _structured(name, value)
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 

@@ -509,6 +509,14 @@ PATTERNS: tuple[Pattern, ...] = (
         handler="cudagraph_hint",
     ),
     _p(
+        # §14.4: VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0 (vllm 0.32 v1/worker/gpu_worker.py):
+        # the estimate G is still profiled but not subtracted; suggested = min(util + G/total, 1)
+        "cudagraph_estimate_disabled",
+        "cuda graph memory profiling is disabled",
+        rf"CUDA graph memory profiling is disabled \(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0\).*?--gpu-memory-utilization from (?P<u>{NUM}) to (?P<s>{NUM})",
+        handler="cudagraph_hint_disabled",
+    ),
+    _p(
         "capture_start",
         (
             "capturing cudagraphs",

@@ -196,6 +196,7 @@ FIELD_RULES: dict[str, str] = {
     "non_kv_total_gib": "first",
     "cudagraph_estimate_gib": "first",
     "cudagraph_actual_gib": "first",
+    "cudagraph_estimate_applied": "first",  # 1: subtracted from the KV budget, 0: switched off
     "available_kv_gib": "min",
     "kv_tokens": "min",
     "gpu_blocks": "min",

@@ -279,11 +279,23 @@ class LogBuilder:
         self.set_field("profiling_free_increase", grew, ev)
 
     def _h_cudagraph_hint(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        self.set_field("cudagraph_estimate_applied", 1.0, ev)
         if self.cudagraph_hint is None:
             try:
                 self.cudagraph_hint = (parse_number(m.group("u")), parse_number(m.group("e")), ev)
             except ValueError:
                 pass
+
+    def _h_cudagraph_hint_disabled(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
+        """The estimate switched off: G = (suggested − util) × total, not subtracted (§14.4)."""
+        self.set_field("cudagraph_estimate_applied", 0.0, ev)
+        if self.cudagraph_hint is None:
+            try:
+                util, suggested = parse_number(m.group("u")), parse_number(m.group("s"))
+            except ValueError:
+                return
+            # stored as (util, util − G/total), the form of the enabled hint
+            self.cudagraph_hint = (util, 2 * util - suggested, ev)
 
     def _h_kv_usage(self, m: re.Match[str], ev: Evidence, record: Record) -> None:
         try:

@@ -37,6 +37,7 @@ from oomguard.memory.bands import (
     graph_group,
     non_torch_group,
 )
+from oomguard.memory.compilation import GraphSettings, capture_sizes
 from oomguard.memory.spec import ModelSpec
 from oomguard.memory.versions import VllmEra
 from oomguard.units import GIB
@@ -408,16 +409,6 @@ def non_torch(
 # CUDA graphs
 
 
-def capture_sizes(
-    max_num_seqs: int, max_num_batched_tokens: int, compute_capability: str = ""
-) -> list[int]:
-    """Default CUDA-graph capture sizes (§2.6): up to min(2·seqs, 512; 1024 on Blackwell)."""
-    limit = 1024 if compute_capability.startswith("10") else 512
-    largest = min(max_num_seqs * 2, limit, max_num_batched_tokens)
-    grid = [1, 2, 4, *range(8, 256, 8), *range(256, limit + 1, 16)]
-    return [s for s in grid if s <= largest]
-
-
 def cudagraph_estimate(
     model: ModelSpec,
     era: VllmEra,
@@ -431,24 +422,37 @@ def cudagraph_estimate(
     tp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
     graph_variants: int = 1,
+    graphs: GraphSettings = GraphSettings(),
+    estimate_applied: bool | None = None,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
 
-    Zero with ``enforce_eager``, on CPU, and before 0.20 (the estimate is not applied then;
-    graphs come out of the (1 − util) slack). ``graph_variants`` graphs are captured per size
-    (2 with LoRA: with and without adapters, vllm 0.32 ``v1/cudagraph_dispatcher.py``).
+    Zero with ``enforce_eager`` or ``cudagraph_mode`` NONE, on CPU, and where the estimate is
+    not applied: before 0.18, in 0.18–0.19 unless ``estimate_applied``
+    (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``), and from 0.20 when it is set to 0 (the
+    graphs then come out of the (1 − util) slack). The count of captured sizes follows
+    ``graphs`` (``--compilation-config`` and the capture-size flags); ``graph_variants``
+    graphs are captured per size (2 with LoRA: with and without adapters, vllm 0.32
+    ``v1/cudagraph_dispatcher.py``).
     """
     if enforce_eager:
         return Estimate.exact(0, "enforce_eager: no CUDA graphs")
     if platform == "cpu":
         return Estimate.exact(0, "CPU backend: no CUDA graphs")
-    if era.engine == "v0" or not era.cudagraph_estimate_default:
+    if not graphs.captures:
+        return Estimate.exact(0, "cudagraph_mode NONE: no CUDA graphs")
+    applied = era.cudagraph_estimate_default if estimate_applied is None else estimate_applied
+    if estimate_applied is False and era.cudagraph_estimate_exists:
+        return Estimate.exact(
+            0, "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0: not subtracted (the 1 − util slack)"
+        )
+    if era.engine == "v0" or not era.cudagraph_estimate_exists or not applied:
         return Estimate.exact(
             0, f"not subtracted in vLLM {era.label} (graph memory comes from the 1 − util slack)"
         )
     if platform == "rocm" and not era.rocm_cudagraph_profiled:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
-    n = len(capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability))
+    n = len(capture_sizes(graphs, max_num_seqs, max_num_batched_tokens, compute_capability))
     n *= graph_variants
     gib = (
         coef.graph_base_gib + coef.graph_per_layer_gib * stage_layers * n / GRAPH_REFERENCE_CAPTURES

@@ -27,14 +27,17 @@ from oomguard.memory.activation import (
     non_torch,
 )
 from oomguard.memory.bands import weights_group
+from oomguard.memory.compilation import DEFAULT_CUDAGRAPH_MODE, GraphSettings, graph_settings
 from oomguard.memory.logtext import (
     AUTO_FIT_FAILED_TEXT,
+    DCP_SLIDING_WINDOW_TEXT,
     auto_fit_line,
     available_kv_line,
     fit_error_text,
     format_gib,
     free_memory_error_text,
     kv_capacity_lines,
+    mamba_blocks_error_text,
     no_memory_error_text,
     override_line,
     v0_blocks_line,
@@ -42,6 +45,8 @@ from oomguard.memory.logtext import (
     weights_exceed_budget_text,
     weights_exceed_gpu_text,
 )
+from oomguard.memory.offload import Connector, kv_connector
+from oomguard.memory.parallel import check_context_parallel, expert_parallel_size
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
 from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
@@ -109,6 +114,24 @@ class EngineSettings:
     mm_encoder_tp_mode: str = "weights"
     mm_processor_cache_gb: float | None = None  # host memory; default 4
     mm_processor_cache_type: str = "lru"
+    # context parallelism, KV offloading and connectors, sleep mode, CUDA graphs, Mamba caches
+    # (vLLM's flag names; see docs/memory-model.md §14)
+    decode_context_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    kv_offloading_size: float | None = None  # GiB of host memory, total over the engine's ranks
+    kv_offloading_backend: str = "native"
+    kv_transfer_config: str | None = None  # the JSON text as given
+    enable_sleep_mode: bool = False
+    compilation_config: str | None = None  # the JSON text as given
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    max_cudagraph_capture_size: int | None = None
+    estimate_cudagraphs: bool | None = (
+        None  # VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS; None: default
+    )
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    mamba_block_size: int | None = None
+    mamba_cache_mode: str | None = None  # None: vLLM's default for the model and prefix caching
 
 
 @dataclass(frozen=True)
@@ -352,6 +375,7 @@ def _validate(settings: EngineSettings) -> None:
     if settings.cpu_offload_gb < 0:
         raise BadInput("--cpu-offload-gb is negative", "pass 0 or more")
     _validate_lora(settings)
+    _validate_features(settings)
 
 
 def _validate_lora(settings: EngineSettings) -> None:
@@ -375,6 +399,33 @@ def _validate_lora(settings: EngineSettings) -> None:
 def lora_slots(settings: EngineSettings) -> int:
     """``max_loras`` as vLLM resolves it."""
     return lora.DEFAULT_MAX_LORAS if settings.max_loras is None else settings.max_loras
+
+
+MAMBA_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")  # vllm 0.32 config/cache.py
+MAMBA_CACHE_MODES = ("none", "align", "all")  # 'all' existed 0.15–0.31 (§4.6)
+
+
+def _validate_features(settings: EngineSettings) -> None:
+    """Context parallelism, the Mamba cache flags and the graph settings (§14)."""
+    check_context_parallel(
+        settings.tensor_parallel_size,
+        settings.prefill_context_parallel_size,
+        settings.decode_context_parallel_size,
+    )
+    for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        if getattr(settings, name) not in MAMBA_CACHE_DTYPES:
+            raise BadInput(
+                f"--{name.replace('_', '-')} {getattr(settings, name)!r} is not a dtype vLLM "
+                "takes for Mamba states",
+                "use one of: " + ", ".join(MAMBA_CACHE_DTYPES),
+            )
+    if settings.mamba_cache_mode is not None and settings.mamba_cache_mode not in MAMBA_CACHE_MODES:
+        raise BadInput(
+            f"--mamba-cache-mode {settings.mamba_cache_mode!r} is not a mode vLLM has",
+            "use none or align",
+        )
+    if settings.mamba_block_size is not None and settings.mamba_block_size < 1:
+        raise BadInput("--mamba-block-size must be positive", "pass a token count such as 256")
 
 
 def _default_block_size(
@@ -415,9 +466,19 @@ def _v0_auto_chunked_prefill(model: ModelSpec, max_len: int, platform: str) -> b
     )
 
 
-def _mamba_cache_mode(model: ModelSpec, era: VllmEra, prefix_caching: bool) -> str:
+def _mamba_cache_mode(
+    model: ModelSpec, era: VllmEra, prefix_caching: bool, asked: str | None = None
+) -> str:
+    """vLLM's mamba_cache_mode: "none" without prefix caching whatever was asked (vllm 0.32
+    model_executor/models/config.py warns and resets it), else the asked mode or the default."""
     if not model.has_mamba or not prefix_caching:
         return "none"
+    if asked == "all" and not (15 <= era.minor <= 31):
+        raise BadInput(
+            f"--mamba-cache-mode all does not exist in vLLM {era.label}", "use align or none"
+        )
+    if asked is not None and asked != "none":
+        return asked
     if era.mamba_cache_mode_all_default and model.model_type in MAMBA_PREFIX_CACHING_MODELS:
         return "all"
     return era.mamba_prefix_mode
@@ -456,6 +517,7 @@ class _BudgetInputs:
     lora_shape: lora.LoraShape | None = None  # --enable-lora: the adapter buffers' shape
     encoder_tokens: int | None = None  # encoder outputs the profile keeps (None: V0 rule)
     encoder_video_tokens: int = 0  # the same were a largest video item profiled
+    graphs: GraphSettings = GraphSettings()
 
 
 def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers | None:
@@ -607,7 +669,13 @@ def _stage_memory(
         tp=b.tp,
         coef=b.coef,
         graph_variants=2 if b.lora_shape is not None else 1,  # with and without adapters
+        graphs=b.graphs,
+        estimate_applied=settings.estimate_cudagraphs,
     )
+    if b.graphs.mode not in (None, DEFAULT_CUDAGRAPH_MODE) and g_est.value_bytes:
+        # the estimate's constants were fitted with both graph kinds captured; one kind alone
+        # captures less, by an amount not priced: the range runs down to none
+        g_est = replace(g_est, low_bytes=0, basis=f"{g_est.basis}; cudagraph_mode {b.graphs.mode}")
     if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
         # only where this version subtracts a graph estimate at all (else the term stays 0)
         g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
@@ -686,6 +754,8 @@ class ResolvedSettings:
     total: int
     requested: float  # the budget util × total (a float before 0.14)
     kv_override: int | None
+    graphs: GraphSettings = GraphSettings()  # cudagraph_mode and capture sizes (§14.4)
+    connector: Connector | None = None  # the KV connector the flags configure (§14.2)
 
 
 def _serving_era(model: ModelSpec, settings: EngineSettings) -> VllmEra:
@@ -813,9 +883,14 @@ def resolve_settings(
     prefix_caching = settings.enable_prefix_caching
     if prefix_caching is None:
         prefix_caching = (not model.has_mamba) or era.hybrid_prefix_caching_default
+    connector = kv_connector(
+        settings.kv_offloading_size, settings.kv_offloading_backend, settings.kv_transfer_config
+    )
     hybrid_manager = not settings.disable_hybrid_kv_cache_manager and not any(
         layer.kind is AttentionKind.CHUNKED for layer in model.layers
     )
+    if connector is not None and not connector.supports_hma:
+        hybrid_manager = False  # §14.2: a connector without SupportsHMA turns it off
     if settings.platform == "cpu" and not era.cpu_hybrid_kv_manager:
         hybrid_manager = False
     total = gpu.total_bytes
@@ -828,7 +903,11 @@ def resolve_settings(
         era=era,
         coef=coefficients or DEFAULT_COEFFICIENTS,
         tp=tp,
-        ep=tp * settings.data_parallel_size if settings.enable_expert_parallel else 1,
+        ep=expert_parallel_size(
+            tp, settings.prefill_context_parallel_size, settings.data_parallel_size
+        )
+        if settings.enable_expert_parallel
+        else 1,
         model_dtype=model_dtype,
         dbytes=kvm.dtype_bytes(model_dtype),
         util=util,
@@ -837,12 +916,18 @@ def resolve_settings(
         seqs=seqs,
         tokens=tokens,
         prefix_caching=prefix_caching,
-        mamba_mode=_mamba_cache_mode(model, era, prefix_caching),
+        mamba_mode=_mamba_cache_mode(model, era, prefix_caching, settings.mamba_cache_mode),
         block_size=settings.block_size or _default_block_size(model, gpu, settings, era),
         hybrid_manager=hybrid_manager,
         total=total,
         requested=requested,
         kv_override=_kv_override(settings),
+        graphs=graph_settings(
+            settings.compilation_config,
+            settings.cudagraph_capture_sizes,
+            settings.max_cudagraph_capture_size,
+        ),
+        connector=connector,
     )
 
 
@@ -859,6 +944,16 @@ class KVPlan:
     stage_entries: list[frozenset[int]]  # each pipeline stage's state entries
 
 
+def _context_parallel_bound(settings: EngineSettings, era: VllmEra) -> dict[str, int]:
+    """How CP enters one request's blocks (§14.1): 0.21+ shards the full-attention and MLA
+    tokens over DCP (PCP does not shard KV, vllm 0.32 config/parallel.py); before, the
+    "KV cache size" line was multiplied by DCP (0.12+: PCP × DCP)."""
+    dcp, pcp = settings.decode_context_parallel_size, settings.prefill_context_parallel_size
+    if era.cp_in_spec:
+        return {"kv_shards": dcp}
+    return {"log_tokens_factor": dcp * (pcp if era.cp_log_factor == "pcp_dcp" else 1)}
+
+
 def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettings) -> KVPlan:
     """Build the layer specs, group them, and bound one request's blocks."""
     era, pp, tokens = r.era, settings.pipeline_parallel_size, r.tokens
@@ -871,6 +966,8 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
         era=era,
         hybrid_manager=r.hybrid_manager,
         mamba_cache_mode=r.mamba_mode,
+        mamba_dtypes=(settings.mamba_cache_dtype, settings.mamba_ssm_cache_dtype),
+        mamba_block_size=settings.mamba_block_size,
     )
     indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
     if era.sliding_bound == "batched":
@@ -882,7 +979,10 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
     # cross-attention holds the scheduler's max_num_encoder_input_tokens per request, which
     # vllm 0.32 config/scheduler.py sets to max_num_batched_tokens
     bound = kvm.RequestBound(
-        max_model_len=r.max_len, lookahead_tokens=in_flight, encoder_tokens=tokens
+        max_model_len=r.max_len,
+        lookahead_tokens=in_flight,
+        encoder_tokens=tokens,
+        **_context_parallel_bound(settings, era),
     )
     return KVPlan(
         log_lines=tuple(built.log_lines),
@@ -1027,6 +1127,7 @@ def budget_stages(
         lora_shape=lora_shape(settings, r),
         encoder_tokens=_encoder_tokens(model, settings, r),
         encoder_video_tokens=_encoder_tokens(model, settings, r, video=True) or 0,
+        graphs=r.graphs,
     )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []
@@ -1117,6 +1218,39 @@ def adapter_checks(
         profile = encoder_profile_of(model, settings, r)
         if profile is not None:
             logs.append(mm.encoder_log_line(profile))
+
+
+def feature_checks(
+    model: ModelSpec,
+    settings: EngineSettings,
+    r: ResolvedSettings,
+    kv: KVPlan,
+    blocks: int,
+    problems: list[Problem],
+) -> None:
+    """What vLLM refuses in the features of §14: DCP over sliding-window layers, FULL CUDA
+    graphs with more sequences than Mamba blocks, a hybrid Mamba model whose connector turns
+    the hybrid manager off."""
+    era = r.era
+    if era.engine != "v1":
+        return
+    sliding = any(
+        isinstance(s, kvm.SlidingWindow) or (isinstance(s, kvm.MLA) and s.sliding_window)
+        for _, s in kv.indexed
+    )
+    if era.cp_in_spec and settings.decode_context_parallel_size > 1 and sliding:
+        problems.append(Problem("dcp_sliding_window", DCP_SLIDING_WINDOW_TEXT))
+    graphs_full = r.graphs.has_full and not settings.enforce_eager and settings.platform != "cpu"
+    if era.mamba_seqs_check and model.has_mamba and graphs_full and r.seqs > blocks > 0:
+        problems.append(Problem("mamba_blocks_exceeded", mamba_blocks_error_text(r.seqs, blocks)))
+    if model.has_mamba and r.connector is not None and not r.connector.supports_hma:
+        problems.append(
+            Problem(
+                "connector_without_hma",
+                f"{r.connector.name} does not support the hybrid KV cache manager, which "
+                "vLLM then turns off; hybrid SSM models require it and fail at startup",
+            )
+        )
 
 
 def _startup_context(
@@ -1321,6 +1455,7 @@ def predict(
     logs = list(kv.log_lines)
     startup_checks(settings, r, sb, free_bytes, problems, logs)
     adapter_checks(model, settings, r, problems, logs)
+    feature_checks(model, settings, r, kv, sb.blocks, problems)
     ctx = _startup_context(model, gpu, settings, free_bytes, r, kv, sb)
     fit = v0_fit if r.era.engine == "v0" else v1_fit
     return fit(ctx, r, kv, sb, problems, logs)
@@ -1397,6 +1532,9 @@ _BLOCKING_CODES = frozenset(
         "weights_exceed_gpu",
         "tp_not_divisible",
         "max_len_exceeds_derived",
+        "dcp_sliding_window",
+        "mamba_blocks_exceeded",
+        "connector_without_hma",
         *CPU_STARTUP_ERRORS,
     }
 )

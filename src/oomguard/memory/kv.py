@@ -117,6 +117,12 @@ class RequestBound:
     # encoder tokens one request's cross-attention layers hold (vLLM's
     # scheduler_config.max_num_encoder_input_tokens; 0 when the model has no cross-attention)
     encoder_tokens: int = 0
+    # §14.1 decode context parallelism: the ranks a full-attention or MLA layer's tokens are
+    # sharded over (0.21+; vllm 0.32 v1/kv_cache_interface.py FullAttentionSpec
+    # .max_memory_usage_bytes uses cdiv(max_model_len, dcp)); replicated layers ignore it
+    kv_shards: int = 1
+    # ≤0.20: the CP sizes the "KV cache size" line is multiplied by instead (§6)
+    log_tokens_factor: int = 1
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ class FullAttention(KVLayerSpec):
         return self.num_kv_heads * (self.head_bytes_k + self.head_bytes_v)
 
     def max_blocks_per_request(self, bound: RequestBound) -> int:
-        return cdiv(bound.max_model_len, self.block_size)
+        return cdiv(cdiv(bound.max_model_len, bound.kv_shards), self.block_size)
 
 
 @dataclass(frozen=True)
@@ -223,7 +229,7 @@ class MLA(KVLayerSpec):
         if self.sliding_window:
             tokens = min(self.sliding_window - 1 + bound.lookahead_tokens, bound.max_model_len)
             return cdiv(tokens, self.block_size) + 1
-        return cdiv(bound.max_model_len, self.block_size)
+        return cdiv(cdiv(bound.max_model_len, bound.kv_shards), self.block_size)
 
 
 @dataclass(frozen=True)
@@ -318,6 +324,10 @@ class CacheFormat:
     kv_cache_dtype: str
     era: VllmEra
     hybrid_manager: bool = True
+    # --mamba-cache-dtype / --mamba-ssm-cache-dtype ("auto": the model dtype / the conv dtype)
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    mamba_block_size: int | None = None  # --mamba-block-size: the per-block chunk ('all' mode)
     _heads: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def kv_heads(self, total: int) -> int:
@@ -354,8 +364,18 @@ def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
 
 
 def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
-    """Each Mamba layer's per-rank state bytes, by layer index."""
-    conv_b = fmt.model_dtype_bytes
+    """Each Mamba layer's per-rank state bytes, by layer index.
+
+    Dtypes as vllm 0.32 ``model_executor/layers/mamba/mamba_utils.py``
+    (``MambaStateDtypeCalculator``): the conv state in ``mamba_cache_dtype`` (auto: the model
+    dtype), the SSM state in ``mamba_ssm_cache_dtype``, else the model's own SSM dtype (set by
+    ``model_executor/models/config.py`` only while the flag is auto), else the conv dtype.
+    """
+    if fmt.mamba_cache_dtype != "auto":
+        conv_b = dtype_bytes(fmt.mamba_cache_dtype)
+    else:
+        conv_b = fmt.model_dtype_bytes
+    forced_ssm = fmt.mamba_ssm_cache_dtype != "auto"
     sizes: dict[int, int] = {}
     for i, layer in enumerate(model.layers):
         if layer.kind is not AttentionKind.MAMBA:
@@ -366,6 +386,8 @@ def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
                 "the model facts must describe the recurrent state",
             )
         ssm_b = dtype_bytes(layer.mamba.ssm_dtype) if layer.mamba.ssm_dtype else conv_b
+        if forced_ssm:
+            ssm_b = dtype_bytes(fmt.mamba_ssm_cache_dtype)
         if not fmt.era.mamba_separate_dtypes and fmt.kv_cache_dtype == "auto":
             ssm_b = conv_b
         sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b)
@@ -416,7 +438,7 @@ def unify_block_size(
             for ly in model.layers
             if ly.mamba is not None and ly.mamba.mamba_chunk_size
         ]
-        chunk = math.lcm(max(chunks) if chunks else 256, align)
+        chunk = math.lcm(fmt.mamba_block_size or (max(chunks) if chunks else 256), align)
         needed = chunk * cdiv(cdiv(m, a1), chunk)
     else:
         needed = align * cdiv(m, align * a1)
@@ -463,13 +485,24 @@ def build_layer_specs(
     hybrid_manager: bool = True,
     mamba_cache_mode: str = "none",
     mla_align: int = 64,
+    mamba_dtypes: tuple[str, str] = ("auto", "auto"),
+    mamba_block_size: int | None = None,
 ) -> LayerSpecsResult:
     """Build vLLM's per-layer KV specs for one TP rank, unifying hybrid Mamba pages (§4.6).
 
     ``block_size`` is the attention block size before any hybrid raise. With the hybrid manager
     off, sliding-window and chunked layers become full attention (allocate for full length).
     """
-    fmt = CacheFormat(tp, dtype_bytes(model_dtype), kv_cache_dtype, era, hybrid_manager)
+    fmt = CacheFormat(
+        tp,
+        dtype_bytes(model_dtype),
+        kv_cache_dtype,
+        era,
+        hybrid_manager,
+        mamba_cache_dtype=mamba_dtypes[0],
+        mamba_ssm_cache_dtype=mamba_dtypes[1],
+        mamba_block_size=mamba_block_size,
+    )
     has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
     mamba_bytes = mamba_state_sizes(model, fmt) if has_mamba else {}
     unified = unify_block_size(model, fmt, block_size, mamba_bytes, mamba_cache_mode, mla_align)
@@ -692,7 +725,7 @@ def kv_cache_tokens(blocks: int, layout: KVLayout, bound: RequestBound, era: Vll
     if not layout.groups:
         return 0
     if era.tokens_formula == "blocks_per_group":
-        return (blocks // layout.num_groups) * layout.min_block_size
+        return (blocks // layout.num_groups) * layout.min_block_size * bound.log_tokens_factor
     n = layout.blocks_per_request(bound)
     return int(blocks / n * bound.max_model_len) if n else 0
 

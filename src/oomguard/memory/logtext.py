@@ -171,3 +171,25 @@ def weights_exceed_budget_text(
         f"budget (util {util} × {total / GIB:.2f} GiB): they load, then nothing is left "
         "for the KV cache"
     )
+
+
+# vllm 0.32 v1/kv_cache_interface.py SlidingWindowSpec.max_memory_usage_bytes (an assertion)
+DCP_SLIDING_WINDOW_TEXT = "DCP not support sliding window."
+
+
+def mamba_blocks_error_text(max_num_seqs: int, num_blocks: int) -> str:
+    """vllm 0.32 config/compilation.py: FULL graphs need one Mamba block per decode sequence."""
+    return (
+        f"max_num_seqs ({max_num_seqs}) exceeds available Mamba cache blocks ({num_blocks}). "
+        "Each decode sequence requires one Mamba cache block, so CUDA graph capture cannot "
+        f"proceed. Please lower max_num_seqs to at most {num_blocks} or increase "
+        "gpu_memory_utilization."
+    )
+
+
+def sleep_line(freed_bytes: int, used_bytes: int) -> str:
+    """What ``Worker.sleep`` logs (vllm 0.32 v1/worker/gpu_worker.py)."""
+    return (
+        f"Sleep mode freed {format_gib(freed_bytes)} GiB memory, "
+        f"{format_gib(used_bytes)} GiB memory is still in use."
+    )

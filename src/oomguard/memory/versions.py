@@ -95,6 +95,13 @@ class VllmEra:
     # model_executor/layers/mamba/mamba_mixer2.py): Mamba2 from 0.32; none before (0.31 has no
     # such field in v1/kv_cache_interface.py)
     mamba_checkpoint_variants: frozenset[str] = frozenset()
+    # §14.1: DCP enters the per-request block count (0.21+); before, the "KV cache size" line
+    # was multiplied by the CP sizes: "dcp" (0.10–0.11) or "pcp_dcp" (0.12–0.20)
+    cp_in_spec: bool = True
+    cp_log_factor: str = "dcp"
+    # §14.5: FULL CUDA graphs on a Mamba model refuse max_num_seqs above num_blocks (vllm
+    # config/compilation.py, the fix for vllm issue #34094; present in 0.32, taken from 0.17)
+    mamba_seqs_check: bool = True
 
     @property
     def version(self) -> str:
@@ -148,6 +155,9 @@ def _era_for_minor(minor: int) -> VllmEra:
         mla_block_blackwell=128 if m <= 14 else 64,
         ds_mla_fp8_default=m <= 13,
         model_loading_form="v10" if m <= 11 else ("v12" if m <= 13 else "v14"),
+        cp_in_spec=m >= 21,
+        cp_log_factor="dcp" if m <= 11 else "pcp_dcp",
+        mamba_seqs_check=m >= 17,
         cpu_mla_block_16=m >= 28,
         hopper_mla_block=64 if m <= 17 else 16,
         mamba_prefix_mode="all" if m < 15 else "align",

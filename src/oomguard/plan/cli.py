@@ -86,6 +86,19 @@ def plan_command(
     mm_encoder_tp_mode: opt.MmEncoderTpMode = None,
     mm_processor_cache_gb: opt.MmProcessorCacheGb = None,
     mm_processor_cache_type: opt.MmProcessorCacheType = None,
+    decode_context_parallel_size: opt.DecodeContextParallelSize = None,
+    prefill_context_parallel_size: opt.PrefillContextParallelSize = None,
+    kv_offloading_size: opt.KvOffloadingSize = None,
+    kv_offloading_backend: opt.KvOffloadingBackend = None,
+    kv_transfer_config: opt.KvTransferConfig = None,
+    enable_sleep_mode: opt.EnableSleepMode = None,
+    compilation_config: opt.CompilationConfig = None,
+    cudagraph_capture_sizes: opt.CudagraphCaptureSizes = None,
+    max_cudagraph_capture_size: opt.MaxCudagraphCaptureSize = None,
+    mamba_cache_dtype: opt.MambaCacheDtype = None,
+    mamba_ssm_cache_dtype: opt.MambaSsmCacheDtype = None,
+    mamba_block_size: opt.MambaBlockSize = None,
+    mamba_cache_mode: opt.MambaCacheMode = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
     shared_prefix: opt.SharedPrefix = None,
@@ -97,7 +110,7 @@ def plan_command(
     json_output: JsonOption = False,
 ) -> None:
     """Predict vLLM's startup memory and print the configuration that serves your workload."""
-    run_plan(ctx, locals())
+    run_plan(ctx, dict(locals()))
 
 
 def run_plan(ctx: typer.Context, given: dict[str, Any]) -> None:
@@ -118,6 +131,7 @@ def run_plan(ctx: typer.Context, given: dict[str, Any]) -> None:
             "a pasted command must follow --", "write: oomguard plan -- vllm serve MODEL --flags…"
         )
     flags = {name: value for name, value in given.items() if name in _ENGINE_FLAGS}
+    flags["estimate_cudagraphs"] = _estimate_from_environment(command)
     result = plan(
         model,
         given["gpu"],
@@ -152,7 +166,23 @@ _ENGINE_FLAGS = frozenset({
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
     "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling", "mm_encoder_tp_mode",
     "mm_processor_cache_gb", "mm_processor_cache_type",
+    "decode_context_parallel_size", "prefill_context_parallel_size",
+    "kv_offloading_size", "kv_offloading_backend", "kv_transfer_config", "enable_sleep_mode",
+    "compilation_config", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+    "mamba_cache_dtype", "mamba_ssm_cache_dtype", "mamba_block_size", "mamba_cache_mode",
 })  # fmt: skip
+
+
+def _estimate_from_environment(command: list[str] | None) -> bool | None:
+    """VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS from this shell, as vLLM started here would read
+    it; a pasted command that sets it itself keeps its own value."""
+    import os
+
+    from oomguard.vllm_args import ESTIMATE_CUDAGRAPHS_ENV, estimate_cudagraphs_from_env
+
+    if command and any(word.startswith(ESTIMATE_CUDAGRAPHS_ENV + "=") for word in command):
+        return None
+    return estimate_cudagraphs_from_env(os.environ)
 
 
 def register(app: typer.Typer) -> None:

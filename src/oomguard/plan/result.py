@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from oomguard.memory.parallel import engine_world_size
 from oomguard.units import gib_rounded
 from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_yaml
 from oomguard.workload import Workload
@@ -79,9 +80,11 @@ class Candidate:
 
     @property
     def gpus_used(self) -> int:
-        """GPUs the configuration occupies: tensor × pipeline × data parallel."""
+        """GPUs the configuration occupies: tensor × pipeline × prefill-context × data parallel
+        (decode context parallelism reuses the tensor-parallel GPUs)."""
         s = self.settings
-        return s.tensor_parallel_size * s.pipeline_parallel_size * s.data_parallel_size
+        tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
+        return engine_world_size(tp, pp, s.prefill_context_parallel_size) * s.data_parallel_size
 
     @property
     def parallel_label(self) -> str:
@@ -249,7 +252,12 @@ _SETTINGS_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parall
                   "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
                   "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling",
                   "mm_encoder_tp_mode", "mm_processor_cache_gb",
-                  "mm_processor_cache_type")  # fmt: skip
+                  "mm_processor_cache_type", "decode_context_parallel_size",
+                  "prefill_context_parallel_size", "kv_offloading_size", "kv_offloading_backend",
+                  "kv_transfer_config", "enable_sleep_mode", "compilation_config",
+                  "cudagraph_capture_sizes", "max_cudagraph_capture_size",
+                  "estimate_cudagraphs", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
+                  "mamba_block_size", "mamba_cache_mode")  # fmt: skip
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 

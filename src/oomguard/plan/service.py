@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.errors import BadInput, OomguardError
 from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
+from oomguard.memory.parallel import engine_world_size
 from oomguard.memory.spec import GPUSpec, ModelSpec
+from oomguard.plan.features import feature_notes
 from oomguard.plan.recommend import (
     SearchSpace,
     alternatives,
@@ -267,11 +269,19 @@ def resolve_target(
     """The GPU and count, checked against the parallel sizes the settings ask for."""
     gpu_spec, gpu_source, detected_count, free_bytes = _resolve_gpu(gpu, gpu_memory_gib)
     base = req.base
-    world = base.tensor_parallel_size * base.pipeline_parallel_size * base.data_parallel_size
+    tp, pp, pcp = (
+        base.tensor_parallel_size,
+        base.pipeline_parallel_size,
+        base.prefill_context_parallel_size,
+    )
+    world = engine_world_size(tp, pp, pcp) * base.data_parallel_size
     count = req.gpu_count or (max(world, detected_count or 1) if detected_count else world)
     if world > count:
+        what = (
+            "tensor × pipeline × prefill-context × data" if pcp > 1 else "tensor × pipeline × data"
+        )
         raise BadInput(
-            f"tensor × pipeline × data parallel = {world} GPUs, but only {count} available",
+            f"{what} parallel = {world} GPUs, but only {count} available",
             "lower --tensor-parallel-size/--pipeline-parallel-size/--data-parallel-size or "
             "raise --gpu-count",
         )
@@ -482,6 +492,8 @@ def plan(
     )
     check_tp(spec, target.gpu, req.base)
     found = find_plan(space, req, target, catalogue)
+    host_bytes = _host_memory_bytes(req.host_memory_gib, target.source)
+    notes.extend(feature_notes(found.plan.prediction, host_bytes))
     return assemble(space, target, found, version, notes, req.other_flags, started)
 
 
