@@ -34,17 +34,21 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Literal
 
 from oomguard.guard.output_lengths import LengthPlan
+from oomguard.guard.projected_sum import projected_sum_blocks
 from oomguard.guard.projection import (
     DecodeRate,
     Footprint,
+    LearnedSequence,
     ProgressSettings,
     RequestProgress,
     blocks_for_tokens,
     blocks_now,
     new_request_footprints,
+    new_request_terms,
     projected_peak_blocks,
     unknown_blocks,
 )
@@ -96,6 +100,10 @@ class AdmissionSettings:
     # output length below its max_tokens: the margin for the projection's error (a request
     # that outgrows its reservation is charged as it streams, one poll of usage late).
     learned_watermark: float = 0.90
+    # Learned lengths as distributions: the projected sum over time with a margin of z
+    # standard deviations, z from the output lengths' quantile (oomguard.guard.projected_sum);
+    # False: every learned sequence planned at that quantile, under learned_watermark.
+    learned_sum: bool = True
 
 
 @dataclass(frozen=True)
@@ -360,6 +368,9 @@ class BackendAdmission:
             peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit:
                 return eff - peak
+            summed = self._summed_margin(cost, track, now_s)
+            if summed is not None:
+                return summed
             if track:
                 early = self._early_margin(cost, extra, proj_limit, now_s)
                 if early is not None:
@@ -376,6 +387,51 @@ class BackendAdmission:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _learned_sum(self, cost: RequestCost | None) -> bool:
+        if not self.settings.learned_sum:
+            return False
+        if cost is not None and cost.length_plan is not None:
+            return True
+        return any(p.tracked and p.plan is not None for p in self.inflight.values())
+
+    def _summed_margin(self, cost: RequestCost, track: bool, now_s: float) -> int | None:
+        """Blocks left at the projected sum over time with ``cost`` admitted, while learned
+        lengths are in play and it stays under the projected watermark; else None."""
+        if not self._learned_sum(cost if track else None):
+            return None
+        assert self.block_size is not None
+        bs = self.block_size
+        envelopes: list[Footprint] = []
+        learned: list[LearnedSequence] = []
+        quantile = 0.0
+        for p in self.inflight.values():
+            e, seqs = p.terms(self.rate, now_s)
+            envelopes.extend(e)
+            learned.extend(seqs)
+            if p.plan is not None and p.tracked:
+                quantile = max(quantile, p.plan.quantile)
+        plan = cost.length_plan if track else None
+        if plan is not None:
+            e, seqs = new_request_terms(
+                cost.prompt_tokens,
+                cost.max_new_tokens,
+                cost.num_sequences,
+                self.rate,
+                cost.shared_tokens(bs, self.sharing),
+                plan,
+            )
+            quantile = max(quantile, plan.quantile)
+        else:
+            e, seqs = self._new_footprints(cost, track), []
+        envelopes.extend(e)
+        learned.extend(seqs)
+        z = NormalDist().inv_cdf(min(max(quantile, 0.5), 1.0 - 1e-9))
+        peak = projected_sum_blocks(envelopes, learned, bs, z) + self._external
+        eff = self.effective_capacity_blocks
+        if peak > self.settings.projected_watermark * eff:
+            return None
+        return eff - peak
 
     def _projected_limit(self, cost: RequestCost | None) -> float:
         """The projected watermark: ``learned_watermark`` (the lower) while any tracked request
