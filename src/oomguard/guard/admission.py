@@ -34,11 +34,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import NormalDist
 from typing import Literal
 
 from oomguard.guard.output_lengths import LengthPlan
-from oomguard.guard.projected_sum import projected_sum_blocks
+from oomguard.guard.projected_sum import overflow_probability
 from oomguard.guard.projection import (
     DecodeRate,
     Footprint,
@@ -426,12 +425,14 @@ class BackendAdmission:
             e, seqs = self._new_footprints(cost, track), []
         envelopes.extend(e)
         learned.extend(seqs)
-        z = NormalDist().inv_cdf(min(max(quantile, 0.5), 1.0 - 1e-9))
-        peak = projected_sum_blocks(envelopes, learned, bs, z) + self._external
         eff = self.effective_capacity_blocks
-        if peak > self.settings.projected_watermark * eff:
+        limit = self.settings.projected_watermark * eff - self._external
+        risk, expected = overflow_probability(envelopes, learned, bs, limit)
+        # the risk taken per decision: a tenth of the quantile's tail (a burst turns the pool
+        # over a few times, each turnover a fresh chance to overflow)
+        if risk > (1.0 - quantile) / 10.0:
             return None
-        return eff - peak
+        return eff - expected - self._external
 
     def _projected_limit(self, cost: RequestCost | None) -> float:
         """The projected watermark: ``learned_watermark`` (the lower) while any tracked request
