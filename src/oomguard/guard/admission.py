@@ -99,9 +99,8 @@ class AdmissionSettings:
     # output length below its max_tokens: the margin for the projection's error (a request
     # that outgrows its reservation is charged as it streams, one poll of usage late).
     learned_watermark: float = 0.90
-    # Learned lengths as distributions: the projected sum over time with a margin of z
-    # standard deviations, z from the output lengths' quantile (oomguard.guard.projected_sum);
-    # False: every learned sequence planned at that quantile, under learned_watermark.
+    # Learned lengths as distributions: when the per-request plan refuses, admit on the risk
+    # that the blocks in flight exceed the projected watermark (oomguard.guard.projected_sum).
     learned_sum: bool = True
 
 
@@ -388,11 +387,14 @@ class BackendAdmission:
         return None
 
     def _learned_sum(self, cost: RequestCost | None) -> bool:
+        """Whether the learned sum applies: some learned length, of ``cost`` or of a tracked
+        request in flight, is shorter than its request's limit (else every sequence runs to its
+        ``max_tokens`` and the envelopes already say all there is)."""
         if not self.settings.learned_sum:
             return False
-        if cost is not None and cost.length_plan is not None:
+        if cost is not None and _may_end_early(cost.length_plan):
             return True
-        return any(p.tracked and p.plan is not None for p in self.inflight.values())
+        return any(p.tracked and _may_end_early(p.plan) for p in self.inflight.values())
 
     def _summed_margin(self, cost: RequestCost, track: bool, now_s: float) -> int | None:
         """Blocks left at the projected sum over time with ``cost`` admitted, while learned
@@ -768,6 +770,11 @@ class BackendAdmission:
         self.external_blocks = 0
         self._last_preemptions = None
         self._calm_since_s = None
+
+
+def _may_end_early(plan: LengthPlan | None) -> bool:
+    """Whether a request planned with ``plan`` may end before its ``max_tokens``."""
+    return plan is not None and bool(plan.values) and plan.values[0] < plan.max_new_tokens
 
 
 def pick_backend(
