@@ -581,7 +581,16 @@ def simulate_mix(
             shapes,
             m,
             default_settings(),
-            label="guard: learned output lengths",
+            label="guard: learned output lengths (their sum)",
+            lengths=OutputLengths(),
+        )
+    )
+    runs.append(
+        run_guard(
+            shapes,
+            m,
+            replace(default_settings(), learned_sum=False),
+            label="guard: learned output lengths (per-request quantile)",
             lengths=OutputLengths(),
         )
     )

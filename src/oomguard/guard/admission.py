@@ -37,14 +37,17 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from oomguard.guard.output_lengths import LengthPlan
+from oomguard.guard.projected_sum import overflow_probability
 from oomguard.guard.projection import (
     DecodeRate,
     Footprint,
+    LearnedSequence,
     ProgressSettings,
     RequestProgress,
     blocks_for_tokens,
     blocks_now,
     new_request_footprints,
+    new_request_terms,
     projected_peak_blocks,
     unknown_blocks,
 )
@@ -96,6 +99,9 @@ class AdmissionSettings:
     # output length below its max_tokens: the margin for the projection's error (a request
     # that outgrows its reservation is charged as it streams, one poll of usage late).
     learned_watermark: float = 0.90
+    # Learned lengths as distributions: when the per-request plan refuses, admit on the risk
+    # that the blocks in flight exceed the projected watermark (oomguard.guard.projected_sum).
+    learned_sum: bool = True
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,9 @@ class BackendAdmission:
             peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit:
                 return eff - peak
+            summed = self._summed_margin(cost, track, now_s)
+            if summed is not None:
+                return summed
             if track:
                 early = self._early_margin(cost, extra, proj_limit, now_s)
                 if early is not None:
@@ -376,6 +385,56 @@ class BackendAdmission:
             self.paused = True
             self.pause_count += 1
         return None
+
+    def _learned_sum(self, cost: RequestCost | None) -> bool:
+        """Whether the learned sum applies: some learned length, of ``cost`` or of a tracked
+        request in flight, is shorter than its request's limit (else every sequence runs to its
+        ``max_tokens`` and the envelopes already say all there is)."""
+        if not self.settings.learned_sum:
+            return False
+        if cost is not None and _may_end_early(cost.length_plan):
+            return True
+        return any(p.tracked and _may_end_early(p.plan) for p in self.inflight.values())
+
+    def _summed_margin(self, cost: RequestCost, track: bool, now_s: float) -> int | None:
+        """Blocks left at the projected sum over time with ``cost`` admitted, while learned
+        lengths are in play and it stays under the projected watermark; else None."""
+        if not self._learned_sum(cost if track else None):
+            return None
+        assert self.block_size is not None
+        bs = self.block_size
+        envelopes: list[Footprint] = []
+        learned: list[LearnedSequence] = []
+        quantile = 0.0
+        for p in self.inflight.values():
+            e, seqs = p.terms(self.rate, now_s)
+            envelopes.extend(e)
+            learned.extend(seqs)
+            if p.plan is not None and p.tracked:
+                quantile = max(quantile, p.plan.quantile)
+        plan = cost.length_plan if track else None
+        if plan is not None:
+            e, seqs = new_request_terms(
+                cost.prompt_tokens,
+                cost.max_new_tokens,
+                cost.num_sequences,
+                self.rate,
+                cost.shared_tokens(bs, self.sharing),
+                plan,
+            )
+            quantile = max(quantile, plan.quantile)
+        else:
+            e, seqs = self._new_footprints(cost, track), []
+        envelopes.extend(e)
+        learned.extend(seqs)
+        eff = self.effective_capacity_blocks
+        limit = self.settings.projected_watermark * eff - self._external
+        risk, expected = overflow_probability(envelopes, learned, bs, limit)
+        # the risk taken per decision: a tenth of the quantile's tail (a burst turns the pool
+        # over a few times, each turnover a fresh chance to overflow)
+        if risk > (1.0 - quantile) / 10.0:
+            return None
+        return eff - expected - self._external
 
     def _projected_limit(self, cost: RequestCost | None) -> float:
         """The projected watermark: ``learned_watermark`` (the lower) while any tracked request
@@ -711,6 +770,11 @@ class BackendAdmission:
         self.external_blocks = 0
         self._last_preemptions = None
         self._calm_since_s = None
+
+
+def _may_end_early(plan: LengthPlan | None) -> bool:
+    """Whether a request planned with ``plan`` may end before its ``max_tokens``."""
+    return plan is not None and bool(plan.values) and plan.values[0] < plan.max_new_tokens
 
 
 def pick_backend(

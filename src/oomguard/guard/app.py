@@ -204,6 +204,7 @@ class GuardApp:
             engine_queue_requests=config.engine_queue_requests,
             first_chunk_tokens=config.first_chunk_tokens,
             learned_watermark=config.learned_watermark,
+            learned_sum=config.output_length_projection == "sum",
             progress=ProgressSettings(
                 lag_s=config.progress_lag_s,
                 lag_floor_tokens=config.progress_lag_floor_tokens,

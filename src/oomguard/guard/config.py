@@ -113,6 +113,11 @@ class GuardConfig(BaseModel):
     output_length_min_samples: int = Field(default=8, ge=1)
     output_length_window: int = Field(default=256, ge=1)
     learned_watermark: float = Field(default=0.90, gt=0.0, le=1.0)
+    # How learned lengths enter admission: "per-request", each sequence planned at the
+    # quantile under learned_watermark; "sum", also the distribution of the blocks in flight,
+    # its risk of exceeding projected_watermark below a tenth of the quantile's tail
+    # (oomguard.guard.projected_sum).
+    output_length_projection: Literal["sum", "per-request"] = "sum"
     # queue and shedding
     max_queue_requests: int = Field(default=256, ge=0)
     max_queue_tokens: int = Field(default=4_000_000, ge=0)

@@ -30,6 +30,8 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # A class of requests: (model, route, API key or "", prompt band).
 LengthClass = tuple[Hashable, ...]
 
@@ -79,6 +81,10 @@ class OutputLengths:
     tightenings: int = 0
     _samples: dict[LengthClass, deque[_Sample]] = field(default_factory=dict)
     _tightened_at_s: float | None = None
+    # per window: (samples seen when it was built, the sorted lengths as the projected sum
+    # reads them), rebuilt only after new completions
+    _sorted: dict[LengthClass, tuple[int, np.ndarray]] = field(default_factory=dict)
+    _seen: dict[LengthClass, int] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -104,6 +110,7 @@ class OutputLengths:
         for key in (cls, _coarse(cls)):
             window = self._samples.setdefault(key, deque(maxlen=self.settings.window))
             window.append(sample)
+            self._seen[key] = self._seen.get(key, 0) + 1
 
     def plan(self, cls: LengthClass | None, max_new_tokens: int) -> LengthPlan | None:
         """How a new request of ``cls`` limited to ``max_new_tokens`` is planned (None: at its
@@ -111,13 +118,32 @@ class OutputLengths:
         if cls is None or not self.enabled or self.quantile >= 1.0:
             return None
         enough = self.settings.min_samples
-        window = self._samples.get(cls)
+        key: LengthClass = cls
+        window = self._samples.get(key)
         if window is None or len(window) < enough:
-            window = self._samples.get(_coarse(cls))
+            key = _coarse(cls)
+            window = self._samples.get(key)
         if window is None or len(window) < enough:
             return None
         values = tuple(sorted(_value(s, max_new_tokens) for s in window))
-        return LengthPlan(values, self.quantile, max_new_tokens)
+        return LengthPlan(values, self.quantile, max_new_tokens, self._lengths(key, window))
+
+    def _lengths(self, key: LengthClass, window: deque[_Sample]) -> np.ndarray:
+        """The window's lengths, sorted, a censored one as unbounded (one array per window
+        between completions: the requests planned from it share it)."""
+        seen = self._seen.get(key, 0)
+        cached = self._sorted.get(key)
+        if cached is None or cached[0] != seen:
+            lengths = np.sort(
+                np.fromiter(
+                    (math.inf if s.stopped_at is not None else s.generated for s in window),
+                    float,
+                    len(window),
+                )
+            )
+            cached = (seen, lengths)
+            self._sorted[key] = cached
+        return cached[1]
 
     def reservation(self, cls: LengthClass | None, max_new_tokens: int) -> int:
         """Output tokens to reserve for a new request of ``cls`` limited to ``max_new_tokens``."""
@@ -149,6 +175,9 @@ class LengthPlan:
     values: tuple[float, ...]
     quantile: float
     max_new_tokens: int
+    # The class's lengths as the projected sum reads them (sorted; a censored one unbounded):
+    # below this request's limit they say what ``values`` says.
+    lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def planned(self, generated: int) -> int:
         """Output tokens to plan a sequence for once it has generated ``generated``: the

@@ -67,6 +67,29 @@ class Footprint:
         return self.sequences * blocks_for_tokens(tokens, block_size)
 
 
+@dataclass(frozen=True)
+class LearnedSequence:
+    """One sequence planned from its class's learned lengths.
+
+    ``hi_tokens``: an upper bound on its tokens now (prompt, generated, lag); ``generated``: a
+    lower bound on what it has generated; ``start_steps``: steps within which it starts at the
+    latest (0 once it has shown progress); ``final_tokens``: its size at ``max_tokens``.
+    """
+
+    hi_tokens: int
+    generated: int
+    final_tokens: int
+    max_new_tokens: int
+    plan: LengthPlan
+    start_steps: int = 0
+    sequences: int = 1
+
+    @property
+    def last_step(self) -> int:
+        """The last step it may still be running (at ``max_tokens``)."""
+        return self.start_steps + max(self.max_new_tokens - self.generated, 0)
+
+
 def full_footprint(final_tokens: int, sequences: int) -> Footprint:
     """The plain reservation: the final size, held until the request is released."""
     return Footprint(final_tokens, final_tokens, None, sequences)
@@ -357,6 +380,66 @@ class RequestProgress:
         longest = None if not out or None in ends else max(e or 0 for e in ends)
         return self._with_shared(out, longest) if out else out
 
+    def terms(
+        self, rate: DecodeRate, now_s: float
+    ) -> tuple[list[Footprint], list[LearnedSequence]]:
+        """Like :meth:`footprints`, but a tracked sequence planned from learned lengths is a
+        :class:`LearnedSequence` (a distribution of ends) instead of an envelope."""
+        tps = rate.tokens_per_s
+        if self.plan is None or not self.tracked or tps is None:
+            return self.footprints(rate, now_s), []
+        s = rate.settings
+        shared = self.shared_tokens
+        final = self.final_tokens - shared
+        waited_s = max(now_s - self.sent_at_s, 0.0)
+        deadline_s = rate.start_deadline_s() + self.extra_start_s
+        lag = (
+            s.lag_floor_tokens
+            + self.last_step_tokens
+            + math.ceil(tps * (max(now_s - self.last_seen_s, 0.0) + s.lag_s))
+        )
+        learned: list[LearnedSequence] = []
+        envelopes: list[Footprint] = []
+        unseen = 0
+        for i in range(self.num_sequences):
+            if self.finished[i]:
+                continue
+            if self._first_seen[i] is None:
+                unseen += 1
+                continue
+            prompt = self.prompt_of[i]
+            prompt = self.prompt_tokens if prompt is None else prompt
+            lo = prompt + self.generated[i] - shared
+            own_final = prompt + self.max_new_tokens - shared
+            learned.append(
+                LearnedSequence(
+                    min(lo + lag, own_final),
+                    self.generated[i],
+                    own_final,
+                    self.max_new_tokens,
+                    self.plan,
+                )
+            )
+        if unseen and waited_s > deadline_s:
+            envelopes.append(full_footprint(final, unseen))
+        elif unseen:
+            hi = (
+                self.prompt_tokens
+                - shared
+                + s.lag_floor_tokens
+                + math.ceil(tps * (waited_s + s.lag_s))
+            )
+            latest = math.ceil(tps * (deadline_s - waited_s)) + 1
+            learned.append(
+                LearnedSequence(
+                    min(hi, final), 0, final, self.max_new_tokens, self.plan, latest, unseen
+                )
+            )
+        if shared > 0:
+            longest = None if envelopes else max(x.last_step for x in learned) + 1
+            envelopes.append(Footprint(shared, shared, longest, 1, growth=0))
+        return envelopes, learned
+
     def blocks_held_at_least(self, block_size: int) -> int:
         """Blocks the request certainly holds for as long as it lives: its seen, unfinished
         sequences at their observed length (a sequence only grows until it ends)."""
@@ -426,6 +509,27 @@ def new_request_footprints(
         plan=plan if track else None,
     )
     return probe.footprints(rate, 0.0)
+
+
+def new_request_terms(
+    prompt_tokens: int,
+    max_new_tokens: int,
+    num_sequences: int,
+    rate: DecodeRate,
+    shared_tokens: int,
+    plan: LengthPlan,
+) -> tuple[list[Footprint], list[LearnedSequence]]:
+    """:meth:`RequestProgress.terms` of a tracked request about to be sent."""
+    probe = RequestProgress(
+        prompt_tokens,
+        max_new_tokens,
+        num_sequences,
+        0.0,
+        tracked=True,
+        shared_tokens=shared_tokens,
+        plan=plan,
+    )
+    return probe.terms(rate, 0.0)
 
 
 def peak_with(current: Sequence[Footprint], extra: Sequence[Footprint], block_size: int) -> int:
