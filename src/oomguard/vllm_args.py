@@ -23,6 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard._vllm_flags import ALIASES, BOOL_FLAGS, LIST_FLAGS, VALUE_FLAGS
 from oomguard.errors import BadInput, MalformedConfig
+from oomguard.memory.speculative import (
+    LEGACY_FLAGS,
+    SpeculativeConfig,
+    merge_legacy,
+    parse_speculative_config,
+)
 from oomguard.units import GIB, KIB, MIB, TIB
 
 if TYPE_CHECKING:
@@ -108,10 +114,6 @@ UNMODELLED_MEMORY_FLAGS = frozenset(
         "enable-lora",
         "max-loras",
         "max-lora-rank",
-        "speculative-config",
-        "spec-method",
-        "spec-model",
-        "spec-tokens",
         "speculative-model",
         "num-speculative-tokens",
         "limit-mm-per-prompt",
@@ -281,7 +283,11 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "num-gpu-blocks-override": ("num_gpu_blocks_override", _positive(_parse_int)),
     "cpu-offload-gb": ("cpu_offload_gb", _non_negative_float),
     "performance-mode": ("performance_mode", choice_parser(PERFORMANCE_MODE_CHOICES)),
+    # JSON as vLLM reads it; the older --spec-method/--spec-model/--spec-tokens fill its keys
+    "speculative-config": ("speculative_config", parse_speculative_config),
 }
+# the older speculative flags as settings_from_flags receives them (parameter names)
+_LEGACY_SPEC_FIELDS = {flag.replace("-", "_"): flag for flag in LEGACY_FLAGS}
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
 
@@ -291,8 +297,9 @@ def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     checked by the same rule as the flag in a pasted ``vllm serve`` command (``8k``, ``auto``,
     the value vLLM accepts). Fields that are not vLLM flags (``vllm_version``) pass through."""
     out: dict[str, Any] = {}
+    legacy = [(name, value) for name, value in flags.items() if name in _LEGACY_SPEC_FIELDS]
     for name, value in flags.items():
-        if value is None:
+        if value is None or name in _LEGACY_SPEC_FIELDS:
             continue
         flag = FIELD_TO_FLAG.get(name)
         parse = _SETTING_FLAGS[flag][1] if flag is not None else None
@@ -302,6 +309,10 @@ def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
         parsed = parse(str(value), f"--{flag}")
         if parsed is not None:
             out[name] = parsed
+    for name, value in legacy:
+        if value is not None:
+            flag = _LEGACY_SPEC_FIELDS[name]
+            out["speculative_config"] = merge_legacy(out.get("speculative_config"), flag, value)
     return out
 
 
@@ -324,6 +335,7 @@ _RENDER_ORDER = (
     "num_gpu_blocks_override",
     "cpu_offload_gb",
     "performance_mode",
+    "speculative_config",
 )
 # Field values that equal vLLM's own defaults are not rendered (None = "vLLM decides").
 _FIELD_DEFAULTS: dict[str, Any] = {
@@ -648,7 +660,11 @@ def parse_command(
     other: dict[str, Any] = {}
     unmodelled: list[str] = []
     unknown: list[str] = []
+    legacy_spec: list[tuple[str, Any]] = []
     for name, value in pairs:
+        if name in LEGACY_FLAGS:
+            legacy_spec.append((name, value))
+            continue
         if name == "model":
             if not isinstance(value, str):
                 raise BadInput("--model needs a value", "write --model MODEL")
@@ -675,6 +691,11 @@ def parse_command(
         other[name] = value
         if name in UNMODELLED_MEMORY_FLAGS and name not in unmodelled:
             unmodelled.append(name)
+    for flag, value in legacy_spec:
+        if isinstance(value, bool | list):
+            raise BadInput(f"--{flag} needs a value", f"write --{flag} VALUE")
+        cfg = settings.get("speculative_config")
+        settings["speculative_config"] = merge_legacy(cfg, flag, value)
     for stray in extra_positionals:
         unknown.append(stray)
     strays = tuple(extra_positionals)
@@ -721,7 +742,14 @@ def explicit_flags(settings: EngineSettings) -> list[tuple[str, Any]]:
     return out
 
 
+def _plain(value: Any) -> Any:
+    """A setting as vLLM's own config value (the speculative config as its JSON object)."""
+    return value.to_dict() if isinstance(value, SpeculativeConfig) else value
+
+
 def _cli_value(name: str, value: Any) -> str:
+    if isinstance(value, SpeculativeConfig):
+        return value.to_json()
     if name == "max_model_len" and value == -1:
         return "auto"
     if isinstance(value, float):
@@ -788,7 +816,7 @@ def render_llm(model: str, settings: EngineSettings) -> str:
     """``LLM(model=..., field=value, ...)`` for offline use (keyword names are vLLM's)."""
     args = [f"model={model!r}"]
     for name, value in explicit_flags(settings):
-        args.append(f"{name}={value!r}")
+        args.append(f"{name}={_plain(value)!r}")
     return "LLM(" + ", ".join(args) + ")"
 
 
@@ -800,7 +828,7 @@ def render_yaml(model: str, settings: EngineSettings) -> str:
     for name, value in explicit_flags(settings):
         if name == "max_model_len" and value == -1:
             value = "auto"
-        data[FIELD_TO_FLAG[name]] = value
+        data[FIELD_TO_FLAG[name]] = _plain(value)
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 

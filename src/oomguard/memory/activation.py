@@ -424,11 +424,13 @@ def cudagraph_estimate(
     compute_capability: str = "",
     tp: int = 1,
     coef: Coefficients = DEFAULT_COEFFICIENTS,
+    capture_count: int | None = None,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
 
     Zero with ``enforce_eager``, on CPU, and before 0.20 (the estimate is not applied then;
-    graphs come out of the (1 − util) slack).
+    graphs come out of the (1 − util) slack). ``capture_count`` replaces the default number of
+    captured sizes (speculative decoding adds its uniform-decode sizes).
     """
     if enforce_eager:
         return Estimate.exact(0, "enforce_eager: no CUDA graphs")
@@ -440,7 +442,9 @@ def cudagraph_estimate(
         )
     if platform == "rocm" and not era.rocm_cudagraph_profiled:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
-    n = len(capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability))
+    n = capture_count or len(
+        capture_sizes(max_num_seqs, max_num_batched_tokens, compute_capability)
+    )
     gib = (
         coef.graph_base_gib + coef.graph_per_layer_gib * stage_layers * n / GRAPH_REFERENCE_CAPTURES
     )

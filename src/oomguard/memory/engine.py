@@ -16,6 +16,7 @@ from typing import Any
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory import kv as kvm
+from oomguard.memory import speculative as specm
 from oomguard.memory.activation import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
@@ -93,6 +94,9 @@ class EngineSettings:
     # speculative decoding method (--speculative-config method); MTP weights of the checkpoint
     # are loaded only for an MTP method ("mtp", "deepseek_mtp", "qwen3_next_mtp", ...)
     speculative_method: str | None = None
+    # --speculative-config (and --spec-method/--spec-model/--spec-tokens), priced by
+    # oomguard.memory.speculative; its method wins over speculative_method
+    speculative_config: specm.SpeculativeConfig | None = None
     cpu_numa_node: int = 0  # CPU backend: NUMA node of the worker's first CPU (log text only)
 
 
@@ -169,6 +173,7 @@ class MemoryPrediction:
     kv_cache_bytes_range: tuple[int, int] = (0, 0)
     kv_cache_tokens_range: tuple[int, int] = (0, 0)
     max_concurrency_range: tuple[float, float] = (0.0, 0.0)
+    speculation: specm.Speculation | None = None  # the drafter, when speculative decoding runs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view with GiB floats (JSON-ready)."""
@@ -189,7 +194,7 @@ class MemoryPrediction:
             "model": self.model,
             "vllm_version": self.vllm_version,
             "gpu": {"name": self.gpu.name, "total_gib": gib(self.total_bytes)},
-            "settings": asdict(self.settings),
+            "settings": _settings_dict(self.settings),
             "memory": {
                 "total_gib": gib(self.total_bytes),
                 "free_gib": gib(self.free_bytes),
@@ -222,7 +227,16 @@ class MemoryPrediction:
             "problems": [{"code": p.code, "message": p.message} for p in self.problems],
             "log_lines": list(self.log_lines),
             "stages": [asdict(s) for s in self.stages],
+            "speculation": None if self.speculation is None else specm.as_dict(self.speculation),
         }
+
+
+def _settings_dict(settings: EngineSettings) -> dict[str, Any]:
+    """The settings as plain data; the speculative config as vLLM's JSON object."""
+    cfg = settings.speculative_config
+    out = asdict(replace(settings, speculative_config=None))
+    out["speculative_config"] = None if cfg is None else cfg.to_dict()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,6 +428,8 @@ class _BudgetInputs:
     kv_override: int | None
     model_dtype: str
     block_size: int
+    spec: specm.Speculation | None = None
+    kv_low_scale: float = 1.0  # KVPlan.low_end_scale
 
 
 def _stage_weights(
@@ -485,6 +501,8 @@ def _stage_memory(
     settings, era, measured = b.settings, b.era, b.measured
     pp = settings.pipeline_parallel_size
     w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names)
+    if b.spec is not None and idx == pp - 1 and not w_est.basis.startswith("measured"):
+        w_est = _with_drafter_weights(w_est, b.spec)
     a_est = activation_peak(
         b.model,
         era=era,
@@ -503,7 +521,6 @@ def _stage_memory(
     g_est = cudagraph_estimate(
         b.model,
         era,
-        stage_layers=len(layers),
         max_num_seqs=b.seqs,
         max_num_batched_tokens=b.tokens,
         enforce_eager=settings.enforce_eager,
@@ -511,6 +528,7 @@ def _stage_memory(
         compute_capability=b.gpu.compute_capability,
         tp=b.tp,
         coef=b.coef,
+        **_drafter_graph_terms(b, idx == pp - 1, len(layers)),
     )
     if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
         # only where this version subtracts a graph estimate at all (else the term stays 0)
@@ -530,10 +548,38 @@ def _stage_memory(
         blocks_of(available),
         kv_cache_bytes_low=low,
         kv_cache_bytes_high=high,
-        num_blocks_low=blocks_of(low),
+        num_blocks_low=blocks_of(int(low * b.kv_low_scale)),
         num_blocks_high=blocks_of(high),
     )
     return stage, (w_est, a_est, g_est)
+
+
+def _with_drafter_weights(w: Estimate, spec: specm.Speculation) -> Estimate:
+    """The last stage's weights with the drafter's (loaded inside "Model loading took",
+    gpu_model_runner.py ``load_model``); an unknown drafter widens the high end."""
+    add, high = spec.draft_weights_bytes, spec.draft_weights_high_bytes
+    if not add and not high:
+        return w
+    return replace(
+        w,
+        value_bytes=w.value_bytes + add,
+        low_bytes=w.low_bytes + add,
+        high_bytes=w.high_bytes + max(add, high),
+        basis=f"{w.basis}; drafter {spec.method} {add / GIB:.2f} GiB",
+    )
+
+
+def _drafter_graph_terms(b: _BudgetInputs, last_stage: bool, stage_layers: int) -> dict[str, int]:
+    """cudagraph_estimate's inputs under speculative decoding: the drafter's layers are
+    captured with the last stage's, at the sizes a decode step of 1 + k tokens needs."""
+    spec = b.spec
+    if spec is None:
+        return {"stage_layers": stage_layers}
+    sizes = specm.capture_sizes(
+        b.seqs, b.tokens, spec.uniform_decode_query_len, b.gpu.compute_capability
+    )
+    layers = stage_layers + (len(spec.draft_layers) if last_stage else 0)
+    return {"stage_layers": layers, "capture_count": len(sizes)}
 
 
 def _available_kv(
@@ -590,6 +636,7 @@ class ResolvedSettings:
     total: int
     requested: float  # the budget util × total (a float before 0.14)
     kv_override: int | None
+    spec: specm.Speculation | None = None  # the drafter, when speculative decoding runs
 
 
 def _serving_era(model: ModelSpec, settings: EngineSettings) -> VllmEra:
@@ -747,7 +794,45 @@ def resolve_settings(
         total=total,
         requested=requested,
         kv_override=_kv_override(settings),
+        spec=_speculation(model, settings, tp, model_dtype, tokens),
     )
+
+
+def _speculation(
+    model: ModelSpec,
+    settings: EngineSettings,
+    tp: int,
+    model_dtype: str,
+    tokens: int,
+) -> specm.Speculation | None:
+    """The drafter of ``--speculative-config`` resolved against the target (None: none)."""
+    cfg = settings.speculative_config
+    if cfg is None:
+        return None
+    draft = cfg.draft
+    draft_tp = cfg.draft_tensor_parallel_size or tp
+    draft_bytes = None
+    if draft is not None:
+        # the drafter loads at the target's dtype (config/speculative.py), its own format
+        wb = weight_bytes_per_stage(draft, model_dtype=model_dtype, tp=draft_tp)
+        draft_bytes = sum(wb.per_stage_bytes)
+    spec = specm.resolve_speculation(
+        cfg,
+        model,
+        tp=tp,
+        dtype_bytes=kvm.dtype_bytes(model_dtype),
+        draft=draft,
+        draft_weights_bytes=draft_bytes,
+    )
+    slots = spec.drafting_slots(cfg.parallel_drafting)
+    if tokens <= slots:
+        raise BadInput(
+            "VllmConfig does not have enough slots to schedule a token and support the "
+            f"speculative decoding settings (max_num_batched_tokens={tokens}, drafting "
+            f"slots={slots})",
+            "raise --max-num-batched-tokens or lower num_speculative_tokens",
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -761,6 +846,9 @@ class KVPlan:
     bound: kvm.RequestBound
     kv_bytes_per_token: int
     stage_entries: list[frozenset[int]]  # each pipeline stage's state entries
+    # bytes per block over bytes per block with the layers an unknown drafter may add at the
+    # high end (1.0: nothing unknown); the low end of the capacity range pays for them
+    low_end_scale: float = 1.0
 
 
 def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettings) -> KVPlan:
@@ -775,8 +863,16 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
         era=era,
         hybrid_manager=r.hybrid_manager,
         mamba_cache_mode=r.mamba_mode,
+        num_speculative_tokens=r.spec.num_speculative_tokens if r.spec else 0,
     )
     indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
+    draft_entries, extra_entries = _drafter_entries(model, settings, r, built.block_size)
+    stage_entries = [
+        kvm.stage_state_indices(model, rng) for rng in pp_layer_ranges(model.num_layers, pp)
+    ]
+    # the drafter runs on the last pipeline stage (gpu_model_runner.py: is_last_rank)
+    stage_entries[-1] = stage_entries[-1] | {i for i, _ in draft_entries}
+    indexed += draft_entries
     if era.sliding_bound == "batched":
         in_flight = tokens
     elif settings.platform == "cpu":  # async scheduling forced off on CPU: PP batches in flight
@@ -786,21 +882,48 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
     # cross-attention holds the scheduler's max_num_encoder_input_tokens per request, which
     # vllm 0.32 config/scheduler.py sets to max_num_batched_tokens
     bound = kvm.RequestBound(
-        max_model_len=r.max_len, lookahead_tokens=in_flight, encoder_tokens=tokens
+        max_model_len=r.max_len,
+        lookahead_tokens=in_flight,
+        encoder_tokens=tokens,
+        num_speculative_blocks=r.spec.num_speculative_tokens if r.spec else 0,
+        sliding_retained_tokens=r.spec.sliding_retained_tokens(model) if r.spec else 0,
     )
+    layout = kvm.group_layers(indexed, era)
+    scale = 1.0
+    if extra_entries:
+        scale = (
+            layout.bytes_per_block / kvm.group_layers(indexed + extra_entries, era).bytes_per_block
+        )
     return KVPlan(
         log_lines=tuple(built.log_lines),
         block_size=built.block_size,
         indexed=indexed,
-        layout=kvm.group_layers(indexed, era),
+        layout=layout,
         bound=bound,
         kv_bytes_per_token=sum(
             s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
         ),
-        stage_entries=[
-            kvm.stage_state_indices(model, rng) for rng in pp_layer_ranges(model.num_layers, pp)
-        ],
+        stage_entries=stage_entries,
+        low_end_scale=scale,
     )
+
+
+def _drafter_entries(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, block_size: int
+) -> tuple[list[tuple[int, kvm.KVLayerSpec]], list[tuple[int, kvm.KVLayerSpec]]]:
+    """The drafter's KV entries in the shared pool, numbered after the target's, and those
+    an unknown drafter may add at the high end (vLLM's ``get_kv_cache_spec`` collects the
+    drafter's attention layers with the target's)."""
+    if r.spec is None:
+        return [], []
+    fmt = kvm.CacheFormat(
+        r.spec.draft_tp, r.dbytes, settings.kv_cache_dtype, r.era, r.hybrid_manager
+    )
+    first = len(model.layers)
+    layers = r.spec.draft_layers + r.spec.extra_draft_layers_high
+    entries = [(first + k, kvm.attention_spec(ly, block_size, fmt)) for k, ly in enumerate(layers)]
+    n = len(r.spec.draft_layers)
+    return entries[:n], entries[n:]
 
 
 @dataclass(frozen=True)
@@ -867,7 +990,9 @@ def budget_stages(
         quantization=settings.quantization,
         cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
         pad_intermediate=era.mxfp4_pad_intermediate,
-        load_mtp="mtp" in (settings.speculative_method or "").lower(),
+        load_mtp=r.spec.loads_mtp
+        if r.spec
+        else "mtp" in (settings.speculative_method or "").lower(),
     )
     measured_names: list[str] = []
     nt = _non_torch_term(gpu, settings, r, measured, measured_names)
@@ -888,6 +1013,8 @@ def budget_stages(
         kv_override=r.kv_override,
         model_dtype=r.model_dtype,
         block_size=kv.block_size,
+        spec=r.spec,
+        kv_low_scale=kv.low_end_scale,
     )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []
@@ -911,7 +1038,12 @@ def budget_stages(
         stages=stages,
         estimates=estimates,
         non_torch=nt,
-        weights_max_bytes=wb.max_bytes,
+        weights_max_bytes=max(
+            [
+                *wb.per_stage_bytes[:-1],
+                wb.per_stage_bytes[-1] + (r.spec.draft_weights_bytes if r.spec else 0),
+            ]
+        ),
         measured_names=measured_names,
         worst=worst,
         worst_layout=_stage_layout(kv, era, worst),
@@ -994,6 +1126,7 @@ def _startup_context(
         kv_per_token=kv.kv_bytes_per_token,
         stages=sb.stages,
         measured_names=sb.measured_names,
+        spec=r.spec,
     )
 
 
@@ -1149,7 +1282,10 @@ def predict(
     heads is reported as a ``tp_not_divisible`` problem instead. ``coefficients`` replaces
     the calibrated constants of the estimated terms (for refitting them; default: built-in).
     An architecture the chosen release no longer serves raises
-    :class:`~oomguard.errors.UnsupportedArchitecture`.
+    :class:`~oomguard.errors.UnsupportedArchitecture`. A drafter
+    (``settings.speculative_config``) is priced from its facts when the config carries them
+    (``draft``), else estimated from the target with a wider range
+    (:mod:`oomguard.memory.speculative`).
 
     CPU backend (``platform="cpu"``): ``gpu`` is the worker's NUMA node (``total_bytes`` =
     node MemTotal) and ``free_bytes`` the node's available memory (MemFree + file pages +
@@ -1227,6 +1363,7 @@ class _StartupContext:
     kv_per_token: int
     stages: list[StageMemory]
     measured_names: list[str]
+    spec: specm.Speculation | None = None
 
 
 # problems that stop vLLM's startup: the prediction does not fit
@@ -1317,4 +1454,5 @@ def _finish(
         kv_cache_bytes_range=capacity.kv_bytes,
         kv_cache_tokens_range=capacity.tokens,
         max_concurrency_range=capacity.concurrency,
+        speculation=ctx.spec,
     )

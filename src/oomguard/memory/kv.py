@@ -117,6 +117,9 @@ class RequestBound:
     # encoder tokens one request's cross-attention layers hold (vLLM's
     # scheduler_config.max_num_encoder_input_tokens; 0 when the model has no cross-attention)
     encoder_tokens: int = 0
+    # tokens a sliding window keeps below itself for a multi-module MTP chain (vllm 0.32
+    # kv_cache_interface.py SlidingWindowSpec.extra_retained_tokens)
+    sliding_retained_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,8 @@ class SlidingWindow(FullAttention):
     sliding_window: int = 0
 
     def max_blocks_per_request(self, bound: RequestBound) -> int:
-        tokens = min(self.sliding_window - 1 + bound.lookahead_tokens, bound.max_model_len)
+        extra = bound.sliding_retained_tokens
+        tokens = min(self.sliding_window - 1 + extra + bound.lookahead_tokens, bound.max_model_len)
         return cdiv(tokens, self.block_size) + 1
 
 
@@ -353,8 +357,9 @@ def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
     return FullAttention(bs, None, n, hk, hv)
 
 
-def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
-    """Each Mamba layer's per-rank state bytes, by layer index."""
+def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat, num_spec: int = 0) -> dict[int, int]:
+    """Each Mamba layer's per-rank state bytes, by layer index; ``num_spec`` speculative
+    tokens widen the conv state (all variants but Mamba1, vllm 0.32 mamba_utils.py)."""
     conv_b = fmt.model_dtype_bytes
     sizes: dict[int, int] = {}
     for i, layer in enumerate(model.layers):
@@ -368,7 +373,8 @@ def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
         ssm_b = dtype_bytes(layer.mamba.ssm_dtype) if layer.mamba.ssm_dtype else conv_b
         if not fmt.era.mamba_separate_dtypes and fmt.kv_cache_dtype == "auto":
             ssm_b = conv_b
-        sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b)
+        spec_rows = 0 if layer.mamba.variant is MambaVariant.MAMBA1 else num_spec
+        sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b, spec_rows)
     return sizes
 
 
@@ -463,6 +469,7 @@ def build_layer_specs(
     hybrid_manager: bool = True,
     mamba_cache_mode: str = "none",
     mla_align: int = 64,
+    num_speculative_tokens: int = 0,
 ) -> LayerSpecsResult:
     """Build vLLM's per-layer KV specs for one TP rank, unifying hybrid Mamba pages (§4.6).
 
@@ -471,7 +478,7 @@ def build_layer_specs(
     """
     fmt = CacheFormat(tp, dtype_bytes(model_dtype), kv_cache_dtype, era, hybrid_manager)
     has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
-    mamba_bytes = mamba_state_sizes(model, fmt) if has_mamba else {}
+    mamba_bytes = mamba_state_sizes(model, fmt, num_speculative_tokens) if has_mamba else {}
     unified = unify_block_size(model, fmt, block_size, mamba_bytes, mamba_cache_mode, mla_align)
     bs = unified.block_size
     specs: list[KVLayerSpec | None] = []

@@ -74,6 +74,10 @@ def plan_command(
     kv_cache_memory_bytes: opt.KvCacheMemoryBytes = None,
     cpu_offload_gb: opt.CpuOffloadGb = None,
     block_size: opt.BlockSize = None,
+    speculative_config: opt.SpeculativeConfig = None,
+    spec_method: opt.SpecMethod = None,
+    spec_model: opt.SpecModel = None,
+    spec_tokens: opt.SpecTokens = None,
     vllm_version: opt.VllmVersion = None,
     p99_tokens: opt.P99Tokens = None,
     concurrency: opt.Concurrency = None,
@@ -131,7 +135,7 @@ _ENGINE_FLAGS = frozenset({
     "enable_expert_parallel", "gpu_memory_utilization", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "kv_cache_dtype", "quantization", "dtype", "enforce_eager",
     "enable_prefix_caching", "kv_cache_memory_bytes", "cpu_offload_gb", "block_size",
-    "vllm_version",
+    "vllm_version", "speculative_config", "spec_method", "spec_model", "spec_tokens",
 })  # fmt: skip
 
 

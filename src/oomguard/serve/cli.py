@@ -91,7 +91,7 @@ LlamaServer = Annotated[str | None, typer.Option("--llama-server", help="The lla
 _PLAN_FLAGS = (
     "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "kv_cache_dtype", "kv_cache_memory_bytes", "quantization", "dtype", "tensor_parallel_size",
-    "enforce_eager",
+    "enforce_eager", "speculative_config", "spec_method", "spec_model", "spec_tokens",
 )  # fmt: skip
 
 
@@ -110,6 +110,10 @@ def serve_command(
     dtype: opt.Dtype = None,
     tensor_parallel_size: opt.TensorParallelSize = None,
     enforce_eager: opt.EnforceEager = None,
+    speculative_config: opt.SpeculativeConfig = None,
+    spec_method: opt.SpecMethod = None,
+    spec_model: opt.SpecModel = None,
+    spec_tokens: opt.SpecTokens = None,
     host: Host = None,
     port: Port = None,
     max_attempts: MaxAttempts = 3,
