@@ -742,7 +742,7 @@ def explicit_flags(settings: EngineSettings) -> list[tuple[str, Any]]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
     """A setting as vLLM's own config value (the speculative config as its JSON object)."""
     return value.to_dict() if isinstance(value, SpeculativeConfig) else value
 
@@ -816,7 +816,7 @@ def render_llm(model: str, settings: EngineSettings) -> str:
     """``LLM(model=..., field=value, ...)`` for offline use (keyword names are vLLM's)."""
     args = [f"model={model!r}"]
     for name, value in explicit_flags(settings):
-        args.append(f"{name}={_plain(value)!r}")
+        args.append(f"{name}={plain_value(value)!r}")
     return "LLM(" + ", ".join(args) + ")"
 
 
@@ -828,7 +828,7 @@ def render_yaml(model: str, settings: EngineSettings) -> str:
     for name, value in explicit_flags(settings):
         if name == "max_model_len" and value == -1:
             value = "auto"
-        data[FIELD_TO_FLAG[name]] = _plain(value)
+        data[FIELD_TO_FLAG[name]] = plain_value(value)
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 

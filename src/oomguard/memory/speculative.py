@@ -57,6 +57,10 @@ SPECULATIVE_METHODS = (
 )  # fmt: skip
 # drafters that write KV for their own attention layers (SpeculativeConfig.uses_draft_kv_cache)
 KV_DRAFTERS = frozenset({"eagle", "eagle3", "mtp", "dflash", "dspark", "draft_model"})
+# methods whose drafter is a model named in "model" (config/speculative.py __post_init__)
+NEEDS_DRAFTER = frozenset(
+    {"eagle", "eagle3", "dflash", "dspark", "draft_model", "medusa", "mlp_speculator"}
+)
 # drafters that need no weights of their own
 WEIGHTLESS_DRAFTERS = frozenset({"ngram", "ngram_gpu", "suffix", "custom_class"})
 # the keys of vLLM's JSON that change what is priced; the others are kept and passed back
@@ -68,7 +72,14 @@ _PRICED_KEYS = (
     "parallel_drafting",
 )
 # the older flags and the key each fills (vLLM 0.32 engine/arg_utils.py)
-LEGACY_FLAGS = {"spec-method": "method", "spec-model": "model", "spec-tokens": "num_speculative_tokens"}  # fmt: skip
+LEGACY_FLAGS = {
+    "spec-method": "method",
+    "spec-model": "model",
+    "spec-tokens": "num_speculative_tokens",
+}
+# MTP layers vLLM builds when the config names none (model_type → layers): Qwen3-Next's
+# config has no count and Qwen3NextMTP defaults to one (model_executor/models/qwen3_next_mtp.py)
+MTP_DEFAULT_LAYERS = {"qwen3_next": 1}
 # an unknown EAGLE-family drafter: one decoder layer of the target's shape (the heads vLLM
 # ships have one), up to this many when its config cannot be read
 UNKNOWN_DRAFTER_MAX_LAYERS = 4
@@ -163,7 +174,8 @@ def parse_speculative_config(text: str, flag: str = "--speculative-config") -> S
     except json.JSONDecodeError as exc:
         raise BadInput(
             f"{flag} is not valid JSON ({exc.msg} at column {exc.colno})",
-            'quote it whole, e.g. \'{"method": "eagle3", "model": "…", "num_speculative_tokens": 3}\'',
+            "quote it whole, e.g. "
+            '\'{"method": "eagle3", "model": "…", "num_speculative_tokens": 3}\'',
         ) from None
     if data is None:
         return SpeculativeConfig()
@@ -244,7 +256,7 @@ class Speculation:
 
     def sliding_retained_tokens(self, model: ModelSpec) -> int:
         """Extra tokens sliding windows keep for a multi-module MTP chain (kv_cache_utils.py)."""
-        if self.method != "mtp" or min(model.num_mtp_layers, self.num_speculative_tokens) <= 1:
+        if self.method != "mtp" or min(mtp_layer_count(model), self.num_speculative_tokens) <= 1:
             return 0
         return self.num_speculative_tokens - 1
 
@@ -265,6 +277,11 @@ def _method_of(cfg: SpeculativeConfig) -> str:
     return "draft_model"
 
 
+def mtp_layer_count(model: ModelSpec) -> int:
+    """MTP modules vLLM builds for ``model`` (the checkpoint's count, else the family's)."""
+    return model.num_mtp_layers or MTP_DEFAULT_LAYERS.get(model.model_type, 0)
+
+
 def mtp_layers(model: ModelSpec) -> tuple[LayerSpec, ...]:
     """The KV entries of the checkpoint's MTP modules: each is one decoder layer shaped like
     the target's last attention layer (DeepSeek: MLA, plus its indexer on V3.2; Qwen3-Next,
@@ -277,7 +294,7 @@ def mtp_layers(model: ModelSpec) -> tuple[LayerSpec, ...]:
         for i, layer in enumerate(model.layers)
         if layer.kind in (AttentionKind.FULL, AttentionKind.MLA)
     ]
-    if not attn or not model.num_mtp_layers:
+    if not attn or not mtp_layer_count(model):
         return ()
     last = owner[attn[-1]]
     module = tuple(
@@ -285,7 +302,7 @@ def mtp_layers(model: ModelSpec) -> tuple[LayerSpec, ...]:
         for i, layer in enumerate(model.layers)
         if owner[i] == last and layer.kind not in (AttentionKind.MAMBA, AttentionKind.NONE)
     )
-    return module * model.num_mtp_layers
+    return module * mtp_layer_count(model)
 
 
 def _draft_layers(draft: ModelSpec) -> tuple[LayerSpec, ...]:
@@ -302,6 +319,12 @@ def _target_layer_estimate(model: ModelSpec) -> tuple[LayerSpec, ...]:
         if layer.kind in (AttentionKind.FULL, AttentionKind.MLA, AttentionKind.SLIDING):
             return (replace(layer, kind=AttentionKind.FULL, sliding_window=None),)
     return ()
+
+
+def _mean_layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """One decoder layer's weights on one rank: the per-layer parameters over the layers."""
+    per_layer = sum(g.count for g in model.params if g.per_layer and g.name != "mamba")
+    return per_layer // max(1, model.num_layers) * dtype_bytes // tp
 
 
 def _dense_layer_params(model: ModelSpec) -> int:
@@ -340,6 +363,50 @@ def _unknown_draft(
     return value, high, one, one * (UNKNOWN_DRAFTER_MAX_LAYERS - 1), note
 
 
+def _checked_tokens(cfg: SpeculativeConfig, method: str, model: ModelSpec) -> int:
+    """``num_speculative_tokens`` as vLLM settles it, or BadInput where vLLM refuses."""
+    # vLLM's n_predict: the config's count (hf_config_override); None when it names none
+    n_predict = model.num_mtp_layers if method == "mtp" and model.num_mtp_layers else None
+    if method == "mtp" and not mtp_layer_count(model):
+        raise BadInput(
+            f"{model.name} has no MTP layers (num_nextn_predict_layers) to draft with",
+            'use "method": "eagle3" with a drafter, or a checkpoint that ships MTP layers',
+        )
+    tokens = cfg.num_speculative_tokens or n_predict
+    if tokens is None:
+        raise BadInput(
+            "--speculative-config has no num_speculative_tokens",
+            'add "num_speculative_tokens": 3 (vLLM needs it unless the drafter sets n_predict)',
+        )
+    if n_predict and tokens > n_predict and tokens % n_predict:
+        raise BadInput(
+            f"num_speculative_tokens:{tokens} must be divisible by n_predict={n_predict}",
+            f"use a multiple of {n_predict}",
+        )
+    if method in NEEDS_DRAFTER and not cfg.model:
+        raise BadInput(
+            f"speculative method {method} needs a drafter",
+            'add "model": "<drafter repo or path>" to --speculative-config',
+        )
+    return tokens
+
+
+def _mtp_speculation(spec: Speculation, model: ModelSpec, tp: int, dtype_bytes: int) -> Speculation:
+    """The checkpoint's own MTP modules: their KV layers, and their weights when the facts
+    lack them (estimated as the target's mean layer, up to twice that)."""
+    spec = replace(spec, draft_layers=mtp_layers(model), draft_name=model.name)
+    if model.num_mtp_layers:  # the weights are the facts' "mtp" group, loaded with the target
+        return spec
+    value = _mean_layer_bytes(model, tp, dtype_bytes) * mtp_layer_count(model)
+    estimated = (
+        f"{model.name}: MTP weights not in the model facts; estimated as "
+        f"{value / 2**30:.2f} GiB (range up to twice that)"
+    )
+    return replace(
+        spec, draft_weights_bytes=value, draft_weights_high_bytes=2 * value, notes=(estimated,)
+    )
+
+
 def resolve_speculation(
     cfg: SpeculativeConfig,
     model: ModelSpec,
@@ -356,31 +423,7 @@ def resolve_speculation(
     :class:`BadInput` where vLLM refuses the configuration.
     """
     method = _method_of(cfg)
-    n_predict = model.num_mtp_layers if method == "mtp" else None
-    if method == "mtp" and not n_predict:
-        raise BadInput(
-            f"{model.name} has no MTP layers (num_nextn_predict_layers) to draft with",
-            'use "method": "eagle3" with a drafter, or a checkpoint that ships MTP layers',
-        )
-    tokens = cfg.num_speculative_tokens or n_predict
-    if tokens is None:
-        raise BadInput(
-            "--speculative-config has no num_speculative_tokens",
-            'add "num_speculative_tokens": 3 (vLLM needs it unless the drafter sets n_predict)',
-        )
-    if n_predict and tokens > n_predict and tokens % n_predict:
-        raise BadInput(
-            f"num_speculative_tokens:{tokens} must be divisible by n_predict={n_predict}",
-            f"use a multiple of {n_predict}",
-        )
-    if (
-        method in ("eagle", "eagle3", "dflash", "dspark", "draft_model", "medusa", "mlp_speculator")
-        and not cfg.model
-    ):
-        raise BadInput(
-            f"speculative method {method} needs a drafter",
-            'add "model": "<drafter repo or path>" to --speculative-config',
-        )
+    tokens = _checked_tokens(cfg, method, model)
     draft_tp = cfg.draft_tensor_parallel_size or tp
     if draft_tp not in (1, tp):
         raise BadInput(
@@ -390,10 +433,12 @@ def resolve_speculation(
         )
     spec = Speculation(method, tokens, draft_tp, cfg.model)
     if method == "mtp":
-        return replace(spec, draft_layers=mtp_layers(model), draft_name=model.name)
+        return _mtp_speculation(spec, model, tp, dtype_bytes)
     if method not in KV_DRAFTERS:
-        note = () if method in WEIGHTLESS_DRAFTERS else (f"{method} drafter weights not priced",)
-        return replace(spec, notes=note)
+        unpriced = (
+            () if method in WEIGHTLESS_DRAFTERS else (f"{method} drafter weights not priced",)
+        )
+        return replace(spec, notes=unpriced)
     if draft is not None and draft_weights_bytes is not None:
         return replace(
             spec,
