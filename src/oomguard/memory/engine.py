@@ -380,8 +380,8 @@ def _v0_auto_chunked_prefill(model: ModelSpec, max_len: int, platform: str) -> b
     Source: vllm ``engine/arg_utils.py`` ``create_engine_config`` (0.6.x–0.7.x; the same rule
     under ``_set_default_args_v0`` later): on for ``max_model_len > 32768`` on CUDA, for every
     usage context, unless the model is multimodal, has sliding-window layers or
-    sequence-length-agnostic (Mamba) layers, or runs speculative decoding or LoRA (not modelled
-    here: the planner prices neither).
+    sequence-length-agnostic (Mamba) layers, or runs speculative decoding (checked by the
+    caller) or LoRA (not modelled here).
     """
     if max_len <= 32768 or platform != "cuda" or model.vision is not None or model.has_mamba:
         return False
@@ -709,7 +709,8 @@ def _batch_limits(
         seqs = settings.max_num_seqs or 256
         if settings.max_num_batched_tokens:
             return seqs, settings.max_num_batched_tokens
-        if _v0_auto_chunked_prefill(model, max_len, settings.platform):
+        drafted = settings.speculative_config is not None
+        if not drafted and _v0_auto_chunked_prefill(model, max_len, settings.platform):
             return seqs, era.v0_chunked_prefill_tokens
         # SchedulerConfig without chunked prefill: the whole context in one batch
         return seqs, max(max_len, 5120 if model.vision is not None else 2048)
