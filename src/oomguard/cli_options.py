@@ -119,6 +119,18 @@ MambaCacheDtype = Annotated[str | None, typer.Option("--mamba-cache-dtype")]
 MambaSsmCacheDtype = Annotated[str | None, typer.Option("--mamba-ssm-cache-dtype")]
 MambaBlockSize = Annotated[int | None, typer.Option("--mamba-block-size")]
 MambaCacheMode = Annotated[str | None, typer.Option("--mamba-cache-mode")]
+# speculative decoding: vLLM's JSON, and the older flags that fill its keys
+SpeculativeConfig = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative-config",
+        "-sc",
+        help='Drafter as vLLM\'s JSON, e.g. \'{"method":"eagle3","model":"…","num_speculative_tokens":3}\'.',
+    ),
+]
+SpecMethod = Annotated[str | None, typer.Option("--spec-method", help="speculative method")]
+SpecModel = Annotated[str | None, typer.Option("--spec-model", help="drafter model")]
+SpecTokens = Annotated[int | None, typer.Option("--spec-tokens", help="speculative tokens")]
 VllmVersion = Annotated[
     str | None, typer.Option("--vllm-version", help="e.g. 0.11 or 0.19.1 (default: newest).")
 ]

@@ -26,6 +26,12 @@ from oomguard._vllm_flags import ALIASES, BOOL_FLAGS, LIST_FLAGS, VALUE_FLAGS
 from oomguard.errors import BadInput, MalformedConfig
 from oomguard.memory.lora import LORA_DTYPES, LORA_RANKS
 from oomguard.memory.multimodal import ENCODER_TP_MODES, PROCESSOR_CACHE_TYPES, SIZE_OPTIONS
+from oomguard.memory.speculative import (
+    LEGACY_FLAGS,
+    SpeculativeConfig,
+    merge_legacy,
+    parse_speculative_config,
+)
 from oomguard.units import GIB, KIB, MIB, TIB
 
 if TYPE_CHECKING:
@@ -108,14 +114,10 @@ PERFORMANCE_MODE_CHOICES = ("balanced", "interactivity", "throughput")
 # names them so the user knows the prediction ignores them.
 UNMODELLED_MEMORY_FLAGS = frozenset(
     {
-        "speculative-config",
         "lora-target-modules",  # LoRA is priced on every module it may wrap (an upper bound)
         "enable-tower-connector-lora",  # LoRA buffers on the vision tower and connector
         "enable-moe-shared-loras",  # expert LoRA stacks shared across experts (fewer bytes)
         "specialize-active-lora",  # graphs per power-of-two adapter count (more graphs)
-        "spec-method",
-        "spec-model",
-        "spec-tokens",
         "speculative-model",
         "num-speculative-tokens",
         "mm-ipc-gpu-memory-gb",
@@ -395,8 +397,12 @@ _SETTING_FLAGS: dict[str, tuple[str, Callable[[str, str], Any] | None]] = {
     "mamba-ssm-cache-dtype": ("mamba_ssm_cache_dtype", choice_parser(MAMBA_DTYPE_CHOICES)),
     "mamba-block-size": ("mamba_block_size", _positive(_parse_int)),
     "mamba-cache-mode": ("mamba_cache_mode", choice_parser(MAMBA_CACHE_MODE_CHOICES)),
+    # JSON as vLLM reads it; the older --spec-method/--spec-model/--spec-tokens fill its keys
+    "speculative-config": ("speculative_config", parse_speculative_config),
 }
 _LIST_SETTINGS = frozenset({"cudagraph-capture-sizes"})  # flags whose value is a list of sizes
+# the older speculative flags as settings_from_flags receives them (parameter names)
+_LEGACY_SPEC_FIELDS = {flag.replace("-", "_"): flag for flag in LEGACY_FLAGS}
 # The reverse map, in the order commands are rendered.
 FIELD_TO_FLAG: dict[str, str] = {spec[0]: flag for flag, spec in _SETTING_FLAGS.items()}
 
@@ -406,8 +412,9 @@ def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
     checked by the same rule as the flag in a pasted ``vllm serve`` command (``8k``, ``auto``,
     the value vLLM accepts). Fields that are not vLLM flags (``vllm_version``) pass through."""
     out: dict[str, Any] = {}
+    legacy = [(name, value) for name, value in flags.items() if name in _LEGACY_SPEC_FIELDS]
     for name, value in flags.items():
-        if value is None:
+        if value is None or name in _LEGACY_SPEC_FIELDS:
             continue
         flag = FIELD_TO_FLAG.get(name)
         parse = _SETTING_FLAGS[flag][1] if flag is not None else None
@@ -420,6 +427,10 @@ def settings_from_flags(flags: Mapping[str, Any]) -> dict[str, Any]:
         parsed = parse(str(value), f"--{flag}")
         if parsed is not None:
             out[name] = parsed
+    for name, value in legacy:
+        if value is not None:
+            flag = _LEGACY_SPEC_FIELDS[name]
+            out["speculative_config"] = merge_legacy(out.get("speculative_config"), flag, value)
     return out
 
 
@@ -466,6 +477,7 @@ _RENDER_ORDER = (
     "mamba_ssm_cache_dtype",
     "mamba_block_size",
     "mamba_cache_mode",
+    "speculative_config",
 )
 # Field values that equal vLLM's own defaults are not rendered (None = "vLLM decides").
 _FIELD_DEFAULTS: dict[str, Any] = {
@@ -802,6 +814,20 @@ def _merge_dotted(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return rest + [(name, json.dumps(tree)) for name, tree in merged.items()]
 
 
+def _setting_value(name: str, value: Any) -> tuple[str, Any]:
+    """The settings field a pasted flag of :data:`_SETTING_FLAGS` sets, and its parsed value."""
+    field_name, parse = _SETTING_FLAGS[name]
+    if parse is None:
+        if not isinstance(value, bool):
+            value = _parse_bool(str(value), f"--{name}")
+        return field_name, value
+    if name in _LIST_SETTINGS and isinstance(value, list):
+        return field_name, _capture_sizes(value, f"--{name}")
+    if isinstance(value, bool) or isinstance(value, list):
+        raise BadInput(f"--{name} needs a value", f"write --{name} VALUE")
+    return field_name, parse(value, f"--{name}")
+
+
 def parse_command(
     command: str | Sequence[str], *, base_dir: str | Path | None = None
 ) -> ParsedCommand:
@@ -830,7 +856,11 @@ def parse_command(
     other: dict[str, Any] = {}
     unmodelled: list[str] = []
     unknown: list[str] = []
+    legacy_spec: list[tuple[str, Any]] = []
     for name, value in pairs:
+        if name in LEGACY_FLAGS:
+            legacy_spec.append((name, value))
+            continue
         if name == "model":
             if not isinstance(value, str):
                 raise BadInput("--model needs a value", "write --model MODEL")
@@ -838,17 +868,8 @@ def parse_command(
                 model = value
             continue
         if name in _SETTING_FLAGS:
-            field_name, parse = _SETTING_FLAGS[name]
-            if parse is None:
-                if not isinstance(value, bool):
-                    value = _parse_bool(str(value), f"--{name}")
-                settings[field_name] = value
-            elif name in _LIST_SETTINGS and isinstance(value, list):
-                settings[field_name] = _capture_sizes(value, f"--{name}")
-            else:
-                if isinstance(value, bool) or isinstance(value, list):
-                    raise BadInput(f"--{name} needs a value", f"write --{name} VALUE")
-                settings[field_name] = parse(value, f"--{name}")
+            field_name, parsed = _setting_value(name, value)
+            settings[field_name] = parsed
             continue
         known = name in BOOL_FLAGS or name in VALUE_FLAGS or name in LIST_FLAGS
         if not known:
@@ -859,6 +880,11 @@ def parse_command(
         other[name] = value
         if name in UNMODELLED_MEMORY_FLAGS and name not in unmodelled:
             unmodelled.append(name)
+    for flag, value in legacy_spec:
+        if isinstance(value, bool | list):
+            raise BadInput(f"--{flag} needs a value", f"write --{flag} VALUE")
+        cfg = settings.get("speculative_config")
+        settings["speculative_config"] = merge_legacy(cfg, flag, value)
     estimate = estimate_cudagraphs_from_env(launcher.env)
     if estimate is not None:
         settings["estimate_cudagraphs"] = estimate
@@ -908,7 +934,14 @@ def explicit_flags(settings: EngineSettings) -> list[tuple[str, Any]]:
     return out
 
 
+def plain_value(value: Any) -> Any:
+    """A setting as vLLM's own config value (the speculative config as its JSON object)."""
+    return value.to_dict() if isinstance(value, SpeculativeConfig) else value
+
+
 def _cli_value(name: str, value: Any) -> str:
+    if isinstance(value, SpeculativeConfig):
+        return value.to_json()
     if name == "max_model_len" and value == -1:
         return "auto"
     if isinstance(value, float):
@@ -978,10 +1011,11 @@ _JSON_FIELDS = frozenset({"kv_transfer_config", "compilation_config", "limit_mm_
 
 
 def _structured(name: str, value: Any) -> Any:
-    """A field's value as ``LLM(...)`` and the YAML config take it: JSON flags as mappings,
-    lists as lists."""
+    """A field's value as ``LLM(...)`` and the YAML config take it: JSON flags and the
+    speculative config as mappings, lists as lists."""
     import json
 
+    value = plain_value(value)
     if name in _JSON_FIELDS and isinstance(value, str):
         return json.loads(value)
     if isinstance(value, tuple):

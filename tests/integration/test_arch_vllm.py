@@ -59,3 +59,31 @@ def test_lora_buffers_match_vllm_to_the_byte(table_rows: dict[str, arch_table.Ro
     vllm: dict[str, Any] = row.vllm or {}
     planner: dict[str, Any] = row.planner or {}
     assert planner["lora_bytes"] == vllm["lora_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def drafter_row(
+    vllm_venv_path: Path, tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
+) -> arch_table.Row:
+    """The dense row's cut model served with itself as a draft model (two tokens)."""
+    work = tmp_path_factory.mktemp("arch-drafter")
+    reps = arch_table.representatives(arch_table.list_entries())
+    reps = {arch: entry for arch, entry in reps.items() if arch == "Qwen3ForCausalLM"}
+    rows, jobs = arch_table.build_jobs(reps, work, tiny_model.path)
+    extra_rows, extra_jobs = arch_table.drafter_jobs(rows, jobs)
+    results = arch_table.run_probe(extra_jobs, work, timeout_s=1200)
+    arch_table.judge(extra_rows[0], results.get(extra_rows[0].arch))
+    return extra_rows[0]
+
+
+def test_planner_matches_vllm_with_a_drafter(drafter_row: arch_table.Row) -> None:
+    """Drafter weights join the target's; its layers join the KV pool (twice the bytes/token)."""
+    row = drafter_row
+    assert row.verdict == "match", f"{row.arch}: {row.verdict} {row.detail}"
+    vllm: dict[str, Any] = row.vllm or {}
+    planner: dict[str, Any] = row.planner or {}
+    block, per_token = arch_table.vllm_kv_figures(vllm)
+    assert planner["kv_bytes_per_token"] == per_token
+    assert planner["bytes_per_block"] == block
+    assert planner["num_blocks"] == vllm["num_blocks"] > 0
+    assert planner["kv_cache_tokens"] == vllm["kv_cache_tokens"]

@@ -431,9 +431,11 @@ def _predict(parsed: Any, gpu: str | None) -> tuple[Any, Any]:
     if spec is None or gpu_spec is None:
         return None, gpu_spec
     try:
+        from oomguard.facts.resolve import attach_drafter
         from oomguard.memory.engine import predict
 
-        return predict(spec, gpu_spec, parsed.settings(), strict=False), gpu_spec
+        settings = attach_drafter(parsed.settings())
+        return predict(spec, gpu_spec, settings, strict=False), gpu_spec
     except BadInput:
         raise
     except Exception:  # an architecture the predictor rejects: `oomguard plan` explains it

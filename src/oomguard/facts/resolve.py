@@ -9,13 +9,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from oomguard.errors import UnknownModel
+from oomguard.errors import OomguardError, UnknownModel
 from oomguard.facts.catalogue import LOCAL_MODEL_HINT, closest_names, lookup_alias, lookup_entry
 from oomguard.facts.hub import spec_from_hub
 from oomguard.facts.local import spec_from_local
 from oomguard.facts.quant import apply_quantization_flag, quant_from_name, strip_quant_suffix
 from oomguard.memory.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from oomguard.memory.engine import EngineSettings
 
 
 def looks_like_path(ref: str) -> bool:
@@ -167,3 +171,19 @@ def resolve_model_with_quantization(
     spec = resolve_model(ref, allow_hub=allow_hub)
     quant = apply_quantization_flag(spec.quant, quantization)
     return spec if quant == spec.quant else dataclasses.replace(spec, quant=quant)
+
+
+def attach_drafter(settings: EngineSettings, *, allow_hub: bool = False) -> EngineSettings:
+    """``settings`` with the drafter's facts in its ``speculative_config`` when they can be
+    read (catalogue, local directory, or the hub when allowed); unchanged otherwise, and the
+    memory model then prices the drafter from the target with a wider range."""
+    cfg = settings.speculative_config
+    if cfg is None or cfg.model is None or cfg.draft is not None:
+        return settings
+    if cfg.method in ("mtp", "ngram", "ngram_gpu", "suffix", "custom_class"):
+        return settings  # the target's own layers, or no weights at all
+    try:
+        draft = resolve_model(cfg.model, allow_hub=allow_hub)
+    except OomguardError:
+        return settings
+    return dataclasses.replace(settings, speculative_config=dataclasses.replace(cfg, draft=draft))

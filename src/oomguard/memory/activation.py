@@ -424,6 +424,7 @@ def cudagraph_estimate(
     graph_variants: int = 1,
     graphs: GraphSettings = GraphSettings(),
     estimate_applied: bool | None = None,
+    capture_count: int | None = None,
 ) -> Estimate:
     """The CUDA-graph memory vLLM subtracts from the KV budget (0.20+ by default; §2.6).
 
@@ -431,9 +432,10 @@ def cudagraph_estimate(
     not applied: before 0.18, in 0.18–0.19 unless ``estimate_applied``
     (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``), and from 0.20 when it is set to 0 (the
     graphs then come out of the (1 − util) slack). The count of captured sizes follows
-    ``graphs`` (``--compilation-config`` and the capture-size flags); ``graph_variants``
-    graphs are captured per size (2 with LoRA: with and without adapters, vllm 0.32
-    ``v1/cudagraph_dispatcher.py``).
+    ``graphs`` (``--compilation-config`` and the capture-size flags) unless ``capture_count``
+    replaces it (speculative decoding's default sizes add its uniform-decode sizes);
+    ``graph_variants`` graphs are captured per size (2 with LoRA: with and without adapters,
+    vllm 0.32 ``v1/cudagraph_dispatcher.py``).
     """
     if enforce_eager:
         return Estimate.exact(0, "enforce_eager: no CUDA graphs")
@@ -452,8 +454,11 @@ def cudagraph_estimate(
         )
     if platform == "rocm" and not era.rocm_cudagraph_profiled:
         return Estimate.exact(0, f"not profiled on ROCm in vLLM {era.label}")
-    n = len(capture_sizes(graphs, max_num_seqs, max_num_batched_tokens, compute_capability))
-    n *= graph_variants
+    if capture_count is None:
+        capture_count = len(
+            capture_sizes(graphs, max_num_seqs, max_num_batched_tokens, compute_capability)
+        )
+    n = capture_count * graph_variants
     gib = (
         coef.graph_base_gib + coef.graph_per_layer_gib * stage_layers * n / GRAPH_REFERENCE_CAPTURES
     )

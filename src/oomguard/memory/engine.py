@@ -18,6 +18,7 @@ from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory import kv as kvm
 from oomguard.memory import lora
 from oomguard.memory import multimodal as mm
+from oomguard.memory import speculative as specm
 from oomguard.memory.activation import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
@@ -49,7 +50,12 @@ from oomguard.memory.offload import Connector, kv_connector
 from oomguard.memory.parallel import check_context_parallel, expert_parallel_size
 from oomguard.memory.spec import AttentionKind, GPUSpec, ModelSpec
 from oomguard.memory.versions import VllmEra, batch_defaults, resolve_era
-from oomguard.memory.weights import pp_layer_ranges, resolve_model_dtype, weight_bytes_per_stage
+from oomguard.memory.weights import (
+    WeightBreakdown,
+    pp_layer_ranges,
+    resolve_model_dtype,
+    weight_bytes_per_stage,
+)
 from oomguard.units import GIB
 
 # CPU worker RSS that is not weights or activations (interpreter, torch, oneDNN, vLLM): vLLM
@@ -100,6 +106,9 @@ class EngineSettings:
     # speculative decoding method (--speculative-config method); MTP weights of the checkpoint
     # are loaded only for an MTP method ("mtp", "deepseek_mtp", "qwen3_next_mtp", ...)
     speculative_method: str | None = None
+    # --speculative-config (and --spec-method/--spec-model/--spec-tokens), priced by
+    # oomguard.memory.speculative; its method wins over speculative_method
+    speculative_config: specm.SpeculativeConfig | None = None
     cpu_numa_node: int = 0  # CPU backend: NUMA node of the worker's first CPU (log text only)
     # LoRA (vllm/config/lora.py; buffers in oomguard.memory.lora). None: vLLM's default
     enable_lora: bool = False
@@ -207,6 +216,7 @@ class MemoryPrediction:
     kv_cache_bytes_range: tuple[int, int] = (0, 0)
     kv_cache_tokens_range: tuple[int, int] = (0, 0)
     max_concurrency_range: tuple[float, float] = (0.0, 0.0)
+    speculation: specm.Speculation | None = None  # the drafter, when speculative decoding runs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view with GiB floats (JSON-ready)."""
@@ -227,7 +237,7 @@ class MemoryPrediction:
             "model": self.model,
             "vllm_version": self.vllm_version,
             "gpu": {"name": self.gpu.name, "total_gib": gib(self.total_bytes)},
-            "settings": asdict(self.settings),
+            "settings": _settings_dict(self.settings),
             "memory": {
                 "total_gib": gib(self.total_bytes),
                 "free_gib": gib(self.free_bytes),
@@ -260,7 +270,16 @@ class MemoryPrediction:
             "problems": [{"code": p.code, "message": p.message} for p in self.problems],
             "log_lines": list(self.log_lines),
             "stages": [asdict(s) for s in self.stages],
+            "speculation": None if self.speculation is None else specm.as_dict(self.speculation),
         }
+
+
+def _settings_dict(settings: EngineSettings) -> dict[str, Any]:
+    """The settings as plain data; the speculative config as vLLM's JSON object."""
+    cfg = settings.speculative_config
+    out = asdict(replace(settings, speculative_config=None))
+    out["speculative_config"] = None if cfg is None else cfg.to_dict()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -456,8 +475,8 @@ def _v0_auto_chunked_prefill(model: ModelSpec, max_len: int, platform: str) -> b
     Source: vllm ``engine/arg_utils.py`` ``create_engine_config`` (0.6.x–0.7.x; the same rule
     under ``_set_default_args_v0`` later): on for ``max_model_len > 32768`` on CUDA, for every
     usage context, unless the model is multimodal, has sliding-window layers or
-    sequence-length-agnostic (Mamba) layers, or runs speculative decoding or LoRA (not modelled
-    here: the planner prices neither).
+    sequence-length-agnostic (Mamba) layers, or runs speculative decoding (checked by the
+    caller) or LoRA (not modelled here).
     """
     if max_len <= 32768 or platform != "cuda" or model.vision is not None or model.has_mamba:
         return False
@@ -518,6 +537,8 @@ class _BudgetInputs:
     encoder_tokens: int | None = None  # encoder outputs the profile keeps (None: V0 rule)
     encoder_video_tokens: int = 0  # the same were a largest video item profiled
     graphs: GraphSettings = GraphSettings()
+    spec: specm.Speculation | None = None
+    kv_low_scale: float = 1.0  # KVPlan.low_end_scale
 
 
 def _stage_lora(b: _BudgetInputs, idx: int, layers: range) -> lora.LoraBuffers | None:
@@ -640,6 +661,8 @@ def _stage_memory(
     pp = settings.pipeline_parallel_size
     adapters = _stage_lora(b, idx, layers)
     w_est = _stage_weights(b, weights_bytes, weights_basis, measured_names, adapters)
+    if b.spec is not None and idx == pp - 1 and not w_est.basis.startswith("measured"):
+        w_est = _with_drafter_weights(w_est, b.spec)
     a_est = activation_peak(
         b.model,
         era=era,
@@ -657,29 +680,7 @@ def _stage_memory(
     if measured and measured.activation_bytes is not None:
         a_est = Estimate.measured(measured.activation_bytes, measured.source)
         _note(measured_names, "activation")
-    g_est = cudagraph_estimate(
-        b.model,
-        era,
-        stage_layers=len(layers),
-        max_num_seqs=b.seqs,
-        max_num_batched_tokens=b.tokens,
-        enforce_eager=settings.enforce_eager,
-        platform=settings.platform,
-        compute_capability=b.gpu.compute_capability,
-        tp=b.tp,
-        coef=b.coef,
-        graph_variants=2 if b.lora_shape is not None else 1,  # with and without adapters
-        graphs=b.graphs,
-        estimate_applied=settings.estimate_cudagraphs,
-    )
-    if b.graphs.mode not in (None, DEFAULT_CUDAGRAPH_MODE) and g_est.value_bytes:
-        # the estimate's constants were fitted with both graph kinds captured; one kind alone
-        # captures less, by an amount not priced: the range runs down to none
-        g_est = replace(g_est, low_bytes=0, basis=f"{g_est.basis}; cudagraph_mode {b.graphs.mode}")
-    if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
-        # only where this version subtracts a graph estimate at all (else the term stays 0)
-        g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
-        _note(measured_names, "cudagraph")
+    g_est = _stage_graphs(b, idx, layers, measured_names)
     available, low, high = _available_kv(b, w_est, a_est, nt, g_est)
     bpb, blocks_of = _stage_blocks(b, stage_layout, stage_state_entries)
     stage = StageMemory(
@@ -694,10 +695,71 @@ def _stage_memory(
         blocks_of(available),
         kv_cache_bytes_low=low,
         kv_cache_bytes_high=high,
-        num_blocks_low=blocks_of(low),
+        num_blocks_low=blocks_of(int(low * b.kv_low_scale)),
         num_blocks_high=blocks_of(high),
     )
     return stage, (w_est, a_est, g_est)
+
+
+def _with_drafter_weights(w: Estimate, spec: specm.Speculation) -> Estimate:
+    """The last stage's weights with the drafter's (loaded inside "Model loading took",
+    gpu_model_runner.py ``load_model``); an unknown drafter widens the high end."""
+    add, high = spec.draft_weights_bytes, spec.draft_weights_high_bytes
+    if not add and not high:
+        return w
+    return replace(
+        w,
+        value_bytes=w.value_bytes + add,
+        low_bytes=w.low_bytes + add,
+        high_bytes=w.high_bytes + max(add, high),
+        basis=f"{w.basis}; drafter {spec.method} {add / GIB:.2f} GiB",
+    )
+
+
+def _stage_graphs(b: _BudgetInputs, idx: int, layers: range, measured_names: list[str]) -> Estimate:
+    """The stage's CUDA-graph estimate (§2.6, §14.4): LoRA's two graph variants, the graph
+    settings, the drafter's layers and capture sizes on the last stage, or a measurement."""
+    g_est = cudagraph_estimate(
+        b.model,
+        b.era,
+        max_num_seqs=b.seqs,
+        max_num_batched_tokens=b.tokens,
+        enforce_eager=b.settings.enforce_eager,
+        platform=b.settings.platform,
+        compute_capability=b.gpu.compute_capability,
+        tp=b.tp,
+        coef=b.coef,
+        graph_variants=2 if b.lora_shape is not None else 1,  # with and without adapters
+        graphs=b.graphs,
+        estimate_applied=b.settings.estimate_cudagraphs,
+        **_drafter_graph_terms(b, idx == b.settings.pipeline_parallel_size - 1, len(layers)),
+    )
+    if b.graphs.mode not in (None, DEFAULT_CUDAGRAPH_MODE) and g_est.value_bytes:
+        # the estimate's constants were fitted with both graph kinds captured; one kind alone
+        # captures less, by an amount not priced: the range runs down to none
+        g_est = replace(g_est, low_bytes=0, basis=f"{g_est.basis}; cudagraph_mode {b.graphs.mode}")
+    measured = b.measured
+    if measured and measured.cudagraph_bytes is not None and g_est.value_bytes:
+        # only where this version subtracts a graph estimate at all (else the term stays 0)
+        g_est = Estimate.measured(measured.cudagraph_bytes, measured.source)
+        _note(measured_names, "cudagraph")
+    return g_est
+
+
+def _drafter_graph_terms(b: _BudgetInputs, last_stage: bool, stage_layers: int) -> dict[str, int]:
+    """cudagraph_estimate's inputs under speculative decoding: the drafter's layers are
+    captured with the last stage's, at the sizes a decode step of 1 + k tokens needs where
+    vLLM picks the sizes (sizes or a largest size given in the graph settings stand)."""
+    spec = b.spec
+    if spec is None:
+        return {"stage_layers": stage_layers}
+    layers = stage_layers + (len(spec.draft_layers) if last_stage else 0)
+    if b.graphs.capture_sizes is not None or b.graphs.max_capture_size is not None:
+        return {"stage_layers": layers}
+    sizes = specm.capture_sizes(
+        b.seqs, b.tokens, spec.uniform_decode_query_len, b.gpu.compute_capability
+    )
+    return {"stage_layers": layers, "capture_count": len(sizes)}
 
 
 def _available_kv(
@@ -756,6 +818,7 @@ class ResolvedSettings:
     kv_override: int | None
     graphs: GraphSettings = GraphSettings()  # cudagraph_mode and capture sizes (§14.4)
     connector: Connector | None = None  # the KV connector the flags configure (§14.2)
+    spec: specm.Speculation | None = None  # the drafter, when speculative decoding runs
 
 
 def _serving_era(model: ModelSpec, settings: EngineSettings) -> VllmEra:
@@ -828,7 +891,8 @@ def _batch_limits(
         seqs = settings.max_num_seqs or 256
         if settings.max_num_batched_tokens:
             return seqs, settings.max_num_batched_tokens
-        if _v0_auto_chunked_prefill(model, max_len, settings.platform):
+        drafted = settings.speculative_config is not None
+        if not drafted and _v0_auto_chunked_prefill(model, max_len, settings.platform):
             return seqs, era.v0_chunked_prefill_tokens
         # SchedulerConfig without chunked prefill: the whole context in one batch
         return seqs, max(max_len, 5120 if model.vision is not None else 2048)
@@ -928,7 +992,45 @@ def resolve_settings(
             settings.max_cudagraph_capture_size,
         ),
         connector=connector,
+        spec=_speculation(model, settings, tp, model_dtype, tokens),
     )
+
+
+def _speculation(
+    model: ModelSpec,
+    settings: EngineSettings,
+    tp: int,
+    model_dtype: str,
+    tokens: int,
+) -> specm.Speculation | None:
+    """The drafter of ``--speculative-config`` resolved against the target (None: none)."""
+    cfg = settings.speculative_config
+    if cfg is None:
+        return None
+    draft = cfg.draft
+    draft_tp = cfg.draft_tensor_parallel_size or tp
+    draft_bytes = None
+    if draft is not None:
+        # the drafter loads at the target's dtype (config/speculative.py), its own format
+        wb = weight_bytes_per_stage(draft, model_dtype=model_dtype, tp=draft_tp)
+        draft_bytes = sum(wb.per_stage_bytes)
+    spec = specm.resolve_speculation(
+        cfg,
+        model,
+        tp=tp,
+        dtype_bytes=kvm.dtype_bytes(model_dtype),
+        draft=draft,
+        draft_weights_bytes=draft_bytes,
+    )
+    slots = spec.drafting_slots(cfg.parallel_drafting)
+    if tokens <= slots:
+        raise BadInput(
+            "VllmConfig does not have enough slots to schedule a token and support the "
+            f"speculative decoding settings (max_num_batched_tokens={tokens}, drafting "
+            f"slots={slots})",
+            "raise --max-num-batched-tokens or lower num_speculative_tokens",
+        )
+    return spec
 
 
 @dataclass(frozen=True)
@@ -942,6 +1044,9 @@ class KVPlan:
     bound: kvm.RequestBound
     kv_bytes_per_token: int
     stage_entries: list[frozenset[int]]  # each pipeline stage's state entries
+    # bytes per block over bytes per block with the layers an unknown drafter may add at the
+    # high end (1.0: nothing unknown); the low end of the capacity range pays for them
+    low_end_scale: float = 1.0
 
 
 def _context_parallel_bound(settings: EngineSettings, era: VllmEra) -> dict[str, int]:
@@ -968,8 +1073,16 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
         mamba_cache_mode=r.mamba_mode,
         mamba_dtypes=(settings.mamba_cache_dtype, settings.mamba_ssm_cache_dtype),
         mamba_block_size=settings.mamba_block_size,
+        num_speculative_tokens=r.spec.num_speculative_tokens if r.spec else 0,
     )
     indexed = [(i, s) for i, s in enumerate(built.specs) if s is not None]
+    draft_entries, extra_entries = _drafter_entries(model, settings, r, built.block_size)
+    stage_entries = [
+        kvm.stage_state_indices(model, rng) for rng in pp_layer_ranges(model.num_layers, pp)
+    ]
+    # the drafter runs on the last pipeline stage (gpu_model_runner.py: is_last_rank)
+    stage_entries[-1] = stage_entries[-1] | {i for i, _ in draft_entries}
+    indexed += draft_entries
     if era.sliding_bound == "batched":
         in_flight = tokens
     elif settings.platform == "cpu":  # async scheduling forced off on CPU: PP batches in flight
@@ -983,20 +1096,45 @@ def plan_kv_layout(model: ModelSpec, settings: EngineSettings, r: ResolvedSettin
         lookahead_tokens=in_flight,
         encoder_tokens=tokens,
         **_context_parallel_bound(settings, era),
+        num_speculative_blocks=r.spec.num_speculative_tokens if r.spec else 0,
+        sliding_retained_tokens=r.spec.sliding_retained_tokens(model) if r.spec else 0,
     )
+    layout = kvm.group_layers(indexed, era)
+    scale = 1.0
+    if extra_entries:
+        scale = (
+            layout.bytes_per_block / kvm.group_layers(indexed + extra_entries, era).bytes_per_block
+        )
     return KVPlan(
         log_lines=tuple(built.log_lines),
         block_size=built.block_size,
         indexed=indexed,
-        layout=kvm.group_layers(indexed, era),
+        layout=layout,
         bound=bound,
         kv_bytes_per_token=sum(
             s.page_size_bytes // s.block_size for _, s in indexed if not isinstance(s, kvm.Mamba)
         ),
-        stage_entries=[
-            kvm.stage_state_indices(model, rng) for rng in pp_layer_ranges(model.num_layers, pp)
-        ],
+        stage_entries=stage_entries,
+        low_end_scale=scale,
     )
+
+
+def _drafter_entries(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings, block_size: int
+) -> tuple[list[tuple[int, kvm.KVLayerSpec]], list[tuple[int, kvm.KVLayerSpec]]]:
+    """The drafter's KV entries in the shared pool, numbered after the target's, and those
+    an unknown drafter may add at the high end (vLLM's ``get_kv_cache_spec`` collects the
+    drafter's attention layers with the target's)."""
+    if r.spec is None:
+        return [], []
+    fmt = kvm.CacheFormat(
+        r.spec.draft_tp, r.dbytes, settings.kv_cache_dtype, r.era, r.hybrid_manager
+    )
+    first = len(model.layers)
+    layers = r.spec.draft_layers + r.spec.extra_draft_layers_high
+    entries = [(first + k, kvm.attention_spec(ly, block_size, fmt)) for k, ly in enumerate(layers)]
+    n = len(r.spec.draft_layers)
+    return entries[:n], entries[n:]
 
 
 @dataclass(frozen=True)
@@ -1083,6 +1221,27 @@ def _encoder_tokens(
     return profile.kept_tokens if profile else 0
 
 
+def _weights_per_stage(
+    model: ModelSpec, settings: EngineSettings, r: ResolvedSettings
+) -> WeightBreakdown:
+    """The weights each pipeline stage loads (the encoder as the multimodal limits keep it; the
+    checkpoint's MTP layers when the drafter is one)."""
+    loaded = mm.weights_view(model, settings.limit_mm_per_prompt, settings.mm_encoder_tp_mode, r.tp)
+    return weight_bytes_per_stage(
+        loaded,
+        model_dtype=r.model_dtype,
+        tp=r.tp,
+        pp=settings.pipeline_parallel_size,
+        ep=r.ep,
+        quantization=settings.quantization,
+        cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
+        pad_intermediate=r.era.mxfp4_pad_intermediate,
+        load_mtp=r.spec.loads_mtp
+        if r.spec
+        else "mtp" in (settings.speculative_method or "").lower(),
+    )
+
+
 def budget_stages(
     model: ModelSpec,
     gpu: GPUSpec,
@@ -1093,18 +1252,7 @@ def budget_stages(
 ) -> StageBudgets:
     """Weights, activation, non-torch, graphs and the KV budget of every pipeline stage."""
     era, pp = r.era, settings.pipeline_parallel_size
-    loaded = mm.weights_view(model, settings.limit_mm_per_prompt, settings.mm_encoder_tp_mode, r.tp)
-    wb = weight_bytes_per_stage(
-        loaded,
-        model_dtype=r.model_dtype,
-        tp=r.tp,
-        pp=pp,
-        ep=r.ep,
-        quantization=settings.quantization,
-        cpu_offload_bytes=int(settings.cpu_offload_gb * GIB),
-        pad_intermediate=era.mxfp4_pad_intermediate,
-        load_mtp="mtp" in (settings.speculative_method or "").lower(),
-    )
+    wb = _weights_per_stage(model, settings, r)
     measured_names: list[str] = []
     nt = _non_torch_term(gpu, settings, r, measured, measured_names)
     budget = _BudgetInputs(
@@ -1128,6 +1276,8 @@ def budget_stages(
         encoder_tokens=_encoder_tokens(model, settings, r),
         encoder_video_tokens=_encoder_tokens(model, settings, r, video=True) or 0,
         graphs=r.graphs,
+        spec=r.spec,
+        kv_low_scale=kv.low_end_scale,
     )
     stages: list[StageMemory] = []
     estimates: list[tuple[Estimate, Estimate, Estimate]] = []
@@ -1151,7 +1301,12 @@ def budget_stages(
         stages=stages,
         estimates=estimates,
         non_torch=nt,
-        weights_max_bytes=wb.max_bytes,
+        weights_max_bytes=max(
+            [
+                *wb.per_stage_bytes[:-1],
+                wb.per_stage_bytes[-1] + (r.spec.draft_weights_bytes if r.spec else 0),
+            ]
+        ),
         measured_names=measured_names,
         worst=worst,
         worst_layout=_stage_layout(kv, era, worst),
@@ -1285,6 +1440,7 @@ def _startup_context(
         kv_per_token=kv.kv_bytes_per_token,
         stages=sb.stages,
         measured_names=sb.measured_names,
+        spec=r.spec,
     )
 
 
@@ -1440,7 +1596,10 @@ def predict(
     heads is reported as a ``tp_not_divisible`` problem instead. ``coefficients`` replaces
     the calibrated constants of the estimated terms (for refitting them; default: built-in).
     An architecture the chosen release no longer serves raises
-    :class:`~oomguard.errors.UnsupportedArchitecture`.
+    :class:`~oomguard.errors.UnsupportedArchitecture`. A drafter
+    (``settings.speculative_config``) is priced from its facts when the config carries them
+    (``draft``), else estimated from the target with a wider range
+    (:mod:`oomguard.memory.speculative`).
 
     CPU backend (``platform="cpu"``): ``gpu`` is the worker's NUMA node (``total_bytes`` =
     node MemTotal) and ``free_bytes`` the node's available memory (MemFree + file pages +
@@ -1520,6 +1679,7 @@ class _StartupContext:
     kv_per_token: int
     stages: list[StageMemory]
     measured_names: list[str]
+    spec: specm.Speculation | None = None
 
 
 # problems that stop vLLM's startup: the prediction does not fit
@@ -1614,4 +1774,5 @@ def _finish(
         kv_cache_bytes_range=capacity.kv_bytes,
         kv_cache_tokens_range=capacity.tokens,
         max_concurrency_range=capacity.concurrency,
+        speculation=ctx.spec,
     )

@@ -123,6 +123,9 @@ class RequestBound:
     kv_shards: int = 1
     # ≤0.20: the CP sizes the "KV cache size" line is multiplied by instead (§6)
     log_tokens_factor: int = 1
+    # tokens a sliding window keeps below itself for a multi-module MTP chain (vllm 0.32
+    # kv_cache_interface.py SlidingWindowSpec.extra_retained_tokens)
+    sliding_retained_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,8 @@ class SlidingWindow(FullAttention):
     sliding_window: int = 0
 
     def max_blocks_per_request(self, bound: RequestBound) -> int:
-        tokens = min(self.sliding_window - 1 + bound.lookahead_tokens, bound.max_model_len)
+        extra = bound.sliding_retained_tokens
+        tokens = min(self.sliding_window - 1 + extra + bound.lookahead_tokens, bound.max_model_len)
         return cdiv(tokens, self.block_size) + 1
 
 
@@ -363,13 +367,14 @@ def attention_spec(layer: LayerSpec, bs: int, fmt: CacheFormat) -> KVLayerSpec:
     return FullAttention(bs, None, n, hk, hv)
 
 
-def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
+def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat, num_spec: int = 0) -> dict[int, int]:
     """Each Mamba layer's per-rank state bytes, by layer index.
 
     Dtypes as vllm 0.32 ``model_executor/layers/mamba/mamba_utils.py``
     (``MambaStateDtypeCalculator``): the conv state in ``mamba_cache_dtype`` (auto: the model
     dtype), the SSM state in ``mamba_ssm_cache_dtype``, else the model's own SSM dtype (set by
     ``model_executor/models/config.py`` only while the flag is auto), else the conv dtype.
+    ``num_spec`` speculative tokens widen the conv state (all variants but Mamba1, same file).
     """
     if fmt.mamba_cache_dtype != "auto":
         conv_b = dtype_bytes(fmt.mamba_cache_dtype)
@@ -390,7 +395,8 @@ def mamba_state_sizes(model: ModelSpec, fmt: CacheFormat) -> dict[int, int]:
             ssm_b = dtype_bytes(fmt.mamba_ssm_cache_dtype)
         if not fmt.era.mamba_separate_dtypes and fmt.kv_cache_dtype == "auto":
             ssm_b = conv_b
-        sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b)
+        spec_rows = 0 if layer.mamba.variant is MambaVariant.MAMBA1 else num_spec
+        sizes[i] = mamba_state_bytes(layer.mamba, fmt.tp, conv_b, ssm_b, spec_rows)
     return sizes
 
 
@@ -487,6 +493,7 @@ def build_layer_specs(
     mla_align: int = 64,
     mamba_dtypes: tuple[str, str] = ("auto", "auto"),
     mamba_block_size: int | None = None,
+    num_speculative_tokens: int = 0,
 ) -> LayerSpecsResult:
     """Build vLLM's per-layer KV specs for one TP rank, unifying hybrid Mamba pages (§4.6).
 
@@ -504,7 +511,7 @@ def build_layer_specs(
         mamba_block_size=mamba_block_size,
     )
     has_mamba = any(layer.kind is AttentionKind.MAMBA for layer in model.layers)
-    mamba_bytes = mamba_state_sizes(model, fmt) if has_mamba else {}
+    mamba_bytes = mamba_state_sizes(model, fmt, num_speculative_tokens) if has_mamba else {}
     unified = unify_block_size(model, fmt, block_size, mamba_bytes, mamba_cache_mode, mla_align)
     bs = unified.block_size
     specs: list[KVLayerSpec | None] = []

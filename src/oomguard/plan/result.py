@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.memory.parallel import engine_world_size
 from oomguard.units import gib_rounded
-from oomguard.vllm_args import explicit_flags, render_llm, render_serve, render_yaml
+from oomguard.vllm_args import explicit_flags, plain_value, render_llm, render_serve, render_yaml
 from oomguard.workload import Workload
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class Candidate:
             "gpu": self.gpu.name,
             "gpu_count": self.gpus_used,
             "weights": self.weights_label,
-            "settings": {name: value for name, value in explicit_flags(self.settings)},
+            "settings": {name: plain_value(value) for name, value in explicit_flags(self.settings)},
             "fits": self.fits,
             "weights_gib": gib_rounded(p.weights.value_bytes),
             "kv_cache_gib": gib_rounded(p.kv_cache_bytes),
@@ -248,7 +248,7 @@ _SETTINGS_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parall
                   "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "quantization",
                   "dtype", "enforce_eager", "block_size", "enable_prefix_caching",
                   "kv_cache_memory_bytes", "num_gpu_blocks_override", "cpu_offload_gb",
-                  "performance_mode",
+                  "performance_mode", "speculative_config",
                   "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype",
                   "fully_sharded_loras", "limit_mm_per_prompt", "skip_mm_profiling",
                   "mm_encoder_tp_mode", "mm_processor_cache_gb",
@@ -422,7 +422,7 @@ class PlanResult:
             "model_verified": self.plan.model.verified,
             "vllm_version": p.settings.vllm_version,
             "gpu": self._gpu_dict(),
-            "settings": {key: getattr(p.settings, key) for key in _SETTINGS_KEYS},
+            "settings": {key: plain_value(getattr(p.settings, key)) for key in _SETTINGS_KEYS},
             "memory": self._memory_dict(),
             "kv_cache_tokens": p.kv_cache_tokens,
             "kv_cache_tokens_range": list(p.kv_cache_tokens_range),

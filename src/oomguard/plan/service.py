@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from oomguard.errors import BadInput, OomguardError
-from oomguard.memory.engine import EngineSettings, MeasuredTerms, predict
+from oomguard.memory.engine import EngineSettings, MeasuredTerms, MemoryPrediction, predict
 from oomguard.memory.parallel import engine_world_size
 from oomguard.memory.spec import GPUSpec, ModelSpec
 from oomguard.plan.features import feature_notes
@@ -395,6 +395,7 @@ def assemble(
     """The result: the search's outcome with the calibration used and the notes."""
     measured = space.measured if isinstance(space.measured, _CalibrationLookup) else None
     calibration = _calibration(found.plan, measured)
+    notes.extend(speculation_notes(found.plan.prediction))
     if measured is not None and measured.error:
         notes.append(measured.error)
     gpu = space.gpu
@@ -464,9 +465,14 @@ def plan(
         gpu_count=gpu_count,
     )
     from oomguard.facts.gpus import list_gpus
-    from oomguard.facts.resolve import resolve_model_with_quantization, serve_reference
+    from oomguard.facts.resolve import (
+        attach_drafter,
+        resolve_model_with_quantization,
+        serve_reference,
+    )
     from oomguard.memory.versions import resolve_era
 
+    req = dataclasses.replace(req, base=attach_drafter(req.base, allow_hub=allow_hub))
     spec = resolve_model_with_quantization(req.model, req.base.quantization, allow_hub=allow_hub)
     model_ref = serve_reference(req.model)
     notes = [*req.notes, *spec.caveats]  # generic reader, a sibling's or base model's config
@@ -543,6 +549,16 @@ def adapter_notes(spec: ModelSpec, settings: EngineSettings) -> list[str]:
         "measurement, priced as a range"
     )
     return notes
+
+
+def speculation_notes(prediction: MemoryPrediction) -> list[str]:
+    """What the plan says of its drafter: what it adds, and what could not be read."""
+    from oomguard.memory.speculative import summary
+
+    spec = prediction.speculation
+    if spec is None:
+        return []
+    return [summary(spec), *spec.notes]
 
 
 def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:

@@ -90,7 +90,9 @@ def predict_command(
 ) -> Prediction:
     """Predict ``command``'s startup on ``device``; ``session_logs`` are this session's earlier
     launches (their logs and predictions, newest last), whose measured terms come first."""
-    settings = settings_for(command, device, vllm_version)
+    from oomguard.facts.resolve import attach_drafter
+
+    settings = attach_drafter(settings_for(command, device, vllm_version))
     sources: list[str] = []
     measured = _session_terms(session_logs or [], settings, device, spec, vllm_version, sources)
     if use_calibration:
