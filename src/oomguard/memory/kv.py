@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from functools import lru_cache
 from dataclasses import dataclass, field, replace
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
@@ -474,6 +475,7 @@ def pad_mamba_pages(specs: list[KVLayerSpec | None]) -> list[KVLayerSpec | None]
     ]
 
 
+@lru_cache(maxsize=256)  # pure: a plan's search asks for the same model's specs on every GPU
 def build_layer_specs(
     model: ModelSpec,
     *,
