@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from functools import lru_cache
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory.dtypes import DTYPE_BYTES, dtype_bytes

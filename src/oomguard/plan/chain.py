@@ -25,6 +25,7 @@ from oomguard.tiering.model import GGUFModel
 from oomguard.tiering.settings import LlamaCppSettings
 from oomguard.tiering.split import SplitPlan, best_split, price_split
 from oomguard.units import GIB, gib_rounded
+from oomguard.vllm_args import render_serve
 
 if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
@@ -248,7 +249,7 @@ def fallback_chain(
         title=f"vLLM as planned: {problem}",
         serves_workload=False,
         numbers={},
-        command=given.commands()["vllm_serve"],
+        command=render_serve(given.model_ref, given.settings),
         caveats=(),
         candidate=given,
     )
