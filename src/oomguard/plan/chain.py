@@ -47,12 +47,13 @@ def _step(alt: Alternative) -> int:
 
 def gguf_for(space: SearchSpace, recipe: str = "Q4_K_M") -> GGUFModel:
     """The GGUF model to price: the user's file when the model is one, else a synthesized table."""
-    from oomguard.tiering.gguf_file import read_gguf
-    from oomguard.tiering.synthesize import synthesize_gguf
-
     ref = Path(space.model_ref).expanduser()
     if ref.suffix == ".gguf" and ref.is_file():
+        from oomguard.tiering.gguf_file import read_gguf
+
         return read_gguf(ref)
+    from oomguard.tiering.synthesize import synthesize_gguf
+
     return synthesize_gguf(space.model, recipe)
 
 
