@@ -530,6 +530,8 @@ def build_layer_specs(
             specs.append(attention_spec(layer, bs, fmt))
     if has_mamba:
         specs = pad_mamba_pages(specs)
+    shared: dict[KVLayerSpec, KVLayerSpec] = {}  # one object per distinct spec: grouping compares
+    specs = [None if s is None else shared.setdefault(s, s) for s in specs]
     return LayerSpecsResult(
         tuple(specs), bs, unified.raised_from, unified.padding_pct, unified.log_lines
     )
@@ -602,7 +604,7 @@ def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout
         return KVLayout((), 0)
     only = [s for _, s in specs]
     idx = tuple(i for i, _ in specs)
-    if all(s == only[0] for s in only):
+    if all(s is only[0] or s == only[0] for s in only):
         return KVLayout((KVGroup(only[0], idx),), only[0].page_size_bytes * len(only))
     if era.uniform_type_groups and _uniform_type_ok(only):
         ut = UniformType(block_size=only[0].block_size, members=tuple(only))
