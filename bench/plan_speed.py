@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMGUARD_HOME": home, "COLUMNS": "100"}
+        # the warm-up writes the .pyc files, which a PYTHONDONTWRITEBYTECODE inherited from the
+        # shell forbids: every run would then compile the sources again, as no installed copy does
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         time_once(env)  # warm the OS page cache and .pyc files, as any second run would be
         load_before = os.getloadavg()
         runs = [time_once(env) for _ in range(args.runs)]

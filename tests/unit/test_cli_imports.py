@@ -3,6 +3,7 @@ face whose extra is not installed says so in one line."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -54,6 +55,24 @@ def _without(modules: tuple[str, ...], *args: str) -> subprocess.CompletedProces
 
 def test_plan_does_not_import_the_gateway_or_the_doctor() -> None:
     assert _loaded("plan", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L4", "--json") == []
+
+
+def test_a_plan_that_falls_back_to_llama_cpp_loads_only_the_split() -> None:
+    """The fallback chain prices llama.cpp's split; its load-log reader and check stay unloaded."""
+    probe = PROBE.replace(
+        '("aiohttp", "oomguard.guard.app", "oomguard.doctor.diagnose")',
+        '("oomguard.tiering.loadlog", "oomguard.tiering.compare")',
+    )
+    argv = ["plan", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "RTX 4090", "--p99-tokens"]
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *argv, "8192", "--concurrency", "16"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert "llama-server" in out.stdout, out.stderr[-500:]  # the chain ran
+    assert "LOADED=\n" in out.stderr + "\n", out.stderr[-500:]
 
 
 def test_plan_imports_no_library_of_an_extra() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from oomguard.errors import BadInput, UnsupportedArchitecture
 from oomguard.memory.dtypes import DTYPE_BYTES, dtype_bytes
@@ -480,6 +481,7 @@ def pad_mamba_pages(specs: list[KVLayerSpec | None]) -> list[KVLayerSpec | None]
     ]
 
 
+@lru_cache(maxsize=256)  # pure: a plan's search asks for the same model's specs on every GPU
 def build_layer_specs(
     model: ModelSpec,
     *,
@@ -535,6 +537,8 @@ def build_layer_specs(
             specs.append(attention_spec(layer, bs, fmt))
     if has_mamba:
         specs = pad_mamba_pages(specs)
+    shared: dict[KVLayerSpec, KVLayerSpec] = {}  # one object per distinct spec: grouping compares
+    specs = [None if s is None else shared.setdefault(s, s) for s in specs]
     return LayerSpecsResult(
         tuple(specs), bs, unified.raised_from, unified.padding_pct, unified.log_lines
     )
@@ -607,7 +611,7 @@ def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout
         return KVLayout((), 0)
     only = [s for _, s in specs]
     idx = tuple(i for i, _ in specs)
-    if all(s == only[0] for s in only):
+    if all(s is only[0] or s == only[0] for s in only):
         return KVLayout((KVGroup(only[0], idx),), only[0].page_size_bytes * len(only))
     if era.uniform_type_groups and _uniform_type_ok(only):
         ut = UniformType(block_size=only[0].block_size, members=tuple(only))

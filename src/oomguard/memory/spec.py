@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from oomguard.units import GIB
 
@@ -205,7 +206,7 @@ class ModelSpec:
         kinds = {layer.kind for layer in self.layers if layer.kind is not AttentionKind.NONE}
         return len(kinds) > 1
 
-    @property
+    @cached_property  # asked on every prediction; the layers never change
     def has_mamba(self) -> bool:
         return any(layer.kind is AttentionKind.MAMBA for layer in self.layers)
 

@@ -25,6 +25,7 @@ from oomguard.tiering.model import GGUFModel
 from oomguard.tiering.settings import LlamaCppSettings
 from oomguard.tiering.split import SplitPlan, best_split, price_split
 from oomguard.units import GIB, gib_rounded
+from oomguard.vllm_args import render_serve
 
 if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
@@ -46,12 +47,13 @@ def _step(alt: Alternative) -> int:
 
 def gguf_for(space: SearchSpace, recipe: str = "Q4_K_M") -> GGUFModel:
     """The GGUF model to price: the user's file when the model is one, else a synthesized table."""
-    from oomguard.tiering.gguf_file import read_gguf
-    from oomguard.tiering.synthesize import synthesize_gguf
-
     ref = Path(space.model_ref).expanduser()
     if ref.suffix == ".gguf" and ref.is_file():
+        from oomguard.tiering.gguf_file import read_gguf
+
         return read_gguf(ref)
+    from oomguard.tiering.synthesize import synthesize_gguf
+
     return synthesize_gguf(space.model, recipe)
 
 
@@ -248,7 +250,7 @@ def fallback_chain(
         title=f"vLLM as planned: {problem}",
         serves_workload=False,
         numbers={},
-        command=given.commands()["vllm_serve"],
+        command=render_serve(given.model_ref, given.settings),
         caveats=(),
         candidate=given,
     )

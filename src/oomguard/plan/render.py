@@ -17,6 +17,7 @@ from oomguard.memory.activation import Estimate
 from oomguard.memory.engine import MemoryPrediction, Problem
 from oomguard.plan.result import Candidate, PlanResult, SizingRow, weights_known
 from oomguard.units import GIB, MIB, gib_text
+from oomguard.vllm_args import render_serve
 
 COMMAND_WIDTH = 76
 
@@ -286,9 +287,7 @@ def recommendation(result: PlanResult) -> RenderableType | None:
         table.add_row(reason.flag, value, reason.reason)
     extra: list[RenderableType] = []
     if rec.candidate is not result.plan:
-        extra.append(
-            Text("$ " + wrap_command(rec.candidate.commands()["vllm_serve"]), style="cyan")
-        )
+        extra.append(Text("$ " + wrap_command(_serve_line(rec.candidate)), style="cyan"))
         est = result.given.prediction.estimated_max_model_len
         if est:
             extra.append(
@@ -436,6 +435,12 @@ def sizing(result: PlanResult) -> RenderableType | None:
         others = ", ".join(_join_names(group) for group, _ in rest)
         parts.append(Text(f"also serve (more memory): {others}", style="dim"))
     return Group(*parts)
+
+
+def _serve_line(candidate: Candidate) -> str:
+    """The one-line ``vllm serve`` of ``candidate`` (what its ``commands()`` gives, without
+    building the LLM and YAML forms)."""
+    return render_serve(candidate.model_ref, candidate.settings)
 
 
 def commands(result: PlanResult) -> RenderableType:

@@ -139,8 +139,12 @@ def best_split(
     search starts.
     """
 
+    seen: dict[LlamaCppSettings, SplitPlan] = {}  # the search ends on a split it has priced
+
     def plan(s: LlamaCppSettings) -> SplitPlan:
-        return price_split(model, s, gpu_total_bytes, headroom_bytes, host_total_bytes)
+        if s not in seen:
+            seen[s] = price_split(model, s, gpu_total_bytes, headroom_bytes, host_total_bytes)
+        return seen[s]
 
     n = model.n_layer
     if model.n_expert:
