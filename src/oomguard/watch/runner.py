@@ -76,15 +76,7 @@ class Watch:
         self.devices = (
             await asyncio.to_thread(self.gpu.read) if self.gpu.available is not False else None
         )
-        local = [t for t in self.targets if t.local]
-        timeout_s = max(1.0, min(5.0, self.interval_s * 2))
-        samples = await asyncio.gather(
-            *(
-                sample_target(t, session, self.devices, len(local) == 1, timeout_s)
-                for t in self.targets
-            )
-        )
-        kept = [s for s in samples if not self._refused(s)]
+        kept = await self._sample_targets(session)
         for s in kept:
             if not s.up:
                 self.scrape_errors[s.name] = self.scrape_errors.get(s.name, 0) + 1
@@ -103,6 +95,26 @@ class Watch:
             self.event_counts[e.state] = self.event_counts.get(e.state, 0) + 1
             self._emit(e)
         return events
+
+    async def _sample_targets(self, session: aiohttp.ClientSession) -> list[TargetSample]:
+        """Every target sampled once (those that turned out not to be vLLM dropped)."""
+        local = [t for t in self.targets if t.local]
+        timeout_s = max(1.0, min(5.0, self.interval_s * 2))
+        samples = await asyncio.gather(
+            *(
+                sample_target(t, session, self.devices, len(local) == 1, timeout_s)
+                for t in self.targets
+            )
+        )
+        return [s for s in samples if not self._refused(s)]
+
+    async def _close_prefix_windows(self, session: aiohttp.ClientSession) -> None:
+        """At the stop: read the counters once more, so each window ends at the stop and not
+        at the last round, then store the windows."""
+        if self.recorder is None:
+            return
+        self.recorder.observe(await self._sample_targets(session), time.time())
+        await self.record_prefix_cache(session)
 
     async def record_prefix_cache(self, session: aiohttp.ClientSession) -> None:
         """Store each server's prefix-cache window in the calibration store and say so."""
@@ -253,7 +265,7 @@ class Watch:
         try:
             async with aiohttp.ClientSession() as session:
                 code = await (self._once(session) if once else self._forever(session, duration_s))
-                await self.record_prefix_cache(session)
+                await self._close_prefix_windows(session)
             for hook in self.outputs.webhooks:
                 await hook.drain()
             return code
