@@ -353,11 +353,7 @@ class RequestProgress:
         deadline_s = rate.start_deadline_s() + self.extra_start_s
         unseen = 0
         out: list[Footprint] = []
-        lag = (
-            s.lag_floor_tokens
-            + self.last_step_tokens
-            + math.ceil(tps * (max(now_s - self.last_seen_s, 0.0) + s.lag_s))
-        )
+        lag = self._lag_tokens(tps, s, now_s)
         for i in range(self.num_sequences):
             if self.finished[i]:
                 continue
@@ -393,11 +389,7 @@ class RequestProgress:
         final = self.final_tokens - shared
         waited_s = max(now_s - self.sent_at_s, 0.0)
         deadline_s = rate.start_deadline_s() + self.extra_start_s
-        lag = (
-            s.lag_floor_tokens
-            + self.last_step_tokens
-            + math.ceil(tps * (max(now_s - self.last_seen_s, 0.0) + s.lag_s))
-        )
+        lag = self._lag_tokens(tps, s, now_s)
         learned: list[LearnedSequence] = []
         envelopes: list[Footprint] = []
         unseen = 0
@@ -439,6 +431,14 @@ class RequestProgress:
             longest = None if envelopes else max(x.last_step for x in learned) + 1
             envelopes.append(Footprint(shared, shared, longest, 1, growth=0))
         return envelopes, learned
+
+    def _lag_tokens(self, tps: float, s: ProgressSettings, now_s: float) -> int:
+        """Tokens a seen sequence may have generated beyond what was last observed of it."""
+        return (
+            s.lag_floor_tokens
+            + self.last_step_tokens
+            + math.ceil(tps * (max(now_s - self.last_seen_s, 0.0) + s.lag_s))
+        )
 
     def blocks_held_at_least(self, block_size: int) -> int:
         """Blocks the request certainly holds for as long as it lives: its seen, unfinished
