@@ -122,9 +122,9 @@ def trace_config() -> aiohttp.TraceConfig:
 def new_session(connection_limit: int) -> aiohttp.ClientSession:
     """The one session of a run: a pool larger than the concurrency, a large read buffer
     (long streams collapse with aiohttp's 64 KiB default), connection queueing traced."""
-    connector = vllm_http.connector(limit=connection_limit, limit_per_host=connection_limit)
-    return aiohttp.ClientSession(
-        connector=connector,
+    return vllm_http.session(
+        limit=connection_limit,
+        limit_per_host=connection_limit,
         trace_configs=[trace_config()],
         read_bufsize=2**20,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),

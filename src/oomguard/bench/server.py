@@ -208,13 +208,20 @@ class ServerClient:
         async with self.session.get(url, timeout=self.timeout) as resp:
             return resp.status, await resp.text()
 
-    async def health_ok(self) -> bool:
-        """Whether ``/health`` answers 200 (any error or timeout counts as no)."""
+    async def health(self) -> bool | None:
+        """``/health``: True when it answers 200, False when it answers anything else or
+        cannot be reached, None when no answer came within the timeout."""
         try:
             async with self.session.get(self.url + "/health", timeout=self.timeout) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:
+            return None
+        except (aiohttp.ClientError, OSError):
             return False
+
+    async def health_ok(self) -> bool:
+        """Whether ``/health`` answers 200 (any error or timeout counts as no)."""
+        return await self.health() is True
 
     async def read(self, source: str, metrics_url: str | None) -> ServerReading | None:
         """One sample from ``source`` (None when the read failed)."""

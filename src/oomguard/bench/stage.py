@@ -37,6 +37,7 @@ from oomguard.bench.stats import percentile, summarize
 
 STOP_REASONS = ("preemption", "kv_full", "error", "health", "budget")
 HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUTS_TO_STOP = 2
 MAX_READS_IN_FLIGHT = 4
 
 
@@ -456,11 +457,19 @@ class _Stage:
             await asyncio.gather(health, return_exceptions=True)
 
     async def _health_loop(self) -> None:
+        """A ``/health`` that answers badly stops the stage at once; one that does not answer
+        in time stops it the second time in a row (a loaded client can miss one timeout on
+        its own: its event loop runs late)."""
+        timeouts = 0
         while True:
             started = self.r.now()
-            self.health = await self.r.server.health_ok()
-            if self.health is False:
+            answer = await self.r.server.health()
+            timeouts = timeouts + 1 if answer is None else 0
+            self.health = answer
+            if answer is False:
                 self._trigger("health", "/health did not answer 200", None)
+            elif timeouts >= HEALTH_TIMEOUTS_TO_STOP:
+                self._trigger("health", f"/health did not answer {timeouts} times in a row", None)
             await asyncio.sleep(max(0.0, HEALTH_INTERVAL_S - (self.r.now() - started)))
 
     async def _read_once(self, started: float) -> None:

@@ -273,8 +273,9 @@ class GuardApp:
     # -- lifecycle -----------------------------------------------------------------------
     async def startup(self, _app: web.Application) -> None:
         self._tokenize_slots = asyncio.Semaphore(self.config.tokenize_concurrency)
-        self.session = aiohttp.ClientSession(
-            connector=vllm_http.connector(limit=0, ttl_dns_cache=300),
+        self.session = vllm_http.session(
+            limit=0,
+            ttl_dns_cache=300,
             auto_decompress=False,
             skip_auto_headers=("User-Agent",),
         )

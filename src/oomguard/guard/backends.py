@@ -200,8 +200,8 @@ class BackendPool:
 
     async def start(self) -> None:
         """Open the polling session, poll every backend once, then keep polling."""
-        self._session = aiohttp.ClientSession(
-            connector=vllm_http.connector(limit=0),
+        self._session = vllm_http.session(
+            limit=0,
             timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
         )
         await asyncio.gather(*(self.poll_once(b) for b in self.backends))

@@ -72,3 +72,37 @@ def test_reading_from_the_guard_status() -> None:
 def test_local_hosts() -> None:
     assert is_local("http://127.0.0.1:8000") and is_local("http://localhost:1")
     assert not is_local("http://192.0.2.7:8000")
+
+
+async def test_health_tells_a_bad_answer_from_no_answer_in_time() -> None:
+    """A loaded client can miss one timeout on its own, so the stage stops on a bad answer at
+    once and on a missing one only when it repeats: the two must be told apart."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from oomguard.bench.server import ServerClient
+
+    codes = iter([200, 503, "slow"])
+
+    async def health(_r: web.Request) -> web.Response:
+        code = next(codes)
+        if code == "slow":
+            await asyncio.sleep(2)
+            code = 200
+        return web.Response(status=int(code))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = ServerClient(session, url, timeout_s=0.5)
+            assert [await client.health() for _ in range(3)] == [True, False, None]
+            assert await ServerClient(session, "http://127.0.0.1:9").health() is False
+    finally:
+        await runner.cleanup()

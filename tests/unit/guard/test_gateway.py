@@ -249,7 +249,10 @@ async def test_queue_timeout_gives_503_with_retry_after(
 async def test_priority_classes_are_served_in_order_for_keys_that_may_set_them(
     make_guard: GuardFactory, client: aiohttp.ClientSession
 ) -> None:
-    slow = await start_fake(delay_s=0.4)
+    # the first request holds the pool until all four are queued (a fixed delay would let it
+    # end first on a loaded machine); each later one holds it alone, in the order served
+    release = asyncio.Event()
+    slow = await start_fake(delay_s=0.05, hold=release)
     try:
         guard = await make_guard(
             [slow.url],
@@ -286,6 +289,7 @@ async def test_priority_classes_are_served_in_order_for_keys_that_may_set_them(
             asyncio.create_task(run("high", {**ops, "x-priority": "-1"}, completion(1000)))
         )
         await wait_status(client, guard.url, depth(4))
+        release.set()
         await asyncio.gather(hold, *tasks)
         assert done == ["hold", "high", "app", "low-1", "low-2"]
         assert await metric(client, guard.url, "oomguard_priority_ignored_total") == 1
