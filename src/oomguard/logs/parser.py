@@ -147,6 +147,7 @@ class LogBuilder:
         found = _SCAN(lower)
         if not found:
             return
+        quiet = record.level in prose.QUIET_LEVELS
         candidates: tuple[int, ...] | list[int]
         if len(found) == 1:
             candidates = _CLOSURE[found[0]]
@@ -158,6 +159,8 @@ class LogBuilder:
         ev: Evidence | None = None
         waiting: list[int] = []
         for i in candidates:
+            if quiet and i in _PROSE_ONLY:
+                continue  # a person's words: vLLM's own quiet lines are not searched for them
             pattern = cat.PATTERNS[i]
             m = pattern.regex.search(text)
             if m is None and pattern.loose is not None:
@@ -803,6 +806,37 @@ class LogBuilder:
 
 _SAID_BY_REGEX = {p.regex.pattern: p.name for p in cat.PATTERNS if p.handler == "said"}
 _SAID_OOM = re.compile(prose.SAID_OOM)
+
+# Handlers that read a person's words and return at once on a record at one of vLLM's quiet
+# levels (prose.QUIET_LEVELS): a pattern whose only effect is such a handler cannot change the
+# result on those records, so it is not searched there. Its prose regexes are the costliest of
+# the catalogue, and vLLM's periodic INFO lines ("... tokens/s ... KV cache usage ...") wake
+# them through short triggers ("ok", "fix"): skipping them makes a long log ~5x faster.
+_QUIET_RETURNING_HANDLERS = frozenset(
+    {
+        "said",
+        "workaround",
+        "tried_in_vain",
+        "tried_all",
+        "lever_change",
+        "said_util",
+        "said_model_size",
+        "said_gpu",
+        "said_regression",
+    }
+)
+
+
+def _prose_only(p: cat.Pattern) -> bool:
+    groups = set(p.regex.groupindex) | (set(p.loose.groupindex) if p.loose else set())
+    return (
+        p.handler in _QUIET_RETURNING_HANDLERS
+        and not (p.signature or p.phase or p.frame_phase or p.failure_phase or p.frame_kind)
+        and not groups & set(FIELD_RULES)
+    )
+
+
+_PROSE_ONLY = frozenset(i for i, p in enumerate(cat.PATTERNS) if _prose_only(p))
 
 # vLLM source files that log under one engine only (the logger header names the file): V1's
 # engine core, GPU worker and model runner, KV-cache sizing and executor; V0's worker, model
