@@ -72,7 +72,7 @@ class LiveProgress:
         verdict = {
             True: ("safe", "green"),
             False: ("unsafe", "red"),
-            None: ("cut short", "yellow"),
+            None: ("not tested (spread out)" if st.staggered else "cut short", "yellow"),
         }[st.safe]
         kv = st.kv_peak if st.kv_peak is not None else st.kv_peak_client
         line = Text(f"stage {st.spec.index:>2}  concurrency {st.concurrency:>4}  ")

@@ -44,6 +44,7 @@ from oomguard.vllm_metrics import VllmSnapshot, parse_vllm_metrics
 DEFAULT_BUDGET_S = 600.0
 DEFAULT_MAX_CONCURRENCY = 256
 _QUIET_TIMEOUT_S = 60.0
+STAGE_ATTEMPTS = 3  # a stage a loaded machine spread out is run again, at most this often
 _CONTEXT_ERROR_WORDS = ("max_model_len", "maximum context length", "context length", "too long",
                         "longer than")  # fmt: skip
 
@@ -379,6 +380,29 @@ class _Run:
         requests: int | None = None,
         hold_s: float = 0.0,
     ) -> StageResult:
+        """One stage, run again (``STAGE_ATTEMPTS`` in all) while its requests ran spread out
+        and so did not test its concurrency (then it stays inconclusive)."""
+        for attempt in range(1, STAGE_ATTEMPTS + 1):
+            stage = await self._run_stage_once(
+                runner, maker, result, c, purpose, requests=requests, hold_s=hold_s
+            )
+            if not stage.staggered:
+                break
+            then = "run again" if attempt < STAGE_ATTEMPTS else "inconclusive"
+            self.note(result, f"stage {stage.spec.index}: {stage.staggered}; {then}")
+        return stage
+
+    async def _run_stage_once(
+        self,
+        runner: StageRunner,
+        maker: PromptMaker,
+        result: BenchResult,
+        c: int,
+        purpose: str,
+        *,
+        requests: int | None = None,
+        hold_s: float = 0.0,
+    ) -> StageResult:
         if hold_s > 0:
             count = max(c * self.s.waves, self._requests_for(c, hold_s, result))
         else:
@@ -389,7 +413,12 @@ class _Run:
             deadline = min(self.elapsed() + hold_s, self.s.budget_s)
         spec = self._spec(len(result.stages) + 1, c, indices, purpose, deadline, runner.info)
         stage = await runner.run(spec)
-        if hold_s > 0 and stage.stop_reason in (None, "budget") and not stage.reasons:
+        if (
+            hold_s > 0
+            and stage.stop_reason in (None, "budget")
+            and not stage.reasons
+            and not stage.staggered
+        ):
             # the hold ran its time (or its requests): that is the goal, not a cut
             stage.safe, stage.stop_reason = True, None
             stage.stop_detail = f"held {stage.duration_s:.0f} s of the {hold_s:g} s asked"

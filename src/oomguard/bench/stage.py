@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +93,12 @@ class StageResult:
     loop_lags_s: list[float] = field(default_factory=list)
     client_cpu_fraction: float | None = None  # of one core
     kv_peak_client: float | None = None
+    # the pool a first wave sent together needs at its peak (distinct prompts; None: unknown)
+    wave_need: float | None = None
     counters: dict[str, float] = field(default_factory=dict)  # server counter deltas
     safe: bool | None = None
     reasons: list[str] = field(default_factory=list)
+    staggered: str = ""  # why a clean stage did not test its concurrency (then safe is None)
 
     @property
     def concurrency(self) -> int:
@@ -148,6 +151,8 @@ class StageResult:
             "purpose": self.spec.purpose,
             "safe": self.safe,
             "reasons": list(self.reasons),
+            "staggered": self.staggered or None,
+            "wave_need": _r(self.wave_need),
             "stop_reason": self.stop_reason,
             "stop_detail": self.stop_detail,
             "stop_latency_s": _r(self.stop_latency_s),
@@ -195,6 +200,19 @@ class StageResult:
 
 def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(float(x), nd)
+
+
+def wave_peak_blocks(wave: Sequence[RequestRecord], block_size: int) -> int:
+    """The most blocks requests sent together hold at one engine step, each storing its
+    prompt and growing one token a step until it ends after its ``max_tokens`` (the bench's
+    requests ignore EOS): the sum peaks at the step before one of them ends."""
+    sizes = [(r.prompt_tokens, r.max_tokens) for r in wave]
+    peak = 0
+    for _p, end in sizes:
+        step = end - 1
+        held = sum(-(-(p + min(step, m - 1)) // block_size) for p, m in sizes if m > step)
+        peak = max(peak, held)
+    return peak
 
 
 class KvTracker:
@@ -354,6 +372,8 @@ class _Stage:
         await self._final_counters()
         if self.tracker is not None and self.spec.client_kv_applies:
             res.kv_peak_client = self.tracker.usage(self.tracker.peak)
+            wave = res.records[: self.spec.concurrency]
+            res.wave_need = self.tracker.usage(wave_peak_blocks(wave, self.tracker.block_size))
         judge(res)
         self._emit("end")
         return res
@@ -592,5 +612,25 @@ def judge(res: StageResult) -> None:
         res.safe = False
     elif res.stop_reason == "budget":
         res.safe = None
+    elif staggered := _staggered(res):
+        res.safe, res.staggered = None, staggered
     else:
         res.safe = True
+
+
+def _staggered(res: StageResult) -> str:
+    """Why a clean stage did not test its concurrency, or "". Its first wave, sent together,
+    needs more of the pool than the watermark, so run together it would have stopped the
+    stage; it did not, and nothing held a request back (no queue at the engine or the
+    gateway): the requests ran spread out, as a machine that stalls the client or the
+    server delivers them. Arithmetic, not timing: a loaded client cannot fake it."""
+    need = res.wave_need
+    if need is None or need <= res.spec.kv_limit or res.kv_peak is None:
+        return ""  # (without server samples the client's count is not a verdict either)
+    if (res.peak("waiting") or 0) > 0 or (res.peak("gateway_queue") or 0) > 0:
+        return ""
+    return (
+        f"its first {res.concurrency} requests need {need:.2f} of the pool together, yet "
+        "nothing stopped them and none waited at the server: they ran spread out (a loaded "
+        f"machine), so concurrency {res.concurrency} was not tested"
+    )

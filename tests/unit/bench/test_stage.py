@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from oomguard.bench.client import RequestRecord
-from oomguard.bench.stage import KvTracker, Sample, StageResult, StageSpec, judge
+from oomguard.bench.stage import (
+    KvTracker,
+    Sample,
+    StageResult,
+    StageSpec,
+    judge,
+    wave_peak_blocks,
+)
 
 
 def rec(index: int, prompt: int, out: int, max_tokens: int) -> RequestRecord:
@@ -102,3 +109,24 @@ def test_a_server_cap_needs_requests_seen_waiting() -> None:
     capped = stage([at(3, 1), at(3, 1)])  # the server ran 3 and queued the 4th
     assert _server_cap([missed]) is None
     assert _server_cap([capped]) == 3
+
+
+def test_a_wave_sent_together_peaks_before_its_first_end() -> None:
+    # 100 + 156 tokens: 255 stored at the end, two blocks of 128 each; 8 need 16
+    assert wave_peak_blocks([rec(i, 100, 0, 156) for i in range(8)], 128) == 16
+    # a short request ends first: the peak is either all at its end or the long ones later
+    short, long_ = rec(0, 100, 0, 20), rec(1, 300, 0, 300)
+    assert wave_peak_blocks([short, long_], 128) == max(1 + 3, 5)
+
+
+def test_a_clean_stage_whose_wave_cannot_fit_ran_spread_out() -> None:
+    """Eight requests that need 16 of 15 blocks together, a stage that saw no preemption, no
+    KV above the watermark and no queue: they did not run together, so concurrency 8 was not
+    tested (inconclusive, and the bench runs it again)."""
+    clean = [sample(0.27, 0)]
+    spread = stage(clean, wave_need=16 / 15)
+    assert spread.safe is None and "need 1.07 of the pool together" in spread.staggered
+    assert stage(clean, wave_need=13 / 15).safe is True  # it fits (limit 0.9): safe
+    queued = Sample(t_s=0.1, stage=1, concurrency=4, in_flight=4, read_s=0.0, waiting=1.0)
+    assert stage([*clean, queued], wave_need=16 / 15).safe is True  # the server capped it
+    assert stage([sample(0.27, 1)], wave_need=16 / 15).safe is False  # it preempted
