@@ -102,6 +102,14 @@ class AdmissionSettings:
     # Learned lengths as distributions: when the per-request plan refuses, admit on the risk
     # that the blocks in flight exceed the projected watermark (oomguard.guard.projected_sum).
     learned_sum: bool = True
+    # The overflow risk one such decision may take, as a share of the quantile's tail (a burst
+    # turns the pool over a few times, each turnover a fresh chance to overflow).
+    learned_sum_risk: float = 0.1
+    # The per-request plan (every learned sequence at its quantile, under learned_watermark)
+    # admits only while that risk stays below this share of the tail: a sequence that outruns
+    # its quantile while the pool is tight preempts, and the plan alone cannot see how likely
+    # that is (None: no veto).
+    learned_plan_veto: float | None = 1.0
 
 
 @dataclass(frozen=True)
@@ -364,9 +372,9 @@ class BackendAdmission:
         unknown = unknown_blocks(fps, bs) + self._external
         if unknown <= limit:
             peak = projected_peak_blocks(fps, bs) + self._external
-            if peak <= proj_limit:
+            if peak <= proj_limit and self._plan_not_vetoed(cost, track, now_s):
                 return eff - peak
-            summed = self._summed_margin(cost, track, now_s)
+            summed = self._summed_margin(cost, track, now_s, self.settings.learned_sum_risk)
             if summed is not None:
                 return summed
             if track:
@@ -396,7 +404,16 @@ class BackendAdmission:
             return True
         return any(p.tracked and _may_end_early(p.plan) for p in self.inflight.values())
 
-    def _summed_margin(self, cost: RequestCost, track: bool, now_s: float) -> int | None:
+    def _plan_not_vetoed(self, cost: RequestCost, track: bool, now_s: float) -> bool:
+        """Whether the sum's overflow risk lets the per-request plan admit ``cost``."""
+        veto = self.settings.learned_plan_veto
+        if veto is None or not self._learned_sum(cost if track else None):
+            return True
+        return self._summed_margin(cost, track, now_s, veto) is not None
+
+    def _summed_margin(
+        self, cost: RequestCost, track: bool, now_s: float, share: float
+    ) -> int | None:
         """Blocks left at the projected sum over time with ``cost`` admitted, while learned
         lengths are in play and it stays under the projected watermark; else None."""
         if not self._learned_sum(cost if track else None):
@@ -430,9 +447,7 @@ class BackendAdmission:
         eff = self.effective_capacity_blocks
         limit = self.settings.projected_watermark * eff - self._external
         risk, expected = overflow_probability(envelopes, learned, bs, limit)
-        # the risk taken per decision: a tenth of the quantile's tail (a burst turns the pool
-        # over a few times, each turnover a fresh chance to overflow)
-        if risk > (1.0 - quantile) / 10.0:
+        if risk > (1.0 - quantile) * share:
             return None
         return eff - expected - self._external
 

@@ -147,3 +147,35 @@ def test_admission_on_the_sum_takes_more_than_per_request_quantiles() -> None:
     per_request = _admitted("per-request")
     summed = _admitted("sum")
     assert summed > per_request >= 1
+
+
+def _admits_beside_a_long_runner(veto: float | None) -> bool:
+    """A pool of 15 blocks of 128; a class whose last ten answers ran 50–336 tokens; in flight,
+    one of its requests (400-token prompt, max_tokens 768) that has generated 145 tokens, so
+    3 of the 10 lengths are still ahead of it. A new request (269 + up to 755) asks to join."""
+    lengths = OutputLengths()
+    cls = length_class("m", "completions", None, 200)
+    for v in (50, 53, 71, 78, 87, 106, 118, 219, 231, 336):
+        lengths.observe(cls, v, 768)
+    adm = BackendAdmission(
+        AdmissionSettings(learned_plan_veto=veto, stagger=False, track_mode="always")
+    )
+    adm.set_capacity(16, 128, prefix_caching=True)
+    for _ in range(8):
+        adm.rate.observe_rate(190.0)
+        adm.rate.observe_start(0.1)
+    cost = RequestCost(400, 768, trackable=True, length_plan=lengths.plan(cls, 768))
+    running = adm.reserve(cost, 0.0)
+    now = 145 / 190.0 + 0.1
+    adm.note_progress(running, 0, 145, False, now, 400)
+    new = RequestCost(269, 755, trackable=True, length_plan=lengths.plan(cls, 755))
+    return adm.can_admit(new, now)
+
+
+def test_the_sum_vetoes_a_per_request_plan_that_risks_overflow() -> None:
+    """Planned at their quantiles the two fit: the running one ends by 336 tokens, the new one
+    too. But the running one has outlived 7 of the 10 lengths, so it runs on to its 768 with a
+    chance of at least 1 in 4, and then the two overflow the pool if the new one also runs
+    long: the per-request plan admits, the sum's risk vetoes it."""
+    assert _admits_beside_a_long_runner(None) is True
+    assert _admits_beside_a_long_runner(1.0) is False
