@@ -1,4 +1,5 @@
-"""A minimal, fast OpenAI-style upstream for the overhead benchmark (asyncio protocol, no framework).
+"""A minimal, fast OpenAI-style upstream for the overhead benchmark (asyncio protocol, no
+framework).
 
 HTTP/1.1 with keep-alive on 127.0.0.1. Answers at once (no model): ``POST /v1/completions`` and
 ``/v1/chat/completions`` with a fixed completion (SSE when ``"stream": true``; with

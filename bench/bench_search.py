@@ -332,7 +332,8 @@ def print_figures(out: dict[str, Any]) -> None:
     for name in ("search_from_the_pool", "search_from_1"):
         s = out[name]
         print(
-            f"{name}: max safe {s['max_safe']} in {len(s['stages'])} stages {s['stages']} ({s['wall_s']} s)"
+            f"{name}: max safe {s['max_safe']} in {len(s['stages'])} stages "
+            f"{s['stages']} ({s['wall_s']} s)"
         )
     sw = out["sweep"]
     print(
@@ -347,16 +348,17 @@ def print_figures(out: dict[str, Any]) -> None:
         bound = [r["stop_bound_s"] for r in runs if r["stop_bound_s"] is not None]
         print(
             f"stops ({kind}): reasons {[r['stop_reason'] for r in runs]}, preemptions "
-            f"{[r['preemptions'] for r in runs]}, after the sign max {max(lat, default=0) * 1000:.0f} ms, "
-            f"bound max {max(bound, default=0) * 1000:.0f} ms (median "
-            f"{statistics.median(bound) * 1000 if bound else 0:.0f} ms), server quiet "
+            f"{[r['preemptions'] for r in runs]}, after the sign max "
+            f"{max(lat, default=0) * 1000:.0f} ms, bound max {max(bound, default=0) * 1000:.0f} ms "
+            f"(median {statistics.median(bound) * 1000 if bound else 0:.0f} ms), server quiet "
             f"{[round(r['server_quiet_s'] or 0, 2) for r in runs]} s"
         )
     for i, c in enumerate(out["compare"], start=1):
         print(f"compare, round {i} (vllm bench serve | oomguard bench, back to back):")
         for key in c["vllm_bench_serve"]:
             print(
-                f"  {key:22} {_fmt(c['vllm_bench_serve'][key])} | {_fmt(c['oomguard_bench'].get(key))}"
+                f"  {key:22} {_fmt(c['vllm_bench_serve'][key])} | "
+                f"{_fmt(c['oomguard_bench'].get(key))}"
             )
         for key in ("client_delay_ms_p99", "loop_lag_ms_p99"):
             print(f"  {key:22} - | {c['oomguard_bench'][key]:.1f}")

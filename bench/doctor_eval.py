@@ -309,7 +309,8 @@ def _score_new(path: Path, modes: Sequence[str]) -> int:
     for o in outcomes:
         if not o.correct and o.mode == "log":
             print(
-                f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  {rows[o.case]['source']}"
+                f"  case {o.case}: {o.label} → {o.got} ({o.confidence:.2f})  "
+                f"{rows[o.case]['source']}"
             )
     cases = [
         {

@@ -110,8 +110,9 @@ def main() -> int:
     )
     for r in rows:
         print(
-            f"{r['label']:<14} {r['succeeded']!s:>3}/{r['requests']!s:<3} {r['max_busy_slots']!s:>9} "
-            f"{r['max_deferred']!s:>13} {r['wall_s']!s:>7} {r['tokens_per_s']!s:>7}"
+            f"{r['label']:<14} {r['succeeded']!s:>3}/{r['requests']!s:<3} "
+            f"{r['max_busy_slots']!s:>9} {r['max_deferred']!s:>13} {r['wall_s']!s:>7} "
+            f"{r['tokens_per_s']!s:>7}"
         )
     return 0
 

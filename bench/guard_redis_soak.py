@@ -62,8 +62,8 @@ def main() -> int:
     load_after = os.getloadavg()
     print(
         f"\n{passed} of {passed + failed} runs with 0 preemptions and every request answered; "
-        f"{wall_s / 60:.1f} min on {os.cpu_count()} cores, load average {load_before[0]:.1f} before, "
-        f"{load_after[0]:.1f} after"
+        f"{wall_s / 60:.1f} min on {os.cpu_count()} cores, load average {load_before[0]:.1f} "
+        f"before, {load_after[0]:.1f} after"
     )
     return 0 if failed == 0 and passed == args.runs else 1
 

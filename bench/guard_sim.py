@@ -14,8 +14,8 @@ Three ways to run the same burst:
 * **direct**: every request reaches vLLM ``preprocess_s + intake_s`` after the burst starts;
 * **guard**: the real :class:`~oomguard.guard.admission.BackendAdmission`, queue and
   :func:`~oomguard.guard.queue.admit_waiting` decide; an admitted request reaches vLLM after
-  ``forward_s + preprocess_s + intake_s``; the guard sees every step's progress ``observe_s`` late and polls
-  vLLM's metrics every ``poll_s``;
+  ``forward_s + preprocess_s + intake_s``; the guard sees every step's progress ``observe_s`` late
+  and polls vLLM's metrics every ``poll_s``;
 * **oracle**: a zero-preemption scheduler with perfect knowledge of every request's remaining
   length admits (in any order) what keeps the exact future peak inside the pool.
 

@@ -112,10 +112,12 @@ def main() -> int:
                     exact_n += 1
                     exact_ok += check.agrees
     print(
-        f"\nexact buffers equal to the print: {exact_ok}/{exact_n}; compute buffers in range: {compute_ok}/{compute_n}"
+        f"\nexact buffers equal to the print: {exact_ok}/{exact_n}; compute buffers in range: "
+        f"{compute_ok}/{compute_n}"
     )
     print(
-        f"conditions: llama-server {binary}, CPU only, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+        f"conditions: llama-server {binary}, CPU only, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.1f}"
     )
     return 0 if exact_ok == exact_n and compute_ok == compute_n else 1
 

@@ -107,7 +107,8 @@ def speed_markdown(
     return "\n".join(
         [
             f"`oomguard {shlex.join(COMMAND)}` from a cold interpreter (70B does not fit, so the",
-            "search, the alternatives and llama.cpp's split are all computed), offline, with an empty",
+            "search, the alternatives and llama.cpp's split are all computed), "
+            "offline, with an empty",
             "calibration store:",
             "",
             f"- best of {len(runs)}: **{best:.3f} s wall** (target under {target} s: "
@@ -115,8 +116,8 @@ def speed_markdown(
             f"- every run (wall): {', '.join(f'{w:.3f}' for w, _ in runs)} s",
             f"- load average {before:.1f} before, {after:.1f} after, on {os.cpu_count()} CPUs"
             + (
-                "; the machine was loaded, so the wall time includes waiting for a core and the CPU "
-                "time is what a run costs on an idle one"
+                "; the machine was loaded, so the wall time includes waiting for a core and the "
+                "CPU time is what a run costs on an idle one"
                 if loaded
                 else ""
             ),

@@ -107,8 +107,9 @@ def print_headline(oos: list[Case]) -> int:
         (f"KV GiB median |rel err| {med:.2f}% (target ≤ {TARGET_MEDIAN}%)", med <= TARGET_MEDIAN),
         (f"KV GiB p90 |rel err| {p90:.2f}% (target ≤ {TARGET_P90}%)", p90 <= TARGET_P90),
         (
-            f"naive util × total − weights − 1 GiB on the same {len(kv)} cases: median {n_med:.2f}%, "
-            f"p90 {n_p90:.2f}%; oomguard/naive median = {ratio:.2f}× (target ≤ {TARGET_RATIO}×)",
+            f"naive util × total − weights − 1 GiB on the same {len(kv)} cases: median "
+            f"{n_med:.2f}%, p90 {n_p90:.2f}%; oomguard/naive median = {ratio:.2f}× "
+            f"(target ≤ {TARGET_RATIO}×)",
             ratio <= TARGET_RATIO,
         ),
         (
@@ -152,9 +153,9 @@ def print_cases(cases: list[Case], verbose: bool, worst: int = 8) -> None:
         mark = " " if c.covered else "!"
         naive = f"{c.naive:7.2f}" if c.naive is not None else "      -"
         print(
-            f" {mark}{c.dataset[:8]:8s} {c.row:2d} {c.model[:36]:36s} {c.version:9s} obs {c.observed:7.2f} "
-            f"pred {c.predicted:7.2f} [{c.low:6.2f},{c.high:6.2f}] ({c.rel_err_pct:5.1f}%) naive {naive}  "
-            f"{c.why}"
+            f" {mark}{c.dataset[:8]:8s} {c.row:2d} {c.model[:36]:36s} {c.version:9s} obs "
+            f"{c.observed:7.2f} pred {c.predicted:7.2f} [{c.low:6.2f},{c.high:6.2f}] "
+            f"({c.rel_err_pct:5.1f}%) naive {naive}  {c.why}"
         )
 
 
@@ -187,7 +188,8 @@ def print_terms(checks: list[TermCheck], verbose: bool) -> None:
             relative = term in ("activation", "weights")
             unit, scale, sign = ("", 100, "%") if relative else (" GiB", 1, "")
             print(
-                f"  {term:10s} {group:9s} n={len(rows):3d}  in band {sum(c.covered for c in rows):3d}"
+                f"  {term:10s} {group:9s} n={len(rows):3d}  in band "
+                f"{sum(c.covered for c in rows):3d}"
                 f"/{len(rows):3d}   error {values[0] * scale:+7.2f}{sign} … "
                 f"{values[-1] * scale:+7.2f}{sign}{unit}"
             )

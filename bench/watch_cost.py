@@ -80,7 +80,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=10.0)
     args = parser.parse_args()
     ports = [_free_port() for _ in range(args.servers)]
-    code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import watch_cost; watch_cost.serve_pages({ports!r})"
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import watch_cost; "
+        f"watch_cost.serve_pages({ports!r})"
+    )
     servers = start_group([sys.executable, "-c", code])
     watch_port = _free_port()
     exe = Path(sys.executable).parent / "oomguard"
@@ -121,8 +124,8 @@ def main() -> int:
             f"/metrics page ({len(PAGE.read_text().splitlines())} lines)"
         )
         print(
-            f"interval: {args.interval:g} s, measured {t1 - t0:.0f} s after {args.warmup:g} s warm-up, "
-            f"{scrapes} scrapes of the watcher's own /metrics"
+            f"interval: {args.interval:g} s, measured {t1 - t0:.0f} s after {args.warmup:g} s "
+            f"warm-up, {scrapes} scrapes of the watcher's own /metrics"
         )
         print(
             f"watcher CPU: {cpu_s:.2f} s in {t1 - t0:.0f} s = {share:.2f} % of one core "
@@ -130,7 +133,8 @@ def main() -> int:
         )
         print(f"watcher memory: {rss / 2**20:.1f} MiB resident")
         print(
-            f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} "
+            f"{load[1]:.2f} {load[2]:.2f}"
         )
     finally:
         for p in (watch, servers):

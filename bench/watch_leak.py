@@ -27,8 +27,8 @@ def main() -> int:
     from oomguard.watch.leak import replay
 
     print(
-        f"settings: window {R.LEAK_WINDOW_S:g} s, rate >= {R.MEMORY_LEAK.threshold * 60 / MIB:g} MiB/min, "
-        f"settle {R.LEAK_SETTLE_S:g} s, for {R.MEMORY_LEAK.for_s:g} s"
+        f"settings: window {R.LEAK_WINDOW_S:g} s, rate >= {R.MEMORY_LEAK.threshold * 60 / MIB:g} "
+        f"MiB/min, settle {R.LEAK_SETTLE_S:g} s, for {R.MEMORY_LEAK.for_s:g} s"
     )
     for name in (
         "trace_grow_50mib_per_min.jsonl",
@@ -59,8 +59,8 @@ def main() -> int:
         values = [s[1] for s in samples]
         slopes = [v.slope_bytes_per_s * 60 / MIB for _, v in verdicts if v.ready]
         print(
-            f"{name}: {header['source']}; {len(samples)} samples over {samples[-1][0] / 60:.1f} min, "
-            f"memory {min(values) / MIB:.0f}-{max(values) / MIB:.0f} MiB"
+            f"{name}: {header['source']}; {len(samples)} samples over {samples[-1][0] / 60:.1f} "
+            f"min, memory {min(values) / MIB:.0f}-{max(values) / MIB:.0f} MiB"
         )
         print(f"  robust slope over the run: {min(slopes):+.1f} to {max(slopes):+.1f} MiB/min")
         for e in events:

@@ -103,7 +103,8 @@ def kv_row(d: dash.Dashboard) -> dash.Dashboard:
     preempt = _series(
         "Preemptions per minute",
         "short",
-        "increase(vllm:num_preemptions_total[1m]): sequences whose KV was thrown away and recomputed.",
+        "increase(vllm:num_preemptions_total[1m]): sequences whose KV was thrown "
+        "away and recomputed.",
         _query(
             "sum by (instance, model_name) (increase(vllm:num_preemptions_total[1m]))",
             "{{instance}} {{model_name}}",
@@ -112,7 +113,8 @@ def kv_row(d: dash.Dashboard) -> dash.Dashboard:
     waiting = _series(
         "Requests running, waiting, waiting for capacity",
         "short",
-        'vllm:num_requests_running / _waiting, and _waiting_by_reason{reason="capacity"} (vLLM 0.20+).',
+        'vllm:num_requests_running / _waiting, and _waiting_by_reason{reason="capacity"} (vLLM '
+        "0.20+).",
         _query("sum by (instance) (vllm:num_requests_running)", "{{instance}} running", "A"),
         _query("sum by (instance) (vllm:num_requests_waiting)", "{{instance}} waiting", "B"),
         _query(
@@ -135,7 +137,8 @@ def memory_row(d: dash.Dashboard) -> dash.Dashboard:
         "GPU memory of the engine against the plan",
         "bytes",
         "oomguard_watch_engine_gpu_memory_bytes (per process from NVML, or the whole device where "
-        "NVML cannot tell processes apart) beside the plan's budget (gpu_memory_utilization × total).",
+        "NVML cannot tell processes apart) beside the plan's budget "
+        "(gpu_memory_utilization × total).",
         _query(
             "oomguard_watch_engine_gpu_memory_bytes", "{{server}} GPU {{gpu}} ({{source}})", "A"
         ),
@@ -148,7 +151,8 @@ def memory_row(d: dash.Dashboard) -> dash.Dashboard:
         _series(
             "Free GPU memory",
             "bytes",
-            f"oomguard_watch_gpu_memory_free_bytes. Dashed: the {R.GPU_FREE_LOW.threshold / GIB:g} GiB margin.",
+            "oomguard_watch_gpu_memory_free_bytes. Dashed: the "
+            f"{R.GPU_FREE_LOW.threshold / GIB:g} GiB margin.",
             _query("oomguard_watch_gpu_memory_free_bytes", "{{server}} GPU {{gpu}} {{name}}"),
         ),
         (None, "red"),
@@ -163,8 +167,8 @@ def memory_row(d: dash.Dashboard) -> dash.Dashboard:
     growth = _series(
         "Memory growth (robust slope) and time to exhaustion",
         "Bps",
-        "oomguard_watch_memory_growth_bytes_per_second: the Theil-Sen slope of used memory over the "
-        "leak window; time to exhaustion on the right axis.",
+        "oomguard_watch_memory_growth_bytes_per_second: the Theil-Sen slope of used memory over "
+        "the leak window; time to exhaustion on the right axis.",
         _query(
             "oomguard_watch_memory_growth_bytes_per_second", "{{server}} {{memory}} growth", "A"
         ),
@@ -202,14 +206,16 @@ def guard_row(d: dash.Dashboard) -> dash.Dashboard:
     queue = _series(
         "Guard: queue and shed",
         "short",
-        "oomguard_queue_depth_requests, and requests shed per minute (429 queue full, 503 timeout).",
+        "oomguard_queue_depth_requests, and requests shed per minute (429 "
+        "queue full, 503 timeout).",
         _query("sum by (instance) (oomguard_queue_depth_requests)", "{{instance}} queued", "A"),
         _query("sum by (reason) (increase(oomguard_shed_total[1m]))", "shed: {{reason}}", "B"),
     )
     blocks = _series(
         "Guard: reserved and projected KV blocks against capacity",
         "short",
-        "oomguard_reserved_blocks and oomguard_projected_peak_blocks per backend, beside oomguard_capacity_blocks.",
+        "oomguard_reserved_blocks and oomguard_projected_peak_blocks per backend, beside "
+        "oomguard_capacity_blocks.",
         _query("oomguard_reserved_blocks", "{{backend}} reserved", "A"),
         _query("oomguard_projected_peak_blocks", "{{backend}} projected peak", "B"),
         _query("oomguard_capacity_blocks", "{{backend}} capacity", "C"),
@@ -244,7 +250,8 @@ def alerts_row(d: dash.Dashboard) -> dash.Dashboard:
         .title("oomguard alerts firing")
         .datasource(DATASOURCE)
         .description(
-            'ALERTS{alertname=~"Oomguard.*"} from Prometheus, and oomguard_watch_alert_firing from the watcher.'
+            'ALERTS{alertname=~"Oomguard.*"} from Prometheus, and oomguard_watch_alert_firing from '
+            "the watcher."
         )
         .height(8)
         .span(24)
@@ -252,7 +259,8 @@ def alerts_row(d: dash.Dashboard) -> dash.Dashboard:
         .merge_values(True)
         .with_target(
             _query(
-                'max by (alertname, instance) (ALERTS{alertname=~"Oomguard.*", alertstate="firing"})',
+                'max by (alertname, instance) (ALERTS{alertname=~"Oomguard.*", '
+                'alertstate="firing"})',
                 "{{alertname}} {{instance}}",
                 "A",
             )

@@ -125,7 +125,10 @@ SpeculativeConfig = Annotated[
     typer.Option(
         "--speculative-config",
         "-sc",
-        help='Drafter as vLLM\'s JSON, e.g. \'{"method":"eagle3","model":"…","num_speculative_tokens":3}\'.',
+        help=(
+            "Drafter as vLLM's JSON, e.g. "
+            '\'{"method":"eagle3","model":"…","num_speculative_tokens":3}\'.'
+        ),
     ),
 ]
 SpecMethod = Annotated[str | None, typer.Option("--spec-method", help="speculative method")]

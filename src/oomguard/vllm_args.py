@@ -633,7 +633,8 @@ def split_launcher(tokens: Sequence[str]) -> Launcher:
                 return Launcher(rest[3:], "python", env=env, python=words[0])
         raise BadInput(
             "the command does not start vLLM's server",
-            "paste 'vllm serve MODEL …' or 'python -m vllm.entrypoints.openai.api_server --model MODEL …'",
+            "paste 'vllm serve MODEL …' or 'python -m "
+            "vllm.entrypoints.openai.api_server --model MODEL …'",
         )
     if head == "serve":
         return Launcher(words[1:], "serve", env=env)

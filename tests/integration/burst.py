@@ -497,10 +497,10 @@ class CostProfile:
 
     ``decode_step_s[b]``: time per engine step of ``b`` requests decoding together: the wall
     time of ``b`` concurrent requests generating 129 tokens minus that of ``b`` generating 1,
-    over 128 (fastest of several; non-streamed; the API server's per-step output work is included, as in a real
-    burst, without the per-token streaming that would blur the client's clock).
-    ``prefill_s``: added latency (fastest of several) of one request with a ``prefill_tokens`` prompt
-    over one with a ``base_tokens`` prompt (the cost of recomputing a preempted sequence of
+    over 128 (fastest of several; non-streamed; the API server's per-step output work is included,
+    as in a real burst, without the per-token streaming that would blur the client's clock).
+    ``prefill_s``: added latency (fastest of several) of one request with a ``prefill_tokens``
+    prompt over one with a ``base_tokens`` prompt (the cost of recomputing a preempted sequence of
     that length).
     """
 

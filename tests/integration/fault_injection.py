@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 MODULE = "oomguard_test_sigill"
-_PLUGIN = '''"""vLLM general plugin (tests only): the engine core dies of SIGILL on its first request."""
+_PLUGIN = '''"""vLLM general plugin (tests only): the engine core dies of SIGILL on its \
+first request."""
 
 import multiprocessing
 import os

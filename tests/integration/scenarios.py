@@ -3,8 +3,8 @@
 Every byte count is derived from the tiny model's KV facts (``tinymodel.py``): the engines the
 tests start serve it in float32 (``ENGINE_ARGS``) with vLLM 0.32.0 CPU's 128-token blocks, so
 one block over both layers holds 128 x 1,024 B = 128 KiB. (The logs in ``data/`` were recorded
-in bfloat16, 64 KiB a block; their tests read the flags from each log.) vLLM keeps one block back as the null block, so a pool of B blocks serves
-B - 1 blocks of requests (the fit check since 0.29).
+in bfloat16, 64 KiB a block; their tests read the flags from each log.) vLLM keeps one block back as
+the null block, so a pool of B blocks serves B - 1 blocks of requests (the fit check since 0.29).
 """
 
 from __future__ import annotations

@@ -184,8 +184,9 @@ def test_an_unsafe_stage_stops_within_a_second(search_run: SearchRun) -> None:
         print(
             f"concurrency {s['concurrency']}: stopped by {s['stop_reason']} ({s['stop_detail']}); "
             f"{s['stop_latency_s']} s after the sign, at most {s['stop_bound_s']} s after the "
-            f"last clean sample; server quiet {s['server_quiet_s']} s; preemptions {s['preemptions']}; "
-            f"loop lag max {s['loop_lag_s']['max']} s; errors {s['error_examples']}"
+            f"last clean sample; server quiet {s['server_quiet_s']} s; preemptions "
+            f"{s['preemptions']}; loop lag max {s['loop_lag_s']['max']} s; errors "
+            f"{s['error_examples']}"
         )
         assert s["stop_reason"] in ("preemption", "kv_full")
         assert s["requests"]["sent"] < s["requests"]["planned"], "the stage did not run on"
@@ -233,8 +234,8 @@ def test_relaunch_with_the_recommended_cap_holds_twice_the_concurrency(
     (stage,) = data["stages"]
     print(
         f"--max-num-seqs {seqs}, concurrency {2 * seqs}: {stage['requests']}, running peak "
-        f"{stage['running_peak']}, waiting peak {stage['waiting_peak']}, preemptions {after - before}, "
-        f"errors {stage['error_examples']}"
+        f"{stage['running_peak']}, waiting peak {stage['waiting_peak']}, preemptions "
+        f"{after - before}, errors {stage['error_examples']}"
     )
     assert after - before == 0
     assert proc.returncode == 0 and stage["safe"] is True

@@ -96,7 +96,8 @@ def test_prediction_equals_what_llama_server_prints(
 def test_the_planned_command_form_runs_and_answers(
     llama_server_binary: Path, models: dict[str, Path]
 ) -> None:
-    """The same flags ``plan`` renders for the llama.cpp tier (slots, -ngl, --fit off) on a tiny model."""
+    """The same flags ``plan`` renders for the llama.cpp tier (slots, -ngl, --fit off) on a tiny
+    model."""
     s = LlamaCppSettings(
         ctx_size=4 * 512,
         parallel=4,
@@ -165,7 +166,8 @@ def test_split_across_two_devices_equals_the_prediction(
     name: str,
     settings: dict[str, object],
 ) -> None:
-    """-ngl / --n-cpu-moe / --no-kv-offload against a real second device (rpc-server on this CPU)."""
+    """-ngl / --n-cpu-moe / --no-kv-offload against a real second device (rpc-server on this
+    CPU)."""
     s = LlamaCppSettings(gpu_count=1, gpu_backend="rpc", **settings)  # type: ignore[arg-type]
     prediction = predict_llama_cpp(read_gguf(models[name]), s)
     with running_llama_server(

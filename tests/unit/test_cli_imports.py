@@ -17,7 +17,8 @@ PROBE = """
 import sys
 from oomguard.cli import main
 main(sys.argv[1:])
-heavy = [m for m in ("aiohttp", "oomguard.guard.app", "oomguard.doctor.diagnose") if m in sys.modules]
+heavy = [m for m in ("aiohttp", "oomguard.guard.app", "oomguard.doctor.diagnose") \
+if m in sys.modules]
 print("LOADED=" + ",".join(heavy), file=sys.stderr)
 """
 

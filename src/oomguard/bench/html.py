@@ -20,7 +20,8 @@ h1{font-size:22px;margin-bottom:4px}h2{font-size:17px;margin-top:28px;border-bot
 .answer{font-size:18px;margin:12px 0}.safe{color:#2e7d32;font-weight:700}.unsafe{color:#c62828;
 font-weight:700}.cut{color:#f9a825;font-weight:700}
 pre{background:#f5f5f5;padding:10px;overflow-x:auto;font-size:12px}
-table{border-collapse:collapse;font-size:12px;width:100%}th,td{border:1px solid #ddd;padding:3px 6px;
+table{border-collapse:collapse;font-size:12px;width:100%}\
+th,td{border:1px solid #ddd;padding:3px 6px;
 text-align:right}th{background:#fafafa}td.l,th.l{text-align:left}
 .plots{display:flex;flex-wrap:wrap;gap:8px}.plots svg{max-width:100%;height:auto}
 .note{color:#8d6e00}.dim{color:#757575}
@@ -100,7 +101,10 @@ def render_html(data: dict[str, Any], svgs: dict[str, str]) -> str:
             f"<span class=dim>({_e(cond.get('workload'))})</span>"
         )
     else:
-        answer = "<span class=unsafe>No safe concurrency: even the lowest tested preempted or failed.</span>"
+        answer = (
+            "<span class=unsafe>No safe concurrency: even the lowest tested "
+            "preempted or failed.</span>"
+        )
     parts = [
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         "<meta name=viewport content='width=device-width,initial-scale=1'>",

@@ -223,7 +223,8 @@ def summary_renderable(data: dict[str, Any]) -> Group:
             ""
             if stop["stop_bound_s"] is None
             else (
-                f", at most {stop['stop_bound_s'] * 1000:,.0f} ms after the last sample without a preemption"
+                f", at most {stop['stop_bound_s'] * 1000:,.0f} ms after the last sample "
+                "without a preemption"
             )
         )
         parts.append(

@@ -224,7 +224,8 @@ def model_family(model: str) -> str:
             break
     name = re.sub(r"[-_.](?:instruct|chat|it|hf|base)(?=$|[-_.])", "", name)
     name = re.sub(
-        r"[-_.](?:awq|gptq|fp8(?:-dynamic)?|int[48]|w\d+a\d+|quantized|bnb-4bit|4bit|8bit|gguf|nvfp4|mxfp4)(?=$|[-_.])",
+        r"[-_.](?:awq|gptq|fp8(?:-dynamic)?|int[48]|w\d+a\d+|quantized|bnb-4bit|4bit|8bit|gguf"
+        r"|nvfp4|mxfp4)(?=$|[-_.])",
         "",
         name,
     )
@@ -612,8 +613,8 @@ def terms_from(
     dtype: str | None | _Unset = UNSET,
 ) -> MeasuredTerms | None:
     """Each term from the first of ``observations`` (newest first) that measured it under
-    settings matching the filters (see :meth:`StartupMeasurement.applicable_terms`); the source names
-    the observations used. None when no term applies."""
+    settings matching the filters (see :meth:`StartupMeasurement.applicable_terms`); the source
+    names the observations used. None when no term applies."""
     filters: dict[str, Any] = {
         "max_num_batched_tokens": max_num_batched_tokens,
         "max_num_seqs": max_num_seqs,

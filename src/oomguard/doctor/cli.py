@@ -56,7 +56,7 @@ def doctor_command(
     Exit codes, diagnosing: 0 a cause was found, 3 no out-of-memory failure in the log (a failure that is not memory is named, with what to do), 4 the log does not settle the cause (the doctor says what would), 2 bad input.
 
     Linting (--command): 0 no problems (tips alone do not fail), 1 problems found, 2 bad input (a misspelt flag, an unknown GPU).
-    """
+    """  # noqa: E501
     from oomguard.doctor.diagnose import diagnose_file
     from oomguard.doctor.lint import lint_command
     from oomguard.doctor.render import render_diagnosis, render_findings

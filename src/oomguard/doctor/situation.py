@@ -105,7 +105,8 @@ _GPU_GB_IN_TEXT = re.compile(r"(\d+(?:\.\d+)?)\s?GB\b", re.IGNORECASE)
 _GPU_COUNT_IN_TEXT = re.compile(r"^\s*(\d+)\s?[x×]\s?", re.IGNORECASE)
 # a count elsewhere in the text: "(4x A10G 24GB)", "80GB*2", "8 GPUs"; not "g5.12xlarge"
 _GPU_COUNT_ANYWHERE = re.compile(
-    r"(?<![\w.])(\d{1,2})\s?[x×]\s?(?=[A-Z])|(?<=\d)\s?G(?:i?B)?\s?[*x×]\s?(\d{1,2})\b|(?<![\w.])(\d{1,2})\s+GPUs\b"
+    r"(?<![\w.])(\d{1,2})\s?[x×]\s?(?=[A-Z])|(?<=\d)\s?G(?:i?B)?\s?[*x×]\s?(\d{1,2})\b"
+    r"|(?<![\w.])(\d{1,2})\s+GPUs\b"
 )
 _MULTI_GPU_WORDS = re.compile(r"(?i)\bmulti-?GPU\b|\bGPUs\b")
 _PARAMS_IN_NAME = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s?[bB](?![a-zA-Z])")

@@ -276,7 +276,8 @@ def _short(name: str) -> str:
 
 
 def lookup_entry(name: str, directory: Path | None = None) -> CatalogueEntry | None:
-    """The entry whose id or alias matches ``name`` (case-insensitive, org prefix optional), or None.
+    """The entry whose id or alias matches ``name`` (case-insensitive, org prefix optional), or
+    None.
 
     A full ``org/name`` must match a full id/alias; a bare name matches the part after the
     org. When a bare name matches several entries the id that equals it wins, else the first
@@ -392,7 +393,8 @@ def closest_names(name: str, directory: Path | None = None, n: int = 5) -> list[
 def known_quantized_variants(
     base_id: str, directory: Path | None = None
 ) -> list[tuple[str, QuantSpec]]:
-    """Catalogued quantized checkpoints of ``base_id``: ``(repo id, weight format)``, fewest bits first.
+    """Catalogued quantized checkpoints of ``base_id``: ``(repo id, weight format)``, fewest bits
+    first.
 
     Built from entries that declare ``base_model`` and whose config (or name) says the format.
     ``base_id`` may be any name or alias of a catalogued base, case-insensitive; a base that is
@@ -415,7 +417,8 @@ def known_quantized_variants(
 
 
 def find_entry(name: str, directory: Path | None = None) -> CatalogueEntry:
-    """The catalogue entry for ``name``; :class:`UnknownModel` lists close names and alternatives."""
+    """The catalogue entry for ``name``; :class:`UnknownModel` lists close names and
+    alternatives."""
     entry = lookup_entry(name, directory)
     if entry is not None:
         return entry

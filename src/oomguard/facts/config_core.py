@@ -254,7 +254,8 @@ def read_deepseek(c: Cfg, acc: Acc, vocab: int) -> None:
     n_exp = int(c.get("n_routed_experts") or 0)
     if not c.has("kv_lora_rank"):
         raise UnsupportedArchitecture(
-            f"{c.arch}: DeepSeek config without kv_lora_rank (DeepSeek-V1 style MHA) is not supported",
+            f"{c.arch}: DeepSeek config without kv_lora_rank (DeepSeek-V1 style "
+            "MHA) is not supported",
             "use a DeepSeek V2/V3 config (kv_lora_rank, qk_rope_head_dim, ...)",
         )
     sparse = c.has("index_topk")  # DeepSeek-V3.2: sparse MLA plus a lightning indexer
@@ -891,7 +892,8 @@ def read_kimi_linear(c: Cfg, acc: Acc) -> None:
         if i in full_set:
             acc.layers.append(_add_mla(acc, c, hidden, heads))
         else:
-            # q/k/v projections, their short convs, decay (f_a/f_b, A_log, dt_bias), beta, output gate
+            # q/k/v projections, their short convs, decay (f_a/f_b, A_log, dt_bias), beta, output
+            # gate
             acc.add(
                 "mamba",
                 3 * hidden * proj

@@ -47,7 +47,8 @@ def _gemma3n_kv_layers(c: Cfg, n_layers: int, kv_heads: int, hd: int) -> list[La
         ]
     if len(layer_types) < n_layers:
         raise MalformedConfig(
-            f"{c.arch}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {n_layers}",
+            f"{c.arch}: layer_types lists {len(layer_types)} layers, "
+            f"num_hidden_layers is {n_layers}",
             "fix layer_types in config.json",
         )
     first_shared = n_layers - c.int("num_kv_shared_layers", 0)

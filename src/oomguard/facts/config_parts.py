@@ -191,7 +191,8 @@ def sliding_layers(
     if layer_types is not None:
         if len(layer_types) < n_layers:
             raise MalformedConfig(
-                f"{c.arch}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {n_layers}",
+                f"{c.arch}: layer_types lists {len(layer_types)} layers, "
+                f"num_hidden_layers is {n_layers}",
                 "fix layer_types in config.json",
             )
         out = []

@@ -285,7 +285,8 @@ def run_reader(tc: TextConfig) -> tuple[Cfg, Acc, list[str]]:
     reader, caveats = pick_reader(tc.text, tc.config, tc.arch, tc.text_type)
     if tc.nested and "vision_config" in tc.config and tc.top_type not in VISION_BY_MODEL_TYPE:
         raise UnsupportedArchitecture(
-            f"architecture {tc.arch}: vision tower of model_type {tc.top_type!r} is not accounted for",
+            f"architecture {tc.arch}: vision tower of model_type {tc.top_type!r} "
+            "is not accounted for",
             f"supported multimodal model types: {', '.join(sorted(VISION_BY_MODEL_TYPE))}",
         )
     c = Cfg(tc.text, tc.arch, tc.config if tc.nested else None)
@@ -295,7 +296,8 @@ def run_reader(tc: TextConfig) -> tuple[Cfg, Acc, list[str]]:
     except (TypeError, ValueError, KeyError, IndexError) as exc:
         # a field of the wrong type or shape (e.g. "hidden_size": "big", short layer list)
         raise MalformedConfig(
-            f"{tc.arch}: config.json has a field of the wrong type or length ({type(exc).__name__}: {exc})",
+            f"{tc.arch}: config.json has a field of the wrong type or length "
+            f"({type(exc).__name__}: {exc})",
             "fix config.json or use the model's original one",
         ) from None
     return c, acc, caveats

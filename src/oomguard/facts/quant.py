@@ -48,7 +48,8 @@ _COMPONENT_TO_GROUP: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = tuple
         (r"^shared_experts?$", ("shared_experts",)),
         (r"^(router|gate|shared_expert_gate)$", ("router",)),
         (
-            r"^(visual|vision_tower|vision_model|vision|multi_modal_projector|mm_projector|audio_tower)$",
+            r"^(visual|vision_tower|vision_model|vision|multi_modal_projector"
+            r"|mm_projector|audio_tower)$",
             ("vision",),
         ),
         (r"^(mamba|mixer)$", ("mamba",)),
@@ -283,7 +284,8 @@ def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
         return QuantSpec(method="gguf", weight_bits=4, unquantized_groups=())
     raise UnsupportedArchitecture(
         f"quantization method {method or '(unnamed)'!r} is not modelled",
-        "supported: awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4, modelopt (fp8/nvfp4), gguf",
+        "supported: awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4, "
+        "modelopt (fp8/nvfp4), gguf",
     )
 
 
@@ -291,35 +293,40 @@ def quant_from_config(qc: Mapping[str, Any]) -> QuantSpec:
 _NAME_RULES: tuple[tuple[str, QuantSpec], ...] = (
     (r"awq", QuantSpec(method="awq", weight_bits=4, group_size=128, zero_point=True,
                        scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
-    (r"gptq[-_]?int8|gptq[-_]8bit", QuantSpec(method="gptq", weight_bits=8, group_size=128, zero_point=True,
-                                               scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
+    (r"gptq[-_]?int8|gptq[-_]8bit", QuantSpec(method="gptq", weight_bits=8, group_size=128,
+                                               zero_point=True, scale_granularity="group",
+                                               unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"gptq", QuantSpec(method="gptq", weight_bits=4, group_size=128, zero_point=True,
                         scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"w4a16", QuantSpec(method="compressed-tensors", weight_bits=4, group_size=128,
                          scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"w8a8[-_]?fp8", QuantSpec(method="fp8", weight_bits=8, scale_granularity="channel",
                                 unquantized_groups=DEFAULT_UNQUANTIZED)),
-    (r"w8a8|w8a16|int8", QuantSpec(method="compressed-tensors", weight_bits=8, scale_granularity="channel",
+    (r"w8a8|w8a16|int8", QuantSpec(method="compressed-tensors", weight_bits=8,
+                                   scale_granularity="channel",
                                    unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"fp8[-_]dynamic", QuantSpec(method="fp8", weight_bits=8, scale_granularity="channel",
                                   unquantized_groups=DEFAULT_UNQUANTIZED)),
-    (r"nvfp4|fp4", QuantSpec(method="nvfp4", weight_bits=4, group_size=16, scale_granularity="group",
-                             unquantized_groups=DEFAULT_UNQUANTIZED)),
+    (r"nvfp4|fp4", QuantSpec(method="nvfp4", weight_bits=4, group_size=16,
+                             scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"mxfp4", QuantSpec(method="mxfp4", weight_bits=4, group_size=32, scale_granularity="group",
                          unquantized_groups=MXFP4_UNQUANTIZED)),
     (r"fp8", QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor",
                        unquantized_groups=DEFAULT_UNQUANTIZED)),
-    (r"bnb[-_]?8bit|8bit", QuantSpec(method="bitsandbytes", weight_bits=8, scale_granularity="channel",
+    (r"bnb[-_]?8bit|8bit", QuantSpec(method="bitsandbytes", weight_bits=8,
+                                     scale_granularity="channel",
                                      unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"bnb[-_]?4bit|4bit|nf4", QuantSpec(method="bitsandbytes", weight_bits=4, group_size=64,
-                                         scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED)),
+                                         scale_granularity="group",
+                                         unquantized_groups=DEFAULT_UNQUANTIZED)),
     (r"gguf", QuantSpec(method="gguf", weight_bits=4)),
 )  # fmt: skip
 
 # the same names as a pattern that strips the format from a repo name
 QUANT_SUFFIX_RE = re.compile(
-    r"([-_.](quantized|awq|gptq([-_]?int[48])?|w4a16([-_]g\d+)?|w8a8([-_]fp8)?|w8a16|fp8([-_]dynamic|[-_]block)?|int[48]|"
-    r"nvfp4|fp4|mxfp4|bnb[-_]?[48]bit|unsloth[-_]bnb[-_]4bit|[48]bit|nf4|gguf))+$",
+    r"([-_.](quantized|awq|gptq([-_]?int[48])?|w4a16([-_]g\d+)?|w8a8([-_]fp8)?|w8a16"
+    r"|fp8([-_]dynamic|[-_]block)?|int[48]|nvfp4|fp4|mxfp4|bnb[-_]?[48]bit|unsloth[-_]bnb[-_]4bit"
+    r"|[48]bit|nf4|gguf))+$",
     re.IGNORECASE,
 )
 
@@ -367,9 +374,10 @@ _COMPATIBLE_FLAGS: dict[str, frozenset[str]] = {
 
 # online quantization of an unquantized checkpoint by vLLM's --quantization flag
 _ONLINE: dict[str, QuantSpec] = {
-    "fp8": QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor", unquantized_groups=DEFAULT_UNQUANTIZED),
-    "bitsandbytes": QuantSpec(method="bitsandbytes", weight_bits=4, group_size=64, scale_granularity="group",
-                              unquantized_groups=DEFAULT_UNQUANTIZED),
+    "fp8": QuantSpec(method="fp8", weight_bits=8, scale_granularity="tensor",
+                     unquantized_groups=DEFAULT_UNQUANTIZED),
+    "bitsandbytes": QuantSpec(method="bitsandbytes", weight_bits=4, group_size=64,
+                              scale_granularity="group", unquantized_groups=DEFAULT_UNQUANTIZED),
 }  # fmt: skip
 
 
@@ -387,8 +395,10 @@ def apply_quantization_flag(checkpoint: QuantSpec, flag: str | None) -> QuantSpe
         online = _ONLINE.get(flag_norm)
         if online is None:
             raise BadInput(
-                f"--quantization {flag} needs a checkpoint quantized with {flag}; this one is unquantized",
-                f"pick the {flag} checkpoint of the model, or use --quantization fp8 for online quantization",
+                f"--quantization {flag} needs a checkpoint quantized with {flag}; "
+                "this one is unquantized",
+                f"pick the {flag} checkpoint of the model, or use --quantization fp8 "
+                "for online quantization",
             )
         return online
     if flag_norm in _COMPATIBLE_FLAGS.get(checkpoint.method, frozenset({checkpoint.method})):

@@ -194,8 +194,8 @@ end
 # KEYS: state, members, expect
 # ARGV: 1 replica id, 2 the epoch it knew ('' none), 3 its kept before this call (claimed when
 #       the ledger does not know it), 4 give (kept → offered), 5 the kept blocks its queue
-#       head needs (0: none; what it lacks is its want), 6 holding (projected peak of its requests), 7 blocks its
-#       requests hold now (with recent releases), 8 lease_ms, 9 settle_ms, 10 replicas
+#       head needs (0: none; what it lacks is its want), 6 holding (projected peak of its requests),
+#       7 blocks its requests hold now (with recent releases), 8 lease_ms, 9 settle_ms, 10 replicas
 #       configured (0 none), 11 max_age_ms, 12 the replicas it knew (comma-separated)
 # Returns {epoch, kept, offered, free, fair share, replicas, blocks older wants of others still
 #          lack, the oldest such want's stamp, stale, locked, ext, members (comma-separated)}.

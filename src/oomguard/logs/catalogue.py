@@ -183,7 +183,8 @@ PATTERNS: tuple[Pattern, ...] = (
         ("vllm/worker/", "raise_if_cache_size_invalid", "determine_num_available_blocks"),
         # code only the V0 engine has: its worker package (V1's lives under vllm/v1/worker/)
         # and the V0 cache-size check
-        r"(?<!v1)/vllm/worker/\w+\.py|\braise_if_cache_size_invalid\b|\bdetermine_num_available_blocks\b",
+        r"(?<!v1)/vllm/worker/\w+\.py|\braise_if_cache_size_invalid\b"
+        r"|\bdetermine_num_available_blocks\b",
         handler="engine_v0",
     ),
     _p(
@@ -209,7 +210,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "command_line",
         ("vllm serve", "vllm.entrypoints", "docker run", "podman run"),
-        r"(?P<payload>(?:vllm serve|-m\s+vllm\.entrypoints\.[\w.]+|(?:docker|podman)\s+run\s.*)(?:\s.*)?)$",
+        r"(?P<payload>(?:vllm serve|-m\s+vllm\.entrypoints\.[\w.]+"
+        r"|(?:docker|podman)\s+run\s.*)(?:\s.*)?)$",
         handler="args_cmdline",
     ),
     _p("llm_constructor", "llm(", r"\bLLM\((?P<payload>.*)\)", handler="args_kwargs"),
@@ -245,7 +247,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "device_name",
         ("device name", "device_name"),
-        r"(?i:device[_ ]name)\s*[:=]\s*['\"]?(?P<gpu_name>(?:NVIDIA|Tesla|Quadro|AMD|Intel)[\w .-]*?)['\"]?\s*(?:,|\)|$)",
+        r"(?i:device[_ ]name)\s*[:=]\s*['\"]?"
+        r"(?P<gpu_name>(?:NVIDIA|Tesla|Quadro|AMD|Intel)[\w .-]*?)['\"]?\s*(?:,|\)|$)",
     ),
     _p(
         "nvidia_smi_process",
@@ -268,7 +271,8 @@ PATTERNS: tuple[Pattern, ...] = (
         ("vllm",),
         # a `ps aux` row of a running vLLM server or engine (not the grep that found it):
         # USER PID %CPU %MEM VSZ RSS TTY STAT START TIME COMMAND
-        r"^\S+\s+(?P<pid>\d+)\s+\d+(?:\.\d+)?\s+\d+(?:\.\d+)?\s+\d+\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+"
+        r"^\S+\s+(?P<pid>\d+)\s+\d+(?:\.\d+)?\s+"
+        r"\d+(?:\.\d+)?\s+\d+\s+\d+\s+\S+\s+\S+\s+\S+\s+\S+\s+"
         r"(?!grep\b)(?P<name>\S*(?:python\S*\s+(?:-m\s+)?vllm|vllm\s+serve|VLLM::)\S*.*)$",
         handler="ps_engine",
     ),
@@ -276,8 +280,10 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "startup_check_gpu",
         "on startup is less",
-        rf"Free memory on device(?: \S+)? \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup is less"
-        rf"(?: than desired GPU memory utilization \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\))?",
+        r"Free memory on device(?: \S+)? "
+        rf"\((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup is less"
+        rf"(?: than desired GPU memory utilization \((?P<gpu_memory_utilization>{NUM}), "
+        rf"(?P<requested_gib>{NUM}) GiB\))?",
         signature="startup_check_failed",
         phase=Phase.STARTUP,
         failure_phase=Phase.STARTUP,
@@ -288,7 +294,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "startup_check_cpu",
         "on startup is less than desired cpu",
-        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup is less than desired CPU memory utilization"
+        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) "
+        r"GiB\) on startup is less than desired CPU memory utilization"
         rf"(?: \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\))?",
         signature="startup_check_failed",
         phase=Phase.STARTUP,
@@ -301,7 +308,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "startup_external_weights",
         "externally held weights on device",
-        rf"Externally held weights on device \S+ \((?P<ext>{NUM})/(?P<startup_total_gib>{NUM}) GiB\)",
+        r"Externally held weights on device \S+ "
+        rf"\((?P<ext>{NUM})/(?P<startup_total_gib>{NUM}) GiB\)",
         signature="startup_check_failed",
         phase=Phase.STARTUP,
         failure_phase=Phase.STARTUP,
@@ -309,10 +317,12 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "cpu_kv_allocation_failed",
         "on kv cache allocation is less",
-        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on kv cache allocation is less"
+        rf"Available memory on node \d+ \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) "
+        r"GiB\) on kv cache allocation is less"
         # the pool it asked for, and (auto-sized) the worker's request it was taken from:
         # requested − the pool is the worker's resident memory outside the KV cache
-        rf"(?: than requested memory for kv \((?P<cpu_kv_request_gib>{NUM})(?:/(?P<requested_gib>{NUM}))? GiB\))?",
+        r"(?: than requested memory for kv "
+        rf"\((?P<cpu_kv_request_gib>{NUM})(?:/(?P<requested_gib>{NUM}))? GiB\))?",
         signature="cpu_kv_allocation_failed",
         failure_phase=Phase.KV_ALLOCATION,
         handler="platform_cpu",
@@ -320,21 +330,25 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "startup_suggestion",
         "on startup. desired",
-        rf"Free memory on device(?: \S+)? \((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup\. "
-        rf"Desired GPU memory utilization is \((?P<gpu_memory_utilization>{NUM}), (?P<requested_gib>{NUM}) GiB\)",
+        r"Free memory on device(?: \S+)? "
+        rf"\((?P<startup_free_gib>{NUM})/(?P<startup_total_gib>{NUM}) GiB\) on startup\. "
+        rf"Desired GPU memory utilization is \((?P<gpu_memory_utilization>{NUM}), "
+        rf"(?P<requested_gib>{NUM}) GiB\)",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(
         "usage_suggestion_old",
         "for weight,",
-        rf"Actual usage is (?P<weights_gib>{NUM}) GiB for weight, (?P<activation_gib>{NUM}) GiB for peak activation, "
-        rf"(?P<non_torch_gib>{NUM}) GiB for non-torch memory, and (?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
+        rf"Actual usage is (?P<weights_gib>{NUM}) GiB for weight, (?P<activation_gib>{NUM}) GiB "
+        rf"for peak activation, (?P<non_torch_gib>{NUM}) GiB for non-torch memory, and "
+        rf"(?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
     ),
     _p(
         "usage_suggestion_new",
         "for consumed memory",
-        rf"Actual usage is (?P<total_consumed_gib>{NUM}) GiB for consumed memory \(weights \+ non-torch\), "
-        rf"(?P<activation_gib>{NUM}) GiB for peak activation, and (?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
+        rf"Actual usage is (?P<total_consumed_gib>{NUM}) GiB for consumed memory \(weights \+ "
+        rf"non-torch\), (?P<activation_gib>{NUM}) GiB for peak activation, and "
+        rf"(?P<cudagraph_actual_gib>{NUM}) GiB for CUDAGraph memory",
     ),
     _p(
         # V0 0.6.x: "Memory profiling results: total_gpu_memory=79.15GiB
@@ -342,12 +356,14 @@ PATTERNS: tuple[Pattern, ...] = (
         # engine loaded anything
         "profiling_results_v06",
         "initial_memory_usage",
-        rf"total_gpu_memory=(?P<startup_total_gib>{NUM}) ?GiB,? initial_memory_usage=(?P<initial_used_gib>{NUM}) ?GiB",
+        rf"total_gpu_memory=(?P<startup_total_gib>{NUM}) ?GiB,? "
+        rf"initial_memory_usage=(?P<initial_used_gib>{NUM}) ?GiB",
     ),
     _p(
         "debug_initial_free",
         "requested memory:",
-        rf"Initial free memory: (?P<startup_free_gib>{NUM}) ?GiB; Requested memory: (?P<gpu_memory_utilization>{NUM}) \(util\), (?P<requested_gib>{NUM}) ?GiB",
+        rf"Initial free memory: (?P<startup_free_gib>{NUM}) ?GiB; Requested memory: "
+        rf"(?P<gpu_memory_utilization>{NUM}) \(util\), (?P<requested_gib>{NUM}) ?GiB",
     ),
     # --- weights (§2.2) -----------------------------------------------------------------------
     _p(
@@ -420,7 +436,9 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "requested_v0",
         "total_gpu_memory (",
-        rf"total_gpu_memory \((?P<gpu_total_gib>{NUM})\s?GiB\) x (?:gpu_memory_utilization )?\(?(?P<gpu_memory_utilization>{NUM})\)? = (?P<requested_gib>{NUM})\s?GiB",
+        rf"total_gpu_memory \((?P<gpu_total_gib>{NUM})\s?GiB\) x "
+        rf"(?:gpu_memory_utilization )?\(?(?P<gpu_memory_utilization>{NUM})\)? = "
+        rf"(?P<requested_gib>{NUM})\s?GiB",
         phase=Phase.PROFILING,
     ),
     _p("total_v0_table", "total_gpu_memory=", rf"total_gpu_memory=(?P<gpu_total_gib>{NUM})\s?GiB"),
@@ -450,13 +468,15 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "kv_override",
         "as specified by kv_cache_memory_bytes",
-        rf"Initial free memory (?P<startup_free_gib>{NUM}) GiB, reserved (?P<available_kv_gib>{NUM}) GiB memory for KV Cache",
+        rf"Initial free memory (?P<startup_free_gib>{NUM}) GiB, reserved "
+        rf"(?P<available_kv_gib>{NUM}) GiB memory for KV Cache",
         phase=Phase.KV_ALLOCATION,
     ),
     _p(
         "cpu_auto_set",
         ("gib for kv cache on node",),
-        rf"(?:Auto|Explicitly) set \((?P<available_kv_gib>{NUM})/(?P<gpu_total_gib>{NUM})\) GiB for KV cache on node"
+        rf"(?:Auto|Explicitly) set \((?P<available_kv_gib>{NUM})/(?P<gpu_total_gib>{NUM})\) GiB "
+        r"for KV cache on node"
         # auto-sized: the worker's request (utilization × node RAM) and its resident memory
         rf"(?: \d+, with (?P<requested_gib>{NUM}) GiB requested memory for the worker\. "
         rf"(?P<cpu_non_kv_gib>{NUM}) GiB memory was consumed by non-kv usages)?",
@@ -472,7 +492,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "profiling_free_increase",
         "error in memory profiling",
-        rf"Error in memory profiling\. Initial free memory (?P<a>{NUM}) GiB, current free memory (?P<b>{NUM}) GiB",
+        rf"Error in memory profiling\. Initial free memory (?P<a>{NUM}) GiB, current free "
+        rf"memory (?P<b>{NUM}) GiB",
         signature="profiling_free_increase",
         failure_phase=Phase.PROFILING,
         handler="free_increase",
@@ -493,19 +514,22 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "cudagraph_pool",
         "cuda graph pool memory",
-        rf"CUDA graph pool memory: (?P<cudagraph_actual_gib>{NUM}) GiB \(actual\), (?P<cudagraph_estimate_gib>{NUM}) GiB \(estimated\)",
+        rf"CUDA graph pool memory: (?P<cudagraph_actual_gib>{NUM}) GiB \(actual\), "
+        rf"(?P<cudagraph_estimate_gib>{NUM}) GiB \(estimated\)",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(
         "graph_capturing_finished",
         "graph capturing finished",
-        rf"Graph capturing finished in {NUM} secs?, took (?P<cudagraph_actual_gib>{NUM})\s?(?P<cudagraph_actual_gib_unit>GiB|GB|MiB|G|M)?",
+        rf"Graph capturing finished in {NUM} secs?, took "
+        rf"(?P<cudagraph_actual_gib>{NUM})\s?(?P<cudagraph_actual_gib_unit>GiB|GB|MiB|G|M)?",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(
         "cudagraph_util_hint",
         "is equivalent to --gpu-memory-utilization",
-        rf"--gpu-memory-utilization=(?P<u>{NUM}) is equivalent to --gpu-memory-utilization=(?P<e>{NUM})",
+        rf"--gpu-memory-utilization=(?P<u>{NUM}) is equivalent to "
+        rf"--gpu-memory-utilization=(?P<e>{NUM})",
         handler="cudagraph_hint",
     ),
     _p(
@@ -513,7 +537,9 @@ PATTERNS: tuple[Pattern, ...] = (
         # the estimate G is still profiled but not subtracted; suggested = min(util + G/total, 1)
         "cudagraph_estimate_disabled",
         "cuda graph memory profiling is disabled",
-        rf"CUDA graph memory profiling is disabled \(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0\).*?--gpu-memory-utilization from (?P<u>{NUM}) to (?P<s>{NUM})",
+        r"CUDA graph memory profiling is disabled "
+        r"\(VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0\).*?--gpu-memory-utilization from "
+        rf"(?P<u>{NUM}) to (?P<s>{NUM})",
         handler="cudagraph_hint_disabled",
     ),
     _p(
@@ -528,7 +554,8 @@ PATTERNS: tuple[Pattern, ...] = (
         # ``cudagraph_capture_sizes`` starts a capture only as a line of its own (V0's
         # "cudagraph_capture_sizes [2,1]"), not as a key of the engine's configuration dump
         # (``'cudagraph_capture_sizes': []``), which vLLM prints before the weights load.
-        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)|CUDA graphs can take additional|(?<![\w'\"])cudagraph_capture_sizes(?![\w'\"])",
+        r"Capturing (?:cudagraphs|CUDA graphs?|the model for CUDA graphs)"
+        r"|CUDA graphs can take additional|(?<![\w'\"])cudagraph_capture_sizes(?![\w'\"])",
         phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     _p(
@@ -545,28 +572,32 @@ PATTERNS: tuple[Pattern, ...] = (
         # capture_model / CUDAGraphWrapper, the compilation backend's ``with
         # torch.cuda.graph(...)``) and PyTorch's own capture frames (torch/cuda/graphs.py
         # __enter__/__exit__, capture_begin/capture_end); ``replay`` is serving, not capture.
-        r"\b(?:capture_model|_capture_cudagraphs|capture_graph|cudagraph_capture|CUDAGraphRunner|graph_capture"
-        r"|_warmup_and_capture|CUDAGraphWrapper|_capture_graph|_capture_\w*cudagraphs?\w*|capture_(?:begin|end))\b"
-        r"|torch\.cuda\.graph\(|torch/cuda/graphs\.py\", line \d+, in (?!replay\b)",
+        r"\b(?:capture_model|_capture_cudagraphs|capture_graph|cudagraph_capture|CUDAGraphRunner"
+        r"|graph_capture|_warmup_and_capture|CUDAGraphWrapper|_capture_graph"
+        r"|_capture_\w*cudagraphs?\w*|capture_(?:begin|end))\b|torch\.cuda\.graph\("
+        r"|torch/cuda/graphs\.py\", line \d+, in (?!replay\b)",
         frame_phase=Phase.CUDA_GRAPH_CAPTURE,
     ),
     # --- KV capacity (§5.4, §6) ---------------------------------------------------------------
     _p(
         "kv_cache_size",
         "kv cache size:",
-        r"(?:(?P<device_label>GPU \+ host|GPU|CPU|XPU|HPU|TPU) )?KV cache size: (?P<kv_tokens>[\d,]+) tokens",
+        r"(?:(?P<device_label>GPU \+ host|GPU|CPU|XPU|HPU|TPU) )?KV cache size: "
+        r"(?P<kv_tokens>[\d,]+) tokens",
         phase=Phase.KV_ALLOCATION,
         handler="kv_device",
     ),
     _p(
         "max_concurrency",
         "maximum concurrency for",
-        rf"Maximum concurrency for (?P<concurrency_max_model_len>[\d,]+)(?:[ -]tokens?(?: per request|/request| requests)?)?: (?P<max_concurrency>{NUM})\s?x",
+        r"Maximum concurrency for (?P<concurrency_max_model_len>[\d,]+)"
+        rf"(?:[ -]tokens?(?: per request|/request| requests)?)?: (?P<max_concurrency>{NUM})\s?x",
     ),
     _p(
         "blocks_v0",
         " blocks:",
-        r"(?:^|#|\s)(?:GPU|CUDA|cuda|gpu|XPU|xpu|HPU|hpu) blocks: (?P<gpu_blocks>\d+)(?:, # CPU blocks: (?P<cpu_blocks>\d+))?",
+        r"(?:^|#|\s)(?:GPU|CUDA|cuda|gpu|XPU|xpu|HPU|hpu) blocks: "
+        r"(?P<gpu_blocks>\d+)(?:, # CPU blocks: (?P<cpu_blocks>\d+))?",
         phase=Phase.KV_ALLOCATION,
     ),
     _p(
@@ -579,7 +610,9 @@ PATTERNS: tuple[Pattern, ...] = (
         "kv_needed",
         "kv cache is needed",
         # early V1 releases (0.8.x) print the same bytes / 2**30 figures with a "GB" unit
-        rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) Gi?B KV cache is needed, which is larger than the available KV cache memory \((?P<kv_available_gib>{NUM}) Gi?B\)",
+        rf"max seq len \((?P<kv_error_max_model_len>\d+)\),\s*\((?P<kv_needed_gib>{NUM}) Gi?B KV "
+        r"cache is needed, which is larger than the available KV cache memory "
+        rf"\((?P<kv_available_gib>{NUM}) Gi?B\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
         loose="[max seq len ({kv_error_max_model_len})] {kv_needed_gib:mem} kv cache is needed"
@@ -591,7 +624,9 @@ PATTERNS: tuple[Pattern, ...] = (
         # 0.13 GiB"
         "kv_needed_abridged",
         "kv cache is needed",
-        rf"(?P<kv_needed_gib>{NUM})\s?Gi?B KV cache is needed\W{{1,4}}(?:but\s+)?(?:only\s+)?available:?\s+(?:is\s+)?(?P<kv_available_gib>{NUM})\s?Gi?B",
+        rf"(?P<kv_needed_gib>{NUM})\s?Gi?B KV cache is "
+        r"needed\W{1,4}(?:but\s+)?(?:only\s+)?available:?\s+(?:is\s+)?"
+        rf"(?P<kv_available_gib>{NUM})\s?Gi?B",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
         flags=re.IGNORECASE,
@@ -604,7 +639,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "kv_tokens_v0_error",
         "stored in kv cache",
-        r"max seq len \((?P<kv_error_max_model_len>\d+)\) is larger than the maximum number of tokens that can be stored in KV cache \((?P<kv_capacity_tokens>\d+)\)",
+        r"max seq len \((?P<kv_error_max_model_len>\d+)\) is larger than the maximum number of "
+        r"tokens that can be stored in KV cache \((?P<kv_capacity_tokens>\d+)\)",
         signature="kv_too_small",
         failure_phase=Phase.KV_ALLOCATION,
         # (the leading words may be mistyped, "max sew len": the comparison carries the message)
@@ -626,7 +662,8 @@ PATTERNS: tuple[Pattern, ...] = (
         # dropped; old releases did not check max_model_len against the cache at start-up)
         "prompt_exceeds_kv",
         "capacity of block_manager",
-        r"Input prompt \((?P<kv_refused_prompt_tokens>\d+) tokens\) is too long and exceeds (?:the )?capacity of block_manager",
+        r"Input prompt \((?P<kv_refused_prompt_tokens>\d+) tokens\) is too long and exceeds "
+        r"(?:the )?capacity of block_manager",
         signature="kv_too_small",
         failure_phase=Phase.SERVING,
     ),
@@ -649,7 +686,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "mamba_blocks",
         "mamba cache blocks",
-        r"max_num_seqs \((?P<mamba_max_num_seqs>\d+)\) exceeds available Mamba cache blocks \((?P<mamba_cache_blocks>\d+)\)",
+        r"max_num_seqs \((?P<mamba_max_num_seqs>\d+)\) exceeds available Mamba cache blocks "
+        r"\((?P<mamba_cache_blocks>\d+)\)",
         signature="mamba_blocks_exceeded",
         failure_phase=Phase.KV_ALLOCATION,
     ),
@@ -657,7 +695,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "sampler_warmup_oom",
         "warming up sampler with",
-        r"CUDA out of memory occurred when warming up sampler with (?P<sampler_warmup_oom_seqs>\d+) dummy requests",
+        r"CUDA out of memory occurred when warming up sampler with "
+        r"(?P<sampler_warmup_oom_seqs>\d+) dummy requests",
         signature="sampler_warmup_oom",
         failure_phase=Phase.SAMPLER_WARMUP,
         loose="out of memory occurred when warming up [the] sampler with {sampler_warmup_oom_seqs}"
@@ -674,7 +713,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "torch_oom",
         ("out of memory", "outofmemoryerror", "tried to allocate"),
-        r"(?:torch\.(?:cuda\.)?OutOfMemoryError|(?:CUDA|HIP|XPU) out of memory|Tried to allocate)(?! occurred when warming up sampler)",
+        r"(?:torch\.(?:cuda\.)?OutOfMemoryError|(?:CUDA|HIP|XPU) out of memory|Tried to allocate)"
+        r"(?! occurred when warming up sampler)",
         signature="cuda_oom",
         handler="oom_torch",
         loose="[out of memory] tried to allocate {tried:mem}",
@@ -702,8 +742,9 @@ PATTERNS: tuple[Pattern, ...] = (
         ),
         # (ROCm's: hipErrorOutOfMemory, and the HSA runtime's "out of resources" with "Available
         # Free mem : 0 MB")
-        r"(?i:cuda error: out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|OUT_OF_DEVICE_MEMORY|out of device memory"
-        r"|hipErrorOutOfMemory|HSA_STATUS_ERROR_OUT_OF_RESOURCES)",
+        r"(?i:cuda error: out of memory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"
+        r"|OUT_OF_DEVICE_MEMORY|out of device memory|hipErrorOutOfMemory"
+        r"|HSA_STATUS_ERROR_OUT_OF_RESOURCES)",
         signature="driver_oom",
         handler="oom_driver",
     ),
@@ -725,8 +766,8 @@ PATTERNS: tuple[Pattern, ...] = (
         "host_ram_kill",
         ("killed", "oom-kill", "oom_kill", "sigkill", "signal 9", "-9", "137"),
         r"(?:^|\s)Killed\s*$|oom[-_]kill|Out of memory: Kill(?:ed)? process|SIGKILL|signal 9\b"
-        r"|exit(?:s|ed)?(?: with)? (?:code|status)[ :=]*(?:-9|137)\b|exitcode[=: ]+-9\b|returncode[=: ]+-9\b"
-        r"|died\s*\(-9\)",
+        r"|exit(?:s|ed)?(?: with)? (?:code|status)[ :=]*(?:-9|137)\b|exitcode[=: ]+-9\b"
+        r"|returncode[=: ]+-9\b|died\s*\(-9\)",
         signature="host_ram_kill",
     ),
     _p(
@@ -750,7 +791,8 @@ PATTERNS: tuple[Pattern, ...] = (
             "defaultcpuallocator",
             "cudahostalloc",
         ),
-        r"Cannot allocate memory|std::bad_alloc|(?<![A-Za-z])MemoryError\b|DefaultCPUAllocator: (?:can't allocate|not enough memory)|cudaHostAlloc",
+        r"Cannot allocate memory|std::bad_alloc|(?<![A-Za-z])MemoryError\b"
+        r"|DefaultCPUAllocator: (?:can't allocate|not enough memory)|cudaHostAlloc",
         signature="host_alloc_failure",
     ),
     _p(
@@ -766,8 +808,8 @@ PATTERNS: tuple[Pattern, ...] = (
         # Ray's memory monitor kills workers when the node's RAM passes its threshold:
         # "N Workers (tasks / actors) killed due to memory pressure (OOM)", "Task was killed
         # due to the node running low on memory", and its advice naming ray-oom-prevention
-        r"(?i:killed due to (?:the node )?(?:memory pressure|running low on memory)|running low on memory"
-        r"|\(ray oom\)|ray-oom-prevention|RAY_memory_usage_threshold"
+        r"(?i:killed due to (?:the node )?(?:memory pressure|running low on memory)"
+        r"|running low on memory|\(ray oom\)|ray-oom-prevention|RAY_memory_usage_threshold"
         # its exception class, also when an excerpt cuts the name ("ray.exceptions.OutOfMe")
         r"|ray\.exceptions\.OutOf(?:Memory\w*|\w*\s*$))",
         signature="host_ram_kill",
@@ -793,7 +835,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "pinned_memory",
         ("pin_memory", "pinned", "cudahostalloc", "pin memory"),
-        r"(?i:pin_memory|pinned (?:host |cpu )?(?:memory|buffers?|cache|blocks?)|cudaHostAlloc|pin memory)",
+        r"(?i:pin_memory|pinned (?:host |cpu )?(?:memory|buffers?|cache|blocks?)"
+        r"|cudaHostAlloc|pin memory)",
         signature="pinned_host_memory",
     ),
     _p(
@@ -814,7 +857,8 @@ PATTERNS: tuple[Pattern, ...] = (
         "free_listing",
         ("mem:", "swap:"),
         # a row of `free` / `free -h`: "Mem:  62Gi  5,8Gi  13Gi  45Mi  43Gi  56Gi"
-        r"^\s*(?P<kind>Mem|Swap):\s+(?P<cols>\d[\d.,]*\s?[KMGTP]?i?B?(?:\s+\d[\d.,]*\s?[KMGTP]?i?B?){1,5})\s*$",
+        r"^\s*(?P<kind>Mem|Swap):\s+"
+        r"(?P<cols>\d[\d.,]*\s?[KMGTP]?i?B?(?:\s+\d[\d.,]*\s?[KMGTP]?i?B?){1,5})\s*$",
         handler="free_listing",
     ),
     _p(
@@ -841,7 +885,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "nccl_error",
         ("nccl",),
-        r"NCCL (?:error|WARN|failure)|nccl(?:Unhandled\w*|System|Internal|Invalid\w*)Error|ProcessGroupNCCL.{0,80}(?:[Ee]rror|[Tt]imeout)|Watchdog caught collective",
+        r"NCCL (?:error|WARN|failure)|nccl(?:Unhandled\w*|System|Internal|Invalid\w*)Error"
+        r"|ProcessGroupNCCL.{0,80}(?:[Ee]rror|[Tt]imeout)|Watchdog caught collective",
         signature="nccl_error",
     ),
     _p(
@@ -897,13 +942,15 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "sleep_expandable_conflict",
         ("not in conf", "expandable segments are not compatible"),
-        r"expandable_segments:True\"? not in conf|Expandable segments are not compatible with memory pool",
+        r"expandable_segments:True\"? not in conf"
+        r"|Expandable segments are not compatible with memory pool",
         signature="sleep_expandable_conflict",
     ),
     _p(
         "sleep_mode",
         ("sleep mode", "enable-sleep-mode", "enable_sleep_mode", "sleep(level", "wake_up("),
-        r"(?i:sleep mode)|--enable-sleep-mode|enable_sleep_mode['\"]?\s*[:=]\s*True|\.sleep\(level|\bwake_up\(",
+        r"(?i:sleep mode)|--enable-sleep-mode|enable_sleep_mode['\"]?\s*[:=]\s*True"
+        r"|\.sleep\(level|\bwake_up\(",
         signature="sleep_mode",
     ),
     _p(
@@ -929,7 +976,8 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "encoder_cache_budget",
         "encoder cache will be initialized",
-        r"Encoder cache will be initialized with a budget of (?P<encoder_budget_tokens>[\d,]+) tokens, and profiled with (?P<encoder_profile_items>\d+) \w+ items",
+        r"Encoder cache will be initialized with a budget of (?P<encoder_budget_tokens>[\d,]+) "
+        r"tokens, and profiled with (?P<encoder_profile_items>\d+) \w+ items",
         signature="mm_encoder_profile",
         phase=Phase.PROFILING,
     ),
@@ -959,8 +1007,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "image_input",
             "image_features",
         ),
-        r"\bpixel_values\b|\bimage_embeds\b|vision_tower|\bvision_model\b|\bvisual\b|_process_image_input|get_multimodal_embeddings"
-        r"|_execute_mm_encoder|embed_multimodal|encode_images|get_image_features|_process_audio_input|input_features\b",
+        r"\bpixel_values\b|\bimage_embeds\b|vision_tower|\bvision_model\b|\bvisual\b"
+        r"|_process_image_input|get_multimodal_embeddings|_execute_mm_encoder|embed_multimodal"
+        r"|encode_images|get_image_features|_process_audio_input|input_features\b",
         signature="mm_encoder_frames",
         frame_kind="mm_encoder",
     ),
@@ -969,9 +1018,9 @@ PATTERNS: tuple[Pattern, ...] = (
         ("models/",),
         # any model file under vllm/model_executor/models whose name says vision/visual/ViT,
         # encoder or audio, and the multimodal families whose names do not
-        r"models/\w*(?:_vl\b|_vl\.|vl_|vision|visual|vit|encoder|audio|whisper|mllama|llava|pixtral|siglip|clip"
-        r"|idefics|minicpmv|minicpmo|phi3v|phi4mm|gemma3_mm|gemma3n_mm|omni|kimi_vl|aria|molmo|paligemma|blip"
-        r"|ultravox|voxtral|granite_speech|radio|navit)\w*\.py",
+        r"models/\w*(?:_vl\b|_vl\.|vl_|vision|visual|vit|encoder|audio|whisper|mllama|llava|pixtral"
+        r"|siglip|clip|idefics|minicpmv|minicpmo|phi3v|phi4mm|gemma3_mm|gemma3n_mm|omni|kimi_vl"
+        r"|aria|molmo|paligemma|blip|ultravox|voxtral|granite_speech|radio|navit)\w*\.py",
         signature="mm_encoder_frames",
         frame_kind="mm_encoder",
     ),
@@ -989,7 +1038,8 @@ PATTERNS: tuple[Pattern, ...] = (
         ("unfold", "im2col", "conv2d", "conv3d", "patch_embed", "patchembed", "fold.py"),
         # image ops that, in a language-model server, only a vision tower runs: patch
         # extraction (nn.Unfold / im2col) and 2-D/3-D patch convolutions
-        r"\bF\.unfold\b|\bim2col\b|nn/modules/fold\.py|\bF\.conv[23]d\b|\bconv[23]d\(|patch_embed|PatchEmbed",
+        r"\bF\.unfold\b|\bim2col\b|nn/modules/fold\.py|\bF\.conv[23]d\b|\bconv[23]d\("
+        r"|patch_embed|PatchEmbed",
         signature="mm_encoder_frames",
         frame_kind="mm_encoder",
     ),
@@ -1010,9 +1060,11 @@ PATTERNS: tuple[Pattern, ...] = (
     _p(
         "memory_growth_words",
         ("leak", "泄漏", "泄露", "keeps growing", "keeps increasing", "over time", "显存", "内存"),
-        r"(?i:memory leak|leaks? memory|泄漏|泄露|keeps (?:growing|increasing)|grows? over time|increas\w* over time"
+        r"(?i:memory leak|leaks? memory|泄漏|泄露|keeps (?:growing|increasing)|grows? over time"
+        r"|increas\w* over time"
         # "显存慢慢增大": GPU memory (or memory) slowly / steadily / keeps growing
-        r"|(?:显存|内存)(?:占用)?(?:会)?(?:慢慢|逐渐|不断|持续|一直|缓慢)(?:地)?(?:增大|增加|上涨|增长|升高|上升))",
+        r"|(?:显存|内存)(?:占用)?(?:会)?(?:慢慢|逐渐|不断|持续|一直|缓慢)(?:地)?"
+        r"(?:增大|增加|上涨|增长|升高|上升))",
         signature="memory_growth",
     ),
     # --- phase markers and traceback frames ---------------------------------------------------
@@ -1027,8 +1079,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "post /v1/",
             "init engine (profile",
         ),
-        r"Application startup complete|Uvicorn running on|Starting vLLM API server|Avg prompt throughput|Received request"
-        r"|\"POST /v1/|init engine \(profile, create kv cache, warmup model\) took",
+        r"Application startup complete|Uvicorn running on|Starting vLLM API server"
+        r"|Avg prompt throughput|Received request|\"POST /v1/"
+        r"|init engine \(profile, create kv cache, warmup model\) took",
         phase=Phase.SERVING,
     ),
     _p(
@@ -1055,7 +1108,8 @@ PATTERNS: tuple[Pattern, ...] = (
             "memory_profiling",
             "profiling.py",
         ),
-        r"\b(?:profile_run|determine_num_available_blocks|determine_available_memory|_dummy_run|memory_profiling)\b|profiling\.py",
+        r"\b(?:profile_run|determine_num_available_blocks|determine_available_memory|_dummy_run"
+        r"|memory_profiling)\b|profiling\.py",
         frame_phase=Phase.PROFILING,
     ),
     _p(
@@ -1078,8 +1132,10 @@ PATTERNS: tuple[Pattern, ...] = (
             "_init_cache_engine",
             "cacheengine",
         ),
-        r"\b(?:_initialize_kv_caches|initialize_cache|raise_if_cache_size_invalid|get_kv_cache_configs?|_?check_enough_kv_cache_memory"
-        r"|_allocate_kv_cache\w*|initialize_kv_cache\w*|initialize_from_config|_init_cache_engine|CacheEngine)\b",
+        r"\b(?:_initialize_kv_caches|initialize_cache|raise_if_cache_size_invalid"
+        r"|get_kv_cache_configs?|_?check_enough_kv_cache_memory|_allocate_kv_cache\w*"
+        r"|initialize_kv_cache\w*|initialize_from_config"
+        r"|_init_cache_engine|CacheEngine)\b",
         frame_phase=Phase.KV_ALLOCATION,
     ),
     _p(
@@ -1096,8 +1152,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "checkpoint shards",
             "in __init__",
         ),
-        r"\b(?:load_model|load_weights|weight_loader|process_weights_after_loading|_initialize_model)\b|model_loader/"
-        r"|nn\.ModuleList\(|Parameter\(torch\.empty|checkpoint shards|models/\w+\.py\", line \d+, in (?:__init__|<listcomp>)",
+        r"\b(?:load_model|load_weights|weight_loader|process_weights_after_loading"
+        r"|_initialize_model)\b|model_loader/|nn\.ModuleList\(|Parameter\(torch\.empty"
+        r"|checkpoint shards|models/\w+\.py\", line \d+, in (?:__init__|<listcomp>)",
         frame_phase=Phase.WEIGHT_LOADING,
     ),
     _p(
@@ -1115,9 +1172,10 @@ PATTERNS: tuple[Pattern, ...] = (
         ),
         # ops whose memory grows with the tokens (or images) in the batch: attention kernels
         # and their eager fallbacks, softmax, the sampler and the logits
-        r"\bscaled_dot_product_attention\b|\bflash_attn\w*|\bxformers\b|memory_efficient_attention|/attention/"
-        r"|\w*attention\w*\.py|\b_?attn\w*\(|\battention\w*\(|\bsoftmax\b|sampler\.py|\bsampler\b|compute_logits|_get_logits"
-        r"|logits_processor|\blm_head\b|top_k_top_p|\bF\.unfold\b|\bim2col\b",
+        r"\bscaled_dot_product_attention\b|\bflash_attn\w*|\bxformers\b|memory_efficient_attention"
+        r"|/attention/|\w*attention\w*\.py|\b_?attn\w*\(|\battention\w*\(|\bsoftmax\b|sampler\.py"
+        r"|\bsampler\b|compute_logits|_get_logits|logits_processor|\blm_head\b|top_k_top_p"
+        r"|\bF\.unfold\b|\bim2col\b",
         frame_kind="activation",
     ),
     _p(
@@ -1151,8 +1209,9 @@ PATTERNS: tuple[Pattern, ...] = (
             "reserved but unallocated",
             "memory in use",
         ),
-        r"(?i:has a total capac\w* of|total capacity;|GPU(?: \d+)? has \S+ ?[KMGT]i?B total,|PyTorch allocated:"
-        r"|reserved by PyTorch but unallocated|Reserved but unallocated:|memory in use)",
+        r"(?i:has a total capac\w* of|total capacity;|GPU(?: \d+)? has \S+ ?[KMGT]i?B total,"
+        r"|PyTorch allocated:|reserved by PyTorch but unallocated"
+        r"|Reserved but unallocated:|memory in use)",
         handler="oom_detail",
     ),
     # --- statements in prose: titles, summaries, descriptions (weaker evidence) ------------------
@@ -1591,7 +1650,8 @@ OOM_ALT_ALLOCATED = re.compile(rf"PyTorch allocated: {_mem('alloc')}")
 OOM_ALT_UNALLOCATED = re.compile(rf"(?i:reserved but unallocated): {_mem('unalloc')}")
 OOM_OLD = re.compile(
     rf"\(GPU (?P<idx>\d+); {_mem('total')} total capacity; {_mem('alloc')} already allocated; "
-    rf"{_mem('free')} free; (?:{NUM}\s?{UNIT} allowed; )?{_mem('reserved')} reserved in total by PyTorch\)"
+    rf"{_mem('free')} free; (?:{NUM}\s?{UNIT} allowed; )?{_mem('reserved')} reserved "
+    r"in total by PyTorch\)"
 )
 
 # Memory amounts in a narrative of memory rising over time ("14G … after 1 hour 18G … 20G").

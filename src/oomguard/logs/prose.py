@@ -26,8 +26,10 @@ _WHERE = r"(?:(?:gpu|cuda|device|cpu|host|system|node)[ -])?"
 # "the KV cache is too small", "KV cache 不足"
 KV_SHORT = (
     r"(?i:\binsufficient\s+(?:gpu\s+)?KV[ -]?cache\b"
-    r"|(?:\bnot|n't|\bnever)\s+(?:\w+\s+){0,2}?enough\s+(?:free\s+)?(?:gpu\s+)?(?:memory\s+for\s+(?:the\s+)?(?:\w+\s+)?)?KV[ -]?cache\b"
-    r"|\bKV[ -]?cache(?:\s+memory|\s+space)?\s+(?:is\s+|was\s+)?(?:too\s+small|insufficient|not\s+(?:big|large)\s+enough)\b"
+    r"|(?:\bnot|n't|\bnever)\s+(?:\w+\s+){0,2}?enough\s+(?:free\s+)?(?:gpu\s+)?"
+    r"(?:memory\s+for\s+(?:the\s+)?(?:\w+\s+)?)?KV[ -]?cache\b"
+    r"|\bKV[ -]?cache(?:\s+memory|\s+space)?\s+(?:is\s+|was\s+)?"
+    r"(?:too\s+small|insufficient|not\s+(?:big|large)\s+enough)\b"
     r"|KV\s?cache\s?(?:空间|容量)?(?:不足|不够|太小))"
 )
 
@@ -37,14 +39,16 @@ SAID_OOM = (
     r"(?i:(?<![A-Za-z0-9_])OOM(?:s|ed|ing|'ed|-?kill\w*)?(?![A-Za-z0-9_])"
     # the same in Chinese reports: GPU memory (显存) or memory (内存) insufficient, overflowing,
     # full, "blown"
-    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?(?:不足|不够|溢出|爆了|占满|耗尽|用完|过小|太小)|爆显存|(?:超过|超出)显存"
+    r"|(?:显存|内存)[^\s，。,.!?！？]{0,6}?"
+    r"(?:不足|不够|溢出|爆了|占满|耗尽|用完|过小|太小)|爆显存|(?:超过|超出)显存"
     # a KV cache too small for what was asked is the same failure, told by its consequence
     r"|"
     + KV_SHORT
     # (with the usual typos: "out of menory")
     + rf"|\bout[ -]of[ -]{_WHERE}(?:memory|menory|memroy|memery)\b"
     rf"|\b(?:run|runs|ran|running|going|go|goes|went)\s+out\s+of\s+{_WHERE}{_MEM_WORD}\b"
-    rf"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
+    r"|(?:\bnot|n't|\bnever)\s+(?:have\s+|has\s+|had\s+)?enough\s+"
+    rf"(?:free\s+)?{_WHERE}{_MEM_WORD}\b"
     rf"|\binsufficient\s+{_WHERE}{_MEM_WORD}\b"
     # "my memory is insufficient", "the VRAM was not enough"
     rf"|\b{_MEM_WORD}\s+(?:is|was|are|were)\s+(?:insufficient|not\s+enough)\b"
@@ -57,10 +61,13 @@ SAID_OOM = (
     # crashes the DGX", "memory keeps growing until …", "sees each other's allocations"
     # (one branch behind a one-character look-ahead: cheap at positions that start none of them)
     r"|\b(?=[ebcmvr])(?:"
-    rf"exceed(?:s|ed|ing)?\s+(?:the\s+|its\s+|my\s+)?{_WHERE}{_MEM_WORD}\s+(?:limit|capacity|budget)\b"
+    rf"exceed(?:s|ed|ing)?\s+(?:the\s+|its\s+|my\s+)?{_WHERE}{_MEM_WORD}\s+"
+    r"(?:limit|capacity|budget)\b"
     rf"|balloon(?:s|ed|ing)?\s+(?:the\s+)?{_WHERE}{_MEM_WORD}\b|{_MEM_WORD}\s+balloon(?:s|ed|ing)\b"
-    rf"|{_MEM_WORD}\s+(?:usage\s+)?(?:keeps|kept)\s+(?:growing|increasing|rising|climbing)\s+until\b"
-    r"|crash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|server|host|node|system|computer)\b"
+    rf"|{_MEM_WORD}\s+(?:usage\s+)?(?:keeps|kept)\s+"
+    r"(?:growing|increasing|rising|climbing)\s+until\b"
+    r"|crash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?"
+    r"(?:machine|box|DGX|server|host|node|system|computer)\b"
     r"|each\s+other'?s\s+(?:memory\s+)?allocations?\b))"
 )
 
@@ -104,7 +111,8 @@ def is_statement(text: str, start: int, level: str) -> bool:
 # --- mechanisms a text names (signature name → regex) --------------------------------------
 _LEVERS = (
     r"enforce[-_ ]eager|max[-_ ]num[-_ ]seqs?|batch[-_ ]size|max[-_ ]num[-_ ]batched[-_ ]tokens"
-    r"|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|context\s+length|(?:gpu[-_ ])?memory[-_ ]utili[sz]ation"
+    r"|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|context\s+length"
+    r"|(?:gpu[-_ ])?memory[-_ ]utili[sz]ation"
     # the context length in Chinese: 上下文长度 (context length), token长度, 序列长度 (sequence)
     r"|上下文长度|token\s?长度|序列长度"
     r"|tensor[-_ ]parallel[-_ ]size|tensor[-_ ]parallel\w*|swap[-_ ]space|expandable_segments"
@@ -113,14 +121,16 @@ _LEVERS = (
 # "works with enforce-eager", "I have to reduce max_num_seqs to 4", "setting
 # --max-model-len 8192 fixed it": the fix the writer says worked
 WORKAROUND = re.compile(
-    r"(?i)(?:\b(?:works?|worked|working|runs?|ran|fine|ok(?:ay)?|solved|fixe[sd]|resolved|helps?|helped|succeed\w*)\b"
+    r"(?i)(?:\b(?:works?|worked|working|runs?|ran|fine|ok(?:ay)?|solved|fixe[sd]|resolved|helps?"
+    r"|helped|succeed\w*)\b"
     r"[^.\n]{0,30}?\b(?:with|by|after|when|using|once)\b[^.\n]{0,20}?(?P<a>" + _LEVERS + r")"
-    r"|\b(?:had|have|has|need(?:ed)?|must)\s+to\s+(?:reduce|lower|decrease|set|add|use|pass|disable|enable|turn\s+off|limit|cap)\b"
+    r"|\b(?:had|have|has|need(?:ed)?|must)\s+to\s+"
+    r"(?:reduce|lower|decrease|set|add|use|pass|disable|enable|turn\s+off|limit|cap)\b"
     r"[^.\n]{0,20}?(?P<b>" + _LEVERS + r")"
     r"|(?P<c>" + _LEVERS + r")[^.\n]{0,40}?\b(?:fixe[sd]|solve[sd]|resolve[sd]|helps|helped)\b"
     # the failure happens "unless X" / "as long as I do not enable X": X avoids it
-    r"|\b(?:unless|as\s+long\s+as\s+(?:I|we|you)\s+(?:do\s+not|don't|dont)|except\s+(?:with|when))\b"
-    r"[^.\n]{0,25}?(?P<d>" + _LEVERS + r")"
+    r"|\b(?:unless|as\s+long\s+as\s+(?:I|we|you)\s+(?:do\s+not|don't|dont)"
+    r"|except\s+(?:with|when))\b[^.\n]{0,25}?(?P<d>" + _LEVERS + r")"
     # in Chinese: "解决方案就是设置降低模型的token长度" (the solution: lower the token length),
     # "通过设置 --max-model-len 16384解决" (solved by setting …)
     r"|(?:解决|解決)[^。\n]{0,12}?(?:降低|减小|调小|减少|设置|改小|限制)[^。\n]{0,12}?(?P<e>"
@@ -157,8 +167,10 @@ _LEVER_NAME = re.compile(r"(?i)" + _LEVERS)
 # "even after I reduced it …", "… still OOM", "did not help": a change that did not avoid it
 _IN_VAIN_BEFORE = re.compile(r"(?i)\beven\s+(?:after|when|if|with|though)\b[^.;!?\n]{0,30}$")
 _IN_VAIN_AFTER = re.compile(
-    r"(?i)^[^.;!?\n]{0,40}?\b(?:still|same\s+(?:error|issue|problem|oom)|(?:did|does|do|was|is)(?:n't|\s+not)"
-    r"|not\s+(?:help\w*|work\w*|fix\w*|solv\w*)|no\s+(?:luck|help|difference|effect)|nothing|in\s+vain)\b"
+    r"(?i)^[^.;!?\n]{0,40}?\b"
+    r"(?:still|same\s+(?:error|issue|problem|oom)|(?:did|does|do|was|is)(?:n't|\s+not)"
+    r"|not\s+(?:help\w*|work\w*|fix\w*|solv\w*)|no\s+(?:luck|help|difference|effect)"
+    r"|nothing|in\s+vain)\b"
 )
 
 
@@ -186,15 +198,17 @@ def lever_change(text: str, match: re.Match[str]) -> tuple[str, float, float] | 
 # a lever tried without avoiding the failure: "even with --enforce-eager", "I drop memory
 # utilization to 0.92, I reload. OOM.", "tried reducing max_num_seqs but still OOM"
 _STILL_FAILED = (
-    r"(?:still\s+(?:get\s+|got\s+|have\s+|had\s+|hit\s+)?(?:an?\s+|the\s+)?(?:OOM|out\s+of\s+memory|same|fail\w*|crash\w*)"
-    r"|OOM\b|same\s+(?:error|issue|problem|OOM|result)|(?:did|does|do)(?:n't|\s+not)\s+(?:help|work|fix|change|solve)"
-    r"|no\s+(?:luck|help|difference|effect|change)|to\s+no\s+avail|nothing\s+(?:changed|helped|works?))"
+    r"(?:still\s+(?:get\s+|got\s+|have\s+|had\s+|hit\s+)?(?:an?\s+|the\s+)?"
+    r"(?:OOM|out\s+of\s+memory|same|fail\w*|crash\w*)|OOM\b"
+    r"|same\s+(?:error|issue|problem|OOM|result)"
+    r"|(?:did|does|do)(?:n't|\s+not)\s+(?:help|work|fix|change|solve)"
+    r"|no\s+(?:luck|help|difference|effect|change)|to\s+no\s+avail"
+    r"|nothing\s+(?:changed|helped|works?))"
 )
 TRIED_IN_VAIN = re.compile(
     r"(?i)(?:\beven\s+(?:with|after|when|though|if)\b[^.;!?\n]{0,30}?(?P<a>" + _LEVERS + r")"
-    r"|(?P<b>"
-    + _LEVERS
-    + r")(?:[^.;!?\n]|\.(?=\d)){0,60}?(?:[.;,!]\s*|\s+(?:and|but)\s+)(?:(?:it|I|we|vllm|the\s+server)\s+)?"
+    r"|(?P<b>" + _LEVERS + r")(?:[^.;!?\n]|\.(?=\d)){0,60}?(?:[.;,!]\s*|\s+(?:and|but)\s+)"
+    r"(?:(?:it|I|we|vllm|the\s+server)\s+)?"
     + _STILL_FAILED
     + r"|\b(?:tried|trying|tested|testing)\b(?:[^.;!?\n]|\.(?=\d)){0,40}?(?P<c>"
     + _LEVERS
@@ -205,7 +219,8 @@ TRIED_IN_VAIN = re.compile(
 # "I tried multiple combinations of the above parameters, all of which result in this": every
 # setting the text names was tried
 TRIED_ALL = re.compile(
-    r"(?i)\btried\s+(?:(?:many|multiple|multile|several|various|different|all(?:\s+the)?|a\s+lot\s+of)\s+)?"
+    r"(?i)\btried\s+(?:(?:many|multiple|multile|several|various|different|all(?:\s+the)?"
+    r"|a\s+lot\s+of)\s+)?"
     r"(?:combinations|settings|parameters|options|values|configurations|configs|variations)\b"
     r"[^.\n]{0,80}?\b(?:all|each|every|none|still|same)\b"
 )
@@ -229,53 +244,131 @@ LEVER_CAUSE: tuple[tuple[re.Pattern[str], str], ...] = (
 NOT_FREED = r"\b(?:not|never)\s+(?:(?:properly|fully|correctly|being)\s+)?(?:freed|released)\b"
 
 MENTIONS: dict[str, str] = {
-    "said_capture": r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b|\bcapture[-_ ]sizes?\b)",
-    "said_sampler": r"(?i:\bsampler[ _-]?warm[ _-]?up\b|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run"
-    # a warm-up that allocates logits over the vocabulary is the sampler's
-    r"|\bwarm[ _-]?up\b[^.\n]{0,100}?\b(?:logits|vocab\w*)\b|\b(?:logits|vocab\w*)\b[^.\n]{0,100}?\bwarm[ _-]?up\b)",
+    "said_capture": (
+        r"(?i:\bcuda[ -]?graphs?\b|\bcudagraphs?\b|\bgraph[ -]captur\w*"
+        r"|\bcaptur\w*\s+(?:the\s+model\s+for\s+)?cuda\b|\bcapture_model\b"
+        r"|\bcapture[-_ ]sizes?\b)"
+    ),
+    "said_sampler": (
+        r"(?i:\bsampler[ _-]?warm[ _-]?up\b"
+        r"|\bwarming\s+up\s+(?:the\s+)?sampler\b|_dummy_sampler_run"
+        # a warm-up that allocates logits over the vocabulary is the sampler's
+        r"|\bwarm[ _-]?up\b[^.\n]{0,100}?\b(?:logits|vocab\w*)\b"
+        r"|\b(?:logits|vocab\w*)\b[^.\n]{0,100}?\bwarm[ _-]?up\b)"
+    ),
     # a failure traced to one vLLM change: "narrowed this down to PR #19572", "bisected to
     # commit abc123", "introduced by #18724", "a regression since 0.9.1"
-    "said_code_regression": r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)|\bregression\s+(?:from|in|since|introduced|caused)\b"
-    # a code change resolved it: "it works with the fixes", "the fix mentioned in his PR",
-    # "after applying the patch from #41834"
-    r"|\b(?:works?|worked|working|fixed|resolved|solved)\s+(?:now\s+)?(?:with|after)\s+(?:applying\s+)?(?:the|this|that|his|her|their|your)\s+(?:fix|fixes|patch|patches|PR|branch)\b"
-    r"|\bthe\s+fix\s+(?:mentioned\s+|described\s+)?in\s+(?:the\s+|his\s+|her\s+|their\s+|this\s+|that\s+)?(?:PR|pull\s+request|branch|commit)\b"
-    r"|\bapply(?:ing)?\s+(?:the\s+)?(?:patch|fix)\s+(?:from|in|of)\s+(?:PR\s*)?#?\d+)",
-    "said_multimodal": r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache|ForConditionalGeneration|max-resolution image|\bimage\s+(?:input|encoder|tokens|size|resolution|features))",
+    "said_code_regression": (
+        r"(?i:\bnarrowed\s+(?:it\s+|this\s+)?down\s+to\b|\bbisect\w*\b"
+        r"|\bintroduced\s+(?:by|in|the\s+(?:issue|bug|problem|regression|oom))\b"
+        r"|\b(?:caused|broken)\s+by\s+(?:the\s+)?(?:PR|commit|pull|#\d+|https?://\S+/pull/)"
+        r"|\bregression\s+(?:from|in|since|introduced|caused)\b"
+        # a code change resolved it: "it works with the fixes", "the fix mentioned in his PR",
+        # "after applying the patch from #41834"
+        r"|\b(?:works?|worked|working|fixed|resolved|solved)\s+(?:now\s+)?(?:with|after)\s+"
+        r"(?:applying\s+)?(?:the|this|that|his|her|their|your)\s+"
+        r"(?:fix|fixes|patch|patches|PR|branch)\b"
+        r"|\bthe\s+fix\s+(?:mentioned\s+|described\s+)?in\s+"
+        r"(?:the\s+|his\s+|her\s+|their\s+|this\s+|that\s+)?(?:PR|pull\s+request|branch|commit)\b"
+        r"|\bapply(?:ing)?\s+(?:the\s+)?(?:patch|fix)\s+(?:from|in|of)\s+(?:PR\s*)?#?\d+)"
+    ),
+    "said_multimodal": (
+        r"(?i:\bimages\b|\bvideos?\b|\bvision\b|\bvisual\b|\bmulti-?modal\b"
+        r"|\bVLMs?\b|\bpixels?\b|max_pixels|mm_processor|limit[-_]mm|encoder cache"
+        r"|ForConditionalGeneration|max-resolution image"
+        r"|\bimage\s+(?:input|encoder|tokens|size|resolution|features))"
+    ),
     "said_fragmentation": r"(?i:\bfragment\w*)",
     "said_kv_short": KV_SHORT,
     # host memory named, or a process table of host memory (ps/top columns RSS, %MEM, MEM(GB))
-    "said_host_ram": r"(?i:(?<!显)(?<!gpu)(?<!cuda)(?<!卡)(?<!gpu )(?<!cuda )内存|\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)[\s-]+(?:ram|memory)\b|\bhost-OOM\w*|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)|\bray\s+OOM\b|\bcontainer(?:'s)?\s+(?:memory|RAM)\b|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b|\bdocker\b[^\n]{0,80}?\s--memory\b)",
+    "said_host_ram": (
+        r"(?i:(?<!显)(?<!gpu)(?<!cuda)(?<!卡)(?<!gpu )(?<!cuda )内存"
+        r"|\bcrash(?:es|ed|ing)?\s+the\s+(?:whole\s+|entire\s+)?"
+        r"(?:machine|box|DGX|host|node|computer)\b|\b(?:host|cpu|system|node)[\s-]+(?:ram|memory)\b"
+        r"|\bhost-OOM\w*"
+        r"|(?<!gpu )(?<!v)\bRAM\b|\bswap\b|swap[-_ ]space|\bpinned\b|pin_memory"
+        r"|\bmmap\b|\bcgroup\b|\bRSS\b|%MEM\b|\bfree\s+-[hgm]\b|\bMEM\s?\((?:GB|GiB|MB|MiB)\)"
+        r"|\bray\s+OOM\b"
+        r"|\bcontainer(?:'s)?\s+(?:memory|RAM)\b"
+        r"|\bmemory\s+(?:limit|cap)\s+(?:of\s+)?(?:the\s+)?container\b"
+        r"|\bdocker\b[^\n]{0,80}?\s--memory\b)"
+    ),
     # the GPU is said not to be full when memory ran out: the memory that ran out was the host's
-    "said_gpu_not_full": r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?(?:using\s+|used\s+|at\s+)?(?:all|full)\b)",
+    "said_gpu_not_full": (
+        r"(?i:\b(?:nvidia-smi|the\s+gpu|vram)\b[^.\n]{0,30}?\b"
+        r"(?:doesn't|does\s+not|didn't|did\s+not|isn't|is\s+not|wasn't|was\s+not)"
+        r"\s+(?:show\s+)?(?:(?:it's|it\s+is|that\s+it's)\s+)?"
+        r"(?:using\s+|used\s+|at\s+)?(?:all|full)\b)"
+    ),
     # sleep mode's wake-up and the caching allocator's cached blocks (torch.cuda.empty_cache)
     "said_wake_up": r"(?i:\bwake[_ -]?up\b)",
     "said_empty_cache": r"(?i:\bempty_cache\b|\bcaching\s+allocator\b)",
-    "said_colocated": r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training|colocat\w*|co-locat\w*|rollouts?)\b|\bshared\s+GPUs?\b|\bGPUs?\s+(?:is\s+|are\s+)?shared\b)",
-    "said_other_process": r"(?i:\banother\s+(?:process|engine|instance|model|job)\b|\bother\s+(?:process(?:es)?|engines?|jobs?)\b|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b|\bzombie\b|\borphan\w*|\bdel\s+llm\b|"
-    + NOT_FREED
-    # in Chinese: not released (没有释放, 并没有得到释放), still occupied (一直占用, 还在被占用)
-    + r"|(?:没有|并没有|未|没)(?:得到|被)?释放|一直占用|还在被?占用|仍(?:然)?被?占用"
-    + r"|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)",
-    "said_max_len": r"(?i:上下文(?:长度|窗口)|token\s?长度|序列长度|max[-_ ]model[-_ ]len|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)",
-    "said_batch": r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b|\bbeam\b|\bn\s*=\s*\d{2,})",
-    "said_logprobs": r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*|\blogits\s+for\s+(?:all|every|the\s+whole))",
-    "said_runtime": r"(?i:\bshutting\s+down\b|\bshut\s+down\b|\bduring\s+(?:inference|generation|serving|decoding)\b|\bwhile\s+(?:serving|generating|running\s+requests)\b|\bafter\s+(?:\d+\s+|a\s+few\s+|some\s+|several\s+)?(?:hours?|minutes?|requests?|steps?)\b|\bat\s+runtime\b|\bunder\s+load\b|\bat\s+step\s+\d+)",
-    "said_startup": r"(?i:\b(?:right\s+)?after\s+(?:the\s+)?(?:service|server|engine)\s+(?:is\s+|was\s+)?start\w*|\b(?:at|during|on)\s+start-?up\b|\bwhen\s+(?:starting|launching|loading)\b|\bwhile\s+loading\b|\bengine\s+init\w*|\bimmediately\b)",
-    "said_single_gpu": r"(?i:\b(?:only|defaults?\s+to|just)\s+(?:uses?\s+)?(?:the\s+)?(?:first|one|a\s+single|single)\s+GPU\b|\bsingle\s+GPU\b|\bone\s+GPU\b"
-    # in Chinese: only one card used (只用了一张卡), the first card fills while the other
-    # cards stay unchanged (第一张卡的显存增加…其他卡的显存不变)
-    r"|只(?:用|使用|跑)了?(?:一张|第一张|单张?)(?:卡|GPU)|其他(?:卡|GPU)[^。，,.]{0,8}?(?:不变|没有变化|没变|为0|空闲))",
+    "said_colocated": (
+        r"(?i:\b(?:GRPO|PPO|DPO|RLHF|OpenRLHF|verl|SkyRL|NeMo[- ]RL|trainer|training"
+        r"|colocat\w*|co-locat\w*|rollouts?)\b|\bshared\s+GPUs?\b"
+        r"|\bGPUs?\s+(?:is\s+|are\s+)?shared\b)"
+    ),
+    "said_other_process": (
+        r"(?i:\banother\s+(?:process|engine|instance|model|job)\b"
+        r"|\bother\s+(?:process(?:es)?|engines?|jobs?)\b"
+        r"|\bprevious\s+(?:engine|instance|process|model|llm)\b|\bleft-?over\b"
+        r"|\bzombie\b|\borphan\w*|\bdel\s+llm\b|"
+        + NOT_FREED
+        # in Chinese: not released (没有释放, 并没有得到释放), still occupied (一直占用, 还在被占用)
+        + r"|(?:没有|并没有|未|没)(?:得到|被)?释放|一直占用|还在被?占用|仍(?:然)?被?占用"
+        + r"|\bstill\s+in\s+use\b|\bsecond\s+(?:LLM|engine|instance|model)\b"
+        r"|\beach\s+other'?s\s+(?:memory\s+)?allocations?\b"
+        r"|\b(?:replicas|engines|instances)\b[^.\n]{0,60}?\bshar\w*\s+(?:one|a|the\s+same)\s+GPU\b)"
+    ),
+    "said_max_len": (
+        r"(?i:上下文(?:长度|窗口)|token\s?长度|序列长度|max[-_ ]model[-_ ]len"
+        r"|max[-_ ]seq[-_ ]len|\bcontext\s+(?:length|window|size)\b"
+        r"|\blong\s+(?:context|prompts?|inputs?|sequences?)\b|\b\d+k\s+context\b|rope[-_ ]scaling)"
+    ),
+    "said_batch": (
+        r"(?i:max[-_ ]num[-_ ]seqs?|max[-_ ]num[-_ ]batched[-_ ]tokens|\bbatch[-_ ]size\b"
+        r"|\bconcurren\w+|\bparallel\s+requests\b|\bmany\s+requests\b"
+        r"|\bbeam\b|\bn\s*=\s*\d{2,})"
+    ),
+    "said_logprobs": (
+        r"(?i:prompt[-_ ]logprobs|\ball\s+logits\b|\bfull[- ]vocab\w*"
+        r"|\blogits\s+for\s+(?:all|every|the\s+whole))"
+    ),
+    "said_runtime": (
+        r"(?i:\bshutting\s+down\b|\bshut\s+down\b"
+        r"|\bduring\s+(?:inference|generation|serving|decoding)\b"
+        r"|\bwhile\s+(?:serving|generating|running\s+requests)\b"
+        r"|\bafter\s+(?:\d+\s+|a\s+few\s+|some\s+|several\s+)?"
+        r"(?:hours?|minutes?|requests?|steps?)\b|\bat\s+runtime\b"
+        r"|\bunder\s+load\b|\bat\s+step\s+\d+)"
+    ),
+    "said_startup": (
+        r"(?i:\b(?:right\s+)?after\s+(?:the\s+)?(?:service|server|engine)\s+"
+        r"(?:is\s+|was\s+)?start\w*|\b(?:at|during|on)\s+start-?up\b"
+        r"|\bwhen\s+(?:starting|launching|loading)\b|\bwhile\s+loading\b"
+        r"|\bengine\s+init\w*|\bimmediately\b)"
+    ),
+    "said_single_gpu": (
+        r"(?i:\b(?:only|defaults?\s+to|just)\s+(?:uses?\s+)?(?:the\s+)?"
+        r"(?:first|one|a\s+single|single)\s+GPU\b|\bsingle\s+GPU\b|\bone\s+GPU\b"
+        # in Chinese: only one card used (只用了一张卡), the first card fills while the other
+        # cards stay unchanged (第一张卡的显存增加…其他卡的显存不变)
+        r"|只(?:用|使用|跑)了?(?:一张|第一张|单张?)(?:卡|GPU)"
+        r"|其他(?:卡|GPU)[^。，,.]{0,8}?(?:不变|没有变化|没变|为0|空闲))"
+    ),
 }
 
-# a utilization a text states: "gpu_memory_utilization default value to 1.0", "--gpu-memory-utilization=0.95"
+# a utilization a text states: "gpu_memory_utilization default value to 1.0",
+# "--gpu-memory-utilization=0.95"
 SAID_UTIL = re.compile(
-    r"(?i)gpu[-_ ]memory[-_ ]utili[sz]ation(?:\W+(?!0?\.\d|1\b|1\.0)\w+){0,5}?\W+(?P<util>0?\.\d+|1\.0+|1)(?![\d.])"
+    r"(?i)gpu[-_ ]memory[-_ ]utili[sz]ation(?:\W+(?!0?\.\d|1\b|1\.0)\w+){0,5}?\W+"
+    r"(?P<util>0?\.\d+|1\.0+|1)(?![\d.])"
 )
 
 # "The model is only 1.6G", "model size is 14GB": the writer's figure for the weights
 SAID_MODEL_SIZE = re.compile(
-    r"(?i)\b(?:model|weights)\s+(?:is|are|size\s+is|weighs|takes?|took|taking|use[sd]?|need(?:s|ed)?"
+    r"(?i)\b(?:model|weights)\s+"
+    r"(?:is|are|size\s+is|weighs|takes?|took|taking|use[sd]?|need(?:s|ed)?"
     r"|occup(?:y|ies|ied)|consum(?:e|es|ed))\s+(?:only\s+|about\s+|around\s+|~\s?)?"
     # "13.4 GB", or a sum worked out per GPU: "13.37 * 2 = 27 GB" (the total is kept)
     r"(?:(?P<gib>\d+(?:\.\d+)?)\s?(?:G|GB|GiB)\b"
@@ -286,8 +379,10 @@ SAID_MODEL_SIZE = re.compile(
 
 # "~20 GiB reserved-but-unallocated", "reserved but unallocated: 402 MiB"
 SAID_UNALLOCATED = re.compile(
-    r"(?i)(?P<a>\d+(?:\.\d+)?)\s?(?P<a_unit>[KMGT]i?B)\s+(?:of\s+)?(?:memory\s+)?reserved[- ]but[- ]unallocated"
-    r"|reserved[- ]but[- ]unallocated(?:\s+memory)?\s*[:=]?\s*(?:of\s+|is\s+)?~?(?P<b>\d+(?:\.\d+)?)\s?(?P<b_unit>[KMGT]i?B)"
+    r"(?i)(?P<a>\d+(?:\.\d+)?)\s?(?P<a_unit>[KMGT]i?B)\s+(?:of\s+)?"
+    r"(?:memory\s+)?reserved[- ]but[- ]unallocated"
+    r"|reserved[- ]but[- ]unallocated(?:\s+memory)?\s*[:=]?\s*(?:of\s+|is\s+)?~?"
+    r"(?P<b>\d+(?:\.\d+)?)\s?(?P<b_unit>[KMGT]i?B)"
 )
 
 # a GPU a text names: "8 A100-40Gs", "8xNVIDIA-H200", "A10*4", "RTX 4090 24GB", "dual-A100(40G)"
@@ -296,7 +391,8 @@ SAID_GPU = re.compile(
     # (names in any case, "a100", "v100-16G"; not run into a following word but a plural s)
     r"(?P<name>(?i:A100|A800|H100|H800|H200|H20|B200|B100|GB200|L40S|L40|L4|L20|A10G|A10|A30|A40"
     r"|RTX\s?A6000|A6000|[RG]TX\s?\d{4}(?:\s?Ti)?|V100|T4|P100|MI\d{3}X?)(?![a-rt-zA-RT-Z]))"
-    r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB|g)s?\b\)?)?(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
+    r"(?:[- ]?(?:SXM\d?|PCIe|NVL))?(?:\s?\(?[- ]?(?P<mem>\d{2,3})\s?(?:G|GB|GiB|g)s?\b\)?)?"
+    r"(?:\s?[x×*]\s?(?P<count2>\d{1,2})\b)?"
 )
 
 # vLLM versions in a sentence about a regression ("works in 0.2.6 but OOMs in 0.2.7")

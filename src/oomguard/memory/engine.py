@@ -316,11 +316,12 @@ def _cpu_worker_budget(
         return (
             Problem(
                 "cpu_memory_below_requested",
-                f"Available memory on node {node} ({avail_text}/{fg(total)} GiB) on startup is less "
-                f"than desired CPU memory utilization ({util}, {fg(requested)} GiB). On the CPU "
-                "backend, the `--gpu-memory-utilization` flag controls the fraction of CPU memory "
-                "reserved (despite its name). To resolve: decrease `--gpu-memory-utilization` "
-                "(e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory used by other processes.",
+                f"Available memory on node {node} ({avail_text}/{fg(total)} GiB) on startup is "
+                f"less than desired CPU memory utilization ({util}, {fg(requested)} GiB). On the "
+                "CPU backend, the `--gpu-memory-utilization` flag controls the fraction of CPU "
+                "memory reserved (despite its name). To resolve: decrease "
+                "`--gpu-memory-utilization` (e.g. `--gpu-memory-utilization 0.5`) or reduce CPU "
+                "memory used by other processes.",
             ),
             None,
         )
@@ -343,9 +344,9 @@ def _cpu_worker_budget(
         return (
             Problem(
                 "cpu_memory_below_kv",
-                f"Available memory on node {node} ({avail_text or '?'}/{fg(total)} GiB) on kv cache "
-                f"allocation is less than requested memory for kv ({fg(kv_bytes)}/{fg(requested)} "
-                "GiB). Reduce CPU memory used by other processes.",
+                f"Available memory on node {node} ({avail_text or '?'}/{fg(total)} GiB) on kv "
+                "cache allocation is less than requested memory for kv "
+                f"({fg(kv_bytes)}/{fg(requested)} GiB). Reduce CPU memory used by other processes.",
             ),
             None,
         )
@@ -876,8 +877,9 @@ def _max_len(
         problems.append(
             Problem(
                 "max_len_exceeds_derived",
-                f"User-specified max_model_len ({max_len}) is greater than the derived max_model_len "
-                f"({derived_len}) of the model; vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
+                f"User-specified max_model_len ({max_len}) is greater than the derived "
+                f"max_model_len ({derived_len}) of the model; vLLM refuses it unless "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.",
             )
         )
     return max_len, auto_fit
@@ -1724,7 +1726,8 @@ def _finish(
     num_groups: int,
     capacity: _CapacityRange,
 ) -> MemoryPrediction:
-    """Resolve the settings, decide the verdict and assemble the prediction (shared by both engines)."""
+    """Resolve the settings, decide the verdict and assemble the prediction (shared by both
+    engines)."""
     resolved = replace(
         ctx.settings,
         vllm_version=ctx.era.label,

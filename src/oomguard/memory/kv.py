@@ -91,7 +91,8 @@ def kv_heads_per_rank(total_kv_heads: int, tp: int) -> int:
     if total_kv_heads >= tp:
         if total_kv_heads % tp:
             raise BadInput(
-                f"the model's {total_kv_heads} KV heads cannot be split over tensor parallel size {tp}",
+                f"the model's {total_kv_heads} KV heads cannot be split over "
+                f"tensor parallel size {tp}",
                 "use a tensor parallel size that divides the KV head count",
             )
         return total_kv_heads // tp
@@ -647,7 +648,8 @@ def group_layers(specs: list[tuple[int, KVLayerSpec]], era: VllmEra) -> KVLayout
         padding = group_size - n % group_size
         if padding != group_size:
             warnings.append(
-                f"Add {padding} padding layers, may waste at most {padding / n * 100:.2f}% KV cache memory"
+                f"Add {padding} padding layers, may waste at most "
+                f"{padding / n * 100:.2f}% KV cache memory"
             )
         num = cdiv(n, group_size)
         for g in range(num):

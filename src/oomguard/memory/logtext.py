@@ -82,7 +82,10 @@ def fit_error_text(
 
 def no_memory_error_text(era: VllmEra) -> str:
     """The ValueError for a zero or negative KV budget (§7.2)."""
-    base = "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine"
+    base = (
+        "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+        "when initializing the engine"
+    )
     docs = " See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
     if era.no_memory_error_form == "v10":
         return base + "."
@@ -102,12 +105,13 @@ def free_memory_error_text(
     tail = "Decrease GPU memory utilization or reduce GPU memory used by other processes."
     if era.free_memory_error_form == "v10":
         return (
-            f"Free memory on device ({round(free / GIB, 2)}/{round(total / GIB, 2)} GiB) on startup is "
-            f"less than desired GPU memory utilization ({util}, {round(requested / GIB, 2)} GiB). {tail}"
+            f"Free memory on device ({round(free / GIB, 2)}/{round(total / GIB, 2)} GiB) on "
+            f"startup is less than desired GPU memory utilization ({util}, "
+            f"{round(requested / GIB, 2)} GiB). {tail}"
         )
     return (
-        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is less "
-        f"than desired GPU memory utilization ({util}, {format_gib(requested)} GiB). {tail}"
+        f"Free memory on device cuda:0 ({format_gib(free)}/{format_gib(total)} GiB) on startup is "
+        f"less than desired GPU memory utilization ({util}, {format_gib(requested)} GiB). {tail}"
     )
 
 
@@ -145,14 +149,22 @@ def auto_fit_line(era: VllmEra, platform: str, max_len: int, fit_len: int, check
     v14 = era.auto_fit_log_form == "v14"
     if fit_len >= max_len:
         return (
-            f"Auto-fit max_model_len: full model context length {max_len} fits in available GPU memory"
+            f"Auto-fit max_model_len: full model context length {max_len} fits in "
+            "available GPU memory"
             if v14
-            else f"Auto-fit max_model_len: full model context length {max_len} fits in available KV cache memory ({kv_text})"
+            else (
+                f"Auto-fit max_model_len: full model context length {max_len} fits in available "
+                f"KV cache memory ({kv_text})"
+            )
         )
     return (
-        f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available GPU memory ({format_gib(check_mem)} GiB available for KV cache)"
+        f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available GPU "
+        f"memory ({format_gib(check_mem)} GiB available for KV cache)"
         if v14
-        else f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available KV cache memory ({kv_text})"
+        else (
+            f"Auto-fit max_model_len: reduced from {max_len} to {fit_len} to fit in available KV "
+            f"cache memory ({kv_text})"
+        )
     )
 
 

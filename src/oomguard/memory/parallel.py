@@ -27,7 +27,8 @@ def check_context_parallel(tp: int, pcp: int, dcp: int) -> None:
     if pcp > 1 and dcp not in (1, pcp, tp * pcp):
         raise BadInput(
             f"with PCP={pcp}, DCP={dcp} must be disabled, span the PCP axis or span TP × PCP",
-            f"use --decode-context-parallel-size {' or '.join(map(str, sorted({1, pcp, tp * pcp})))}",
+            "use --decode-context-parallel-size "
+            f"{' or '.join(map(str, sorted({1, pcp, tp * pcp})))}",
         )
 
 

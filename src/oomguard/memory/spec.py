@@ -53,7 +53,8 @@ class MambaStateSpec:
     head_k_dim: int = 0
     num_v_heads: int = 0
     head_v_dim: int = 0
-    # dtype of the SSM state when the model pins it (e.g. "float32" for Nemotron-H); None: conv dtype
+    # dtype of the SSM state when the model pins it (e.g. "float32" for Nemotron-H); None: conv
+    # dtype
     ssm_dtype: str | None = None
     # the model's SSD chunk size (config ``chunk_size`` / ``mamba_chunk_size``); sizes the
     # per-block Mamba caching ("all" mode) block size. None: vLLM's fallback of 256 is used.
@@ -97,7 +98,9 @@ class ParamGroup:
     norm, MTP heads).
     """
 
-    name: str  # "embed", "lm_head", "attn_qo", "attn_kv", "mlp", "experts", "shared_experts", "router", "norm", "mamba", "vision", "mtp"
+    # "embed", "lm_head", "attn_qo", "attn_kv", "mlp", "experts", "shared_experts", "router",
+    # "norm", "mamba", "vision", "mtp"
+    name: str
     count: int
     sharding: ParamSharding
     quantizable: bool  # linear weights a quantization method converts
@@ -111,15 +114,15 @@ class ParamGroup:
 class QuantSpec:
     """The checkpoint's weight format. ``method=None`` means unquantized (model dtype)."""
 
-    method: str | None = (
-        None  # "fp8", "awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4", "nvfp4", "gguf", ...
-    )
+    # "fp8", "awq", "gptq", "compressed-tensors", "bitsandbytes", "mxfp4", "nvfp4", "gguf", ...
+    method: str | None = None
     weight_bits: int = 16
     group_size: int | None = None
     zero_point: bool = False
     scale_granularity: str = "tensor"  # "tensor" | "channel" | "block" | "group"
     desc_act: bool = False
-    # parameter groups the method leaves in model dtype (e.g. ("attn_qo","attn_kv") for MoE-only mxfp4)
+    # parameter groups the method leaves in model dtype (e.g. ("attn_qo","attn_kv") for MoE-only
+    # mxfp4)
     unquantized_groups: tuple[str, ...] = ()
     gguf_bits_per_weight: float | None = None
 

@@ -211,7 +211,8 @@ def resolve_era(version: str | None, engine: str = "v1") -> VllmEra:
     major, minor, _patch = parse_version(version)
     if major != 0:
         raise BadInput(
-            f"vLLM version {version!r} is unknown (this release knows 0.{OLDEST_MINOR} … 0.{NEWEST_MINOR})",
+            f"vLLM version {version!r} is unknown (this release knows "
+            f"0.{OLDEST_MINOR} … 0.{NEWEST_MINOR})",
             "pass a version in that range or 'latest'",
         )
     if engine == "v0":
@@ -228,7 +229,8 @@ def resolve_era(version: str | None, engine: str = "v1") -> VllmEra:
         )
     if minor < OLDEST_MINOR or minor > NEWEST_MINOR:
         raise BadInput(
-            f"vLLM version {version!r} is outside the supported range 0.{OLDEST_MINOR} … 0.{NEWEST_MINOR}",
+            f"vLLM version {version!r} is outside the supported range "
+            f"0.{OLDEST_MINOR} … 0.{NEWEST_MINOR}",
             "pass a version in that range or 'latest'",
         )
     return ERAS[minor]

@@ -1,4 +1,5 @@
-"""The fallback chain: the ways to serve a model that vLLM cannot hold as planned, ordered and priced.
+"""The fallback chain: the ways to serve a model that vLLM cannot hold as planned, ordered and
+priced.
 
 The order follows the seeds' checklist: 1. vLLM as planned; 2. fp8 KV cache or a shorter
 context; 3. tensor parallelism (more, or larger, GPUs); 4. a quantized checkpoint; 5. vLLM
@@ -31,10 +32,12 @@ if TYPE_CHECKING:
     from oomguard.memory.spec import ModelSpec
     from oomguard.plan.recommend import SearchSpace
 
-STEP_OF_KIND = {"as_planned": 1, "shorter_context": 2, "more_gpus": 3, "larger_gpu": 3, "quantization": 4,
-                "quantize_yourself": 4, "cpu_offload": 5, "llama_cpp": 6, "cpu_only": 7}  # fmt: skip
-STEP_NAMES = {1: "vLLM as planned", 2: "fp8 KV or a shorter context", 3: "tensor parallelism / more GPU memory",
-              4: "a quantized checkpoint", 5: "vLLM --cpu-offload-gb", 6: "llama.cpp, split GPU/host",
+STEP_OF_KIND = {"as_planned": 1, "shorter_context": 2, "more_gpus": 3, "larger_gpu": 3,
+                "quantization": 4, "quantize_yourself": 4, "cpu_offload": 5, "llama_cpp": 6,
+                "cpu_only": 7}  # fmt: skip
+STEP_NAMES = {1: "vLLM as planned", 2: "fp8 KV or a shorter context",
+              3: "tensor parallelism / more GPU memory", 4: "a quantized checkpoint",
+              5: "vLLM --cpu-offload-gb", 6: "llama.cpp, split GPU/host",
               7: "CPU only"}  # fmt: skip
 
 
@@ -101,7 +104,10 @@ def _llama_cpp_caveats(
         where = (
             f"{on_gpu} of {model.n_layer} layers on the GPU"
             if not s.n_cpu_moe
-            else f"attention of all layers on the GPU, the experts of the first {s.n_cpu_moe} on the CPU"
+            else (
+                "attention of all layers on the GPU, the experts of the first "
+                f"{s.n_cpu_moe} on the CPU"
+            )
         )
         caveats.append(
             f"{where}; predicted GPU {numbers['gpu_gib_per_device']} GiB of a "
@@ -118,11 +124,13 @@ def _llama_cpp_caveats(
     )
     if plan.fits_host is False:
         caveats.append(
-            f"host memory: needs {numbers['host_gib']} GiB, the host has {numbers['host_budget_gib']} GiB usable"
+            f"host memory: needs {numbers['host_gib']} GiB, the host has "
+            f"{numbers['host_budget_gib']} GiB usable"
         )
     elif plan.fits_host is None:
         caveats.append(
-            f"needs {numbers['host_gib']} GiB of host RAM (host memory not checked: pass --host-memory-gib)"
+            f"needs {numbers['host_gib']} GiB of host RAM (host memory not checked: "
+            "pass --host-memory-gib)"
         )
     caveats.append(
         f"speeds are memory-bandwidth bounds (host RAM {HOST_RAM_GBPS:.0f} GB/s), estimates"

@@ -40,7 +40,9 @@ HostMemoryGibOption = Annotated[
     float | None,
     typer.Option(
         "--host-memory-gib",
-        help="Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's).",
+        help=(
+            "Host RAM the fallback chain's tiers may use (default with --gpu auto: this machine's)."
+        ),
     ),
 ]
 OfflineOption = Annotated[
@@ -156,7 +158,8 @@ def run_plan(ctx: typer.Context, given: dict[str, Any]) -> None:
         typer.echo(result.to_json())
     else:
         render(result, Console(highlight=False))
-    # SystemExit passes through click unchanged (typer.Exit codes are swallowed in non-standalone mode).
+    # SystemExit passes through click unchanged (typer.Exit codes are swallowed in non-standalone
+    # mode).
     raise SystemExit(result.exit_code)
 
 

@@ -1,4 +1,5 @@
-"""Search for the cheapest vLLM configuration that serves a workload, and the ways out when none does.
+"""Search for the cheapest vLLM configuration that serves a workload, and the ways out when none
+does.
 
 The search follows the OOM checklist (seeds: "the eight-step checklist"): cap
 ``gpu_memory_utilization`` to what is free after co-tenants, cap ``max_model_len`` to the P99,
@@ -528,7 +529,8 @@ def search(
 def apply_prefix_caching(
     space: SearchSpace, chosen: Candidate
 ) -> tuple[Candidate, FlagReason | None]:
-    """Turn prefix caching on only when prefixes are shared (and off for hybrids when they are not)."""
+    """Turn prefix caching on only when prefixes are shared (and off for hybrids when they are
+    not)."""
     if "enable_prefix_caching" in space.fixed:
         return chosen, None
     weights = weights_of(chosen)
@@ -550,7 +552,8 @@ def apply_prefix_caching(
             return c, FlagReason(
                 "enable-prefix-caching",
                 True,
-                f"requests share a {shared}-token prefix: its KV blocks are computed once and reused{saving}",
+                f"requests share a {shared}-token prefix: its KV blocks are computed "
+                f"once and reused{saving}",
             )
         return chosen, None
     if space.model.has_mamba and default_on:
@@ -579,8 +582,8 @@ def _weights_reasons(
                 "model",
                 chosen.model_ref,
                 f"the catalogue's {chosen.weights_label} of {space.model_ref}: weights "
-                f"{gib_label(p.weights.value_bytes)} per GPU instead of {gib_label(given.weights.value_bytes)}; "
-                "small accuracy cost",
+                f"{gib_label(p.weights.value_bytes)} per GPU instead of "
+                f"{gib_label(given.weights.value_bytes)}; small accuracy cost",
             )
         )
     if (
@@ -595,7 +598,8 @@ def _weights_reasons(
                 "quantization",
                 s.quantization,
                 f"online fp8 weights: {gib_label(p.weights.value_bytes)} per GPU instead of "
-                f"{gib_label(given.weights.value_bytes)}; needs no separate repo{also}, small accuracy cost",
+                f"{gib_label(given.weights.value_bytes)}; needs no separate "
+                f"repo{also}, small accuracy cost",
             )
         )
     if s.tensor_parallel_size != 1 and "tensor_parallel_size" not in space.fixed:
@@ -604,7 +608,8 @@ def _weights_reasons(
                 "tensor-parallel-size",
                 s.tensor_parallel_size,
                 f"one GPU does not hold weights plus {w.concurrency}×{w.p99_tokens} tokens of KV; "
-                f"split over {s.tensor_parallel_size} GPUs: {gib_label(p.weights.value_bytes)} of weights per GPU",
+                f"split over {s.tensor_parallel_size} GPUs: "
+                f"{gib_label(p.weights.value_bytes)} of weights per GPU",
             )
         )
     return reasons
@@ -632,7 +637,8 @@ def _utilization_reason(space: SearchSpace, chosen: Candidate, default_util: flo
         "gpu-memory-utilization",
         util,
         f"vLLM refuses to start when free memory < util × total; capped below the default "
-        f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB for vLLM's CUDA context",
+        f"{default_util}: {', '.join(why) or 'context reserve'}, plus ~0.5 GiB "
+        "for vLLM's CUDA context",
     )
 
 
@@ -657,8 +663,10 @@ def _workload_reasons(
         whose = (
             "your peak concurrency"
             if space.dp == 1
-            else f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel ranks "
-            "(each rank is its own engine with its own KV pool)"
+            else (
+                f"your peak concurrency of {w.concurrency} split over {space.dp} data-parallel "
+                "ranks (each rank is its own engine with its own KV pool)"
+            )
         )
         reasons.append(
             FlagReason(
@@ -674,9 +682,9 @@ def _workload_reasons(
             FlagReason(
                 "max-num-batched-tokens",
                 s.max_num_batched_tokens,
-                f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation peak drops "
-                f"from ~{gib_label(before)} to ~{gib_label(p.activation.value_bytes)}, which goes to the KV cache; "
-                "long prompts prefill in more steps",
+                f"lowered from {given.settings.max_num_batched_tokens}: the profiled activation "
+                f"peak drops from ~{gib_label(before)} to ~{gib_label(p.activation.value_bytes)}, "
+                "which goes to the KV cache; long prompts prefill in more steps",
             )
         )
     if s.kv_cache_dtype != "auto" and "kv_cache_dtype" not in space.fixed:
@@ -698,8 +706,8 @@ def _verdict_reason(space: SearchSpace, chosen: Candidate) -> FlagReason | None:
         return None
     per_rank = space.concurrency_per_rank()
     need = (
-        f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your {per_rank} "
-        "with the shared prefix"
+        f"{check.effective_concurrency:.2f} unshared-equivalent requests needed for your "
+        f"{per_rank} with the shared prefix"
         if check.effective_concurrency < per_rank
         else f"{per_rank} needed"
     )
@@ -708,8 +716,8 @@ def _verdict_reason(space: SearchSpace, chosen: Candidate) -> FlagReason | None:
     return FlagReason(
         "(verdict)",
         None,
-        f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests of "
-        f"{w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
+        f"KV cache {p.kv_cache_tokens:,} tokens = {check.max_concurrency:.2f} concurrent requests "
+        f"of {w.p99_tokens} tokens; {need}: {check.margin_achieved:+.0%} spare "
         f"(margin asked: {w.margin:.0%})",
     )
 
@@ -745,7 +753,8 @@ def explain(
 
 
 def min_utilization(chosen: Candidate) -> float | None:
-    """Approximate lowest ``gpu_memory_utilization`` that still serves (KV shrinks 1:1 with util)."""
+    """Approximate lowest ``gpu_memory_utilization`` that still serves (KV shrinks 1:1 with
+    util)."""
     p = chosen.prediction
     check = chosen.serve
     if (
@@ -1075,7 +1084,8 @@ def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative |
             render_serve(c.model_ref, c.settings),
             c,
             (
-                "the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a shorter context helps",
+                "the KV cache alone exceeds the GPU; only more GPU memory, fp8 KV or a "
+                "shorter context helps",
             ),
         )
     gb = c.settings.cpu_offload_gb
@@ -1095,13 +1105,15 @@ def _cpu_offload_alt(space: SearchSpace, native: WeightsOption) -> Alternative |
         render_serve(c.model_ref, c.settings),
         c,
         (
-            f"every forward pass streams {gb:g} GiB of weights over PCIe: ≤{1 / step_s:.1f} decode steps/s"
+            f"every forward pass streams {gb:g} GiB of weights over PCIe: "
+            f"≤{1 / step_s:.1f} decode steps/s"
             if step_s
             else "",
             "needs that much pinned host RAM per GPU (plan ~2× for loading)",
-            "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, #56283): "
-            "check that 'Model loading took' drops by the offloaded amount",
-            "KV offloading / LMCache does not add room for active context; only weight offload does",
+            "recent vLLM releases have reports of the flag silently doing nothing (vLLM #51396, "
+            "#56283): check that 'Model loading took' drops by the offloaded amount",
+            "KV offloading / LMCache does not add room for active context; "
+            "only weight offload does",
         ),
     )
 
@@ -1160,7 +1172,8 @@ def alternatives(
 def sizing_table(
     space: SearchSpace, catalogue: Iterable[GPUSpec]
 ) -> list[tuple[SizingRow, Candidate]]:
-    """For each catalogue GPU: the smallest count (1, 2, 4, 8) whose native weights serve the workload."""
+    """For each catalogue GPU: the smallest count (1, 2, 4, 8) whose native weights serve the
+    workload."""
     native = weights_options(space.model_ref, space.model, space.gpu, space.base, space.fixed)[0]
     probe = space.price(
         native,

@@ -206,8 +206,8 @@ def verdict(result: PlanResult) -> Text:
             if dp > 1:
                 text.append(
                     f": {c.serve.max_concurrency:.2f} requests of {w.p99_tokens:,} tokens fit on "
-                    f"each of {dp} data-parallel ranks ({c.serve.max_concurrency * dp:.1f} in all), "
-                    f"{-(-w.concurrency // dp)} per rank needed for {w.concurrency} "
+                    f"each of {dp} data-parallel ranks ({c.serve.max_concurrency * dp:.1f} in "
+                    f"all), {-(-w.concurrency // dp)} per rank needed for {w.concurrency} "
                     f"({c.serve.margin_achieved:+.0%} spare)"
                 )
             else:
@@ -292,8 +292,8 @@ def recommendation(result: PlanResult) -> RenderableType | None:
         if est:
             extra.append(
                 Text(
-                    f"or keep the weights and KV cache as they are and cap the context at vLLM's own "
-                    f"estimate: --max-model-len {est}",
+                    "or keep the weights and KV cache as they are and cap the context at vLLM's "
+                    f"own estimate: --max-model-len {est}",
                     style="dim",
                 )
             )
@@ -508,7 +508,8 @@ def footer(result: PlanResult) -> Text:
 
 
 def render(result: PlanResult, console: Console) -> None:
-    """Print the whole plan: header, breakdown, verdict, logs, recommendation, fallbacks, commands."""
+    """Print the whole plan: header, breakdown, verdict, logs, recommendation, fallbacks,
+    commands."""
     console.print(header(result))
     stated = result.workload is not None and result.workload.stated
     if result.given is not result.plan and stated:

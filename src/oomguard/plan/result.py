@@ -170,7 +170,9 @@ class Alternative:
     """A ranked way out when the workload does not fit the given GPUs."""
 
     rank: int
-    kind: str  # as_planned | more_gpus | larger_gpu | quantization | quantize_yourself | shorter_context | cpu_offload | llama_cpp | cpu_only
+    # as_planned | more_gpus | larger_gpu | quantization | quantize_yourself | shorter_context |
+    # cpu_offload | llama_cpp | cpu_only
+    kind: str
     title: str
     serves_workload: bool
     numbers: dict[str, Any]

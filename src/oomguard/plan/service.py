@@ -403,7 +403,8 @@ def assemble(
         notes.append(unified_memory_note(gpu, version))
     if target.source == "nvml" and target.free_bytes is not None:
         notes.append(
-            f"NVML: {target.free_bytes / GIB:.2f} GiB free of {gpu.total_gib:.2f} GiB on the fullest GPU"
+            f"NVML: {target.free_bytes / GIB:.2f} GiB free of {gpu.total_gib:.2f} "
+            "GiB on the fullest GPU"
         )
     return PlanResult(
         prefix_caching=_prefix_caching(space, found.plan, notes) if measured else None,
@@ -438,7 +439,8 @@ def plan(
     host_memory_gib: float | None = None,
     **settings: Any,
 ) -> PlanResult:
-    """Plan a vLLM deployment: predicted memory, the verdict, and the command that serves the workload.
+    """Plan a vLLM deployment: predicted memory, the verdict, and the command that serves the
+    workload.
 
     ``model`` is a catalogue name, hub id or local path; ``gpu`` a catalogue name, ``"auto"``
     (NVML) or None for a sizing table over the catalogue. ``settings`` are
@@ -449,8 +451,7 @@ def plan(
     ``margin`` spare KV capacity. When nothing serves, the alternatives are the fallback chain
     (:mod:`oomguard.plan.chain`), whose host-memory needs are checked against
     ``host_memory_gib`` (with ``gpu="auto"``: this machine's memory). Bad input raises
-    :class:`~oomguard.errors.BadInput` (one line).
-    """
+    :class:`~oomguard.errors.BadInput` (one line)."""
     started = time.perf_counter()
     req = read_request(
         model,
@@ -562,7 +563,8 @@ def speculation_notes(prediction: MemoryPrediction) -> list[str]:
 
 
 def _host_memory_bytes(host_memory_gib: float | None, gpu_source: str) -> int | None:
-    """Host RAM to check the chain's host needs against: as given, or this machine's with NVML GPUs."""
+    """Host RAM to check the chain's host needs against: as given, or this machine's with NVML
+    GPUs."""
     if host_memory_gib is not None:
         return int(host_memory_gib * GIB)
     if gpu_source == "nvml":

@@ -51,7 +51,8 @@ def choose_engine(options: Any) -> tuple[str, str]:
     except OomguardError as exc:
         return (
             "llama.cpp",
-            f"plan cannot size {options.model} for vLLM ({exc.one_line()}): llama.cpp serves the GGUF",
+            f"plan cannot size {options.model} for vLLM ({exc.one_line()}): "
+            "llama.cpp serves the GGUF",
         )
     if result.fits:
         return "vllm", "plan: vLLM holds the model on this device"
@@ -64,7 +65,8 @@ def choose_engine(options: Any) -> tuple[str, str]:
     if first.kind in LLAMA_TIERS:
         return (
             "llama.cpp",
-            f"plan: vLLM cannot hold the model here; the chain's first tier that serves: {first.title}",
+            "plan: vLLM cannot hold the model here; the chain's first tier that "
+            f"serves: {first.title}",
         )
     return "vllm", f"plan: the chain's first tier that serves is vLLM's: {first.title}"
 

@@ -149,7 +149,7 @@ def serve_command(
     gguf: Gguf = None,
     llama_server: LlamaServer = None,
 ) -> None:
-    """Launch vLLM (or llama-server), check the prediction against its log, heal a startup OOM, supervise."""
+    """Launch vLLM (or llama-server), check the prediction against its log, heal a startup OOM, supervise."""  # noqa: E501
     from oomguard.serve.session import ServeOptions
 
     given = locals()

@@ -258,8 +258,8 @@ def _margin_problem(ctx: HealContext, new: EngineCommand) -> str | None:
     margin = margin_bytes(total)
     if util * total > free - margin:
         return (
-            f"utilization {util:g} asks {util * total / GIB:.2f} GiB; {free / GIB:.2f} GiB are free "
-            f"and {margin / GIB:.2f} GiB must stay free"
+            f"utilization {util:g} asks {util * total / GIB:.2f} GiB; {free / GIB:.2f} GiB are "
+            f"free and {margin / GIB:.2f} GiB must stay free"
         )
     return None
 
@@ -284,8 +284,8 @@ def _pool_problem(
     margin = margin_bytes(total)
     if int(pool) + non_kv > free - margin:
         return (
-            f"a pool of {int(pool) / GIB:.3f} GiB and {non_kv / GIB:.2f} GiB beside it need more than "
-            f"the {free / GIB:.2f} GiB free less the {margin / GIB:.2f} GiB margin"
+            f"a pool of {int(pool) / GIB:.3f} GiB and {non_kv / GIB:.2f} GiB beside it need more "
+            f"than the {free / GIB:.2f} GiB free less the {margin / GIB:.2f} GiB margin"
         )
     return None
 

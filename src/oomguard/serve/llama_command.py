@@ -26,10 +26,11 @@ DEFAULT_PORT = 8080  # llama-server's own default
 DEFAULT_HOST = "127.0.0.1"
 # flags whose value the settings (or serve itself) write out: everything else is passed as given
 MEMORY_FLAGS = (
-    "--model", "--ctx-size", "--parallel", "--kv-unified", "--kv-unified-per-slot", "--n-gpu-layers",
-    "--cpu-moe", "--n-cpu-moe", "--tensor-split", "--override-tensor", "--cache-type-k", "--cache-type-v",
-    "--flash-attn", "--batch-size", "--ubatch-size", "--repack", "--kv-offload", "--load-mode", "--no-mmap",
-    "--fit", "--fit-target", "--fit-ctx", "--log-verbosity", "--host", "--port",
+    "--model", "--ctx-size", "--parallel", "--kv-unified", "--kv-unified-per-slot",
+    "--n-gpu-layers", "--cpu-moe", "--n-cpu-moe", "--tensor-split", "--override-tensor",
+    "--cache-type-k", "--cache-type-v", "--flash-attn", "--batch-size", "--ubatch-size", "--repack",
+    "--kv-offload", "--load-mode", "--no-mmap", "--fit", "--fit-target", "--fit-ctx",
+    "--log-verbosity", "--host", "--port",
 )  # fmt: skip
 
 

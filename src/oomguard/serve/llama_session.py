@@ -74,13 +74,15 @@ LLAMA_PHASE_LABELS: dict[Phase, str] = {
 # what llama-server prints as it loads, in order (tools/server, common, llama-model, llama-context)
 _PHASE_LINES = (
     (re.compile(r"llama_server: initializing|system info:|build_info:"), Phase.STARTUP),
-    (re.compile(r"load_model: loading model|llama_model_loader: loaded meta data|load_tensors:"), Phase.WEIGHT_LOADING),
+    (re.compile(r"load_model: loading model|llama_model_loader: loaded meta data|load_tensors:"),
+     Phase.WEIGHT_LOADING),
     (re.compile(r"KV buffer size|llama_kv_cache:"), Phase.KV_ALLOCATION),
     (re.compile(r"compute buffer size|warming up the model"), Phase.SAMPLER_WARMUP),
     (re.compile(r"model loaded|listening on http"), Phase.SERVING),
 )  # fmt: skip
 _ALLOC_FAILED = re.compile(r"failed to allocate (?P<name>\S+) buffer of size (?P<bytes>\d+)")
-# ggml-cuda.cu: "allocating %.2f MiB on device %d: cudaMalloc failed: …" (the line before the one above)
+# ggml-cuda.cu: "allocating %.2f MiB on device %d: cudaMalloc failed: …" (the line before
+# the one above)
 _DEVICE_MALLOC_FAILED = re.compile(
     r"allocating (?P<mib>[\d.]+) MiB on device (?P<device>\d+): (?P<api>cuda|hip)Malloc failed"
 )
@@ -208,7 +210,8 @@ class LlamaPrediction:
         if self.devices and not self.plan.fits_gpu:
             out.append(
                 f"the fullest GPU needs {self.plan.gpu_need_bytes / GIB:.2f} GiB, over its "
-                f"{self.plan.gpu_budget_bytes / GIB:.2f} GiB budget (free memory less a 1 GiB margin)"
+                f"{self.plan.gpu_budget_bytes / GIB:.2f} GiB budget (free memory "
+                "less a 1 GiB margin)"
             )
         if self.plan.fits_host is False:
             out.append(
@@ -294,10 +297,12 @@ _Launch = Launch[LlamaCommand, LlamaPrediction]
 
 
 class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
-    """Serves a GGUF with llama-server (see the module docstring); :meth:`run` returns the exit code.
+    """Serves a GGUF with llama-server (see the module docstring); :meth:`run` returns the exit
+    code.
 
     ``options.command`` is a pasted llama-server command (its words after the binary, in a
-    :class:`PastedLlamaCommand`), or ``options.model`` / ``options.gguf`` names the GGUF to plan for.
+    :class:`PastedLlamaCommand`), or ``options.model`` / ``options.gguf`` names the GGUF to plan
+    for.
     """
 
     phase_labels = LLAMA_PHASE_LABELS
@@ -402,7 +407,8 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
         return command
 
     def _with_split(self, command: LlamaCommand) -> LlamaCommand:
-        """The command with the devices' count, and the largest split that fits unless it has one."""
+        """The command with the devices' count, and the largest split that fits unless it has
+        one."""
         assert self.model is not None
         backend = self.devices[0].backend if self.devices else "cuda"
         assert self._read is not None
@@ -468,7 +474,7 @@ class LlamaServeSession(LaunchLoop[LlamaCommand, LlamaPrediction, LlamaEngine]):
             self.events.emit("compare", launch=launch.number, **row)
         super()._ready(launch, state)
 
-    # --- healing -----------------------------------------------------------------------------------
+    # --- healing ----------------------------------------------------------------------------------
     def _heal(self, command: LlamaCommand, result: LaunchResult) -> LlamaCommand | None:
         assert self.model is not None
         launch = self.current

@@ -3,7 +3,9 @@ commands and load logs. The cross-engine fallback chain ``plan`` shows when vLLM
 model is :mod:`oomguard.plan.chain`.
 
 >>> from oomguard.tiering import read_gguf, predict_llama_cpp, LlamaCppSettings
->>> memory = predict_llama_cpp(read_gguf("model.gguf"), LlamaCppSettings(ctx_size=8192, n_gpu_layers=20, gpu_count=1))
+>>> memory = predict_llama_cpp(
+...     read_gguf("model.gguf"), LlamaCppSettings(ctx_size=8192, n_gpu_layers=20, gpu_count=1)
+... )
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ class BufferCheck:
         return (self.predicted_bytes - self.observed_bytes) / self.observed_bytes
 
     def line(self) -> str:
-        """One readable line: ``compute GPU0: predicted 12.50 MiB (10.0–15.0), printed 12.31 MiB ✓``."""
+        """One readable line:
+        ``compute GPU0: predicted 12.50 MiB (10.0–15.0), printed 12.31 MiB ✓``."""
         rng = f" ({self.low_bytes / MIB:.2f}–{self.high_bytes / MIB:.2f})" if self.estimated else ""
         seen = (
             "not printed"
@@ -50,7 +51,10 @@ class BufferCheck:
             else f"printed {self.observed_bytes / MIB:.2f} MiB"
         )
         mark = "✓" if self.agrees else "✗"
-        return f"{self.kind} {self.device}: predicted {self.predicted_bytes / MIB:.2f} MiB{rng}, {seen} {mark}"
+        return (
+            f"{self.kind} {self.device}: predicted {self.predicted_bytes / MIB:.2f} "
+            f"MiB{rng}, {seen} {mark}"
+        )
 
 
 def compare_load(prediction: LlamaCppMemory, log: LoadLog) -> list[BufferCheck]:

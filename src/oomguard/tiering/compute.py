@@ -221,8 +221,8 @@ def estimate_compute(
     n_kv_swa = (n_kv_swa + 255) // 256 * 256
     ph = _phases(model, settings, n_kv, n_kv_swa, tokens, min(tokens, n_seq))
     basis = (
-        f"estimate: the parts of a {tokens}-token micro-batch's graph over {n_kv} KV cells this backend "
-        f"runs ({'flash attention' if settings.flash_attn else 'attention scores'})"
+        f"estimate: the parts of a {tokens}-token micro-batch's graph over {n_kv} KV cells this "
+        f"backend runs ({'flash attention' if settings.flash_attn else 'attention scores'})"
     )
     # op_offload copies CPU weights only to backends that ask for them (CUDA's offload_op;
     # the RPC backend has none)

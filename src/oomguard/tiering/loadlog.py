@@ -23,7 +23,8 @@ _BUFFER = re.compile(
     r"(?P<name>\S+)\s+(?P<kind>model|KV|output|compute) buffer size\s*=\s*(?P<mib>[\d.]+) MiB"
 )
 _CONTEXT = re.compile(
-    r"llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)\s+=\s+(?P<value>\S+)"
+    r"llama_context:\s+(?P<key>n_ctx|n_ctx_seq|n_seq_max|n_batch|n_ubatch|flash_attn|kv_unified)"
+    r"\s+=\s+(?P<value>\S+)"
 )
 _OFFLOADED = re.compile(r"offloaded (?P<n>\d+)/(?P<of>\d+) layers to GPU")
 _FAILURES = (

@@ -100,8 +100,9 @@ def place(model: GGUFModel, settings: LlamaCppSettings) -> Placement:
     repack_types = REPACK_TYPES[settings.cpu_repack]
 
     def placed(t: GGUFTensor, device: str, matmul: bool) -> Placed:
-        # the CPU buffer list puts the repack buffer type first (llama-model.cpp make_cpu_buft_list);
-        # only matrix products use it, and only for row counts its kernels tile (multiples of 8)
+        # the CPU buffer list puts the repack buffer type first (llama-model.cpp
+        # make_cpu_buft_list); only matrix products use it, and only for row counts its kernels tile
+        # (multiples of 8)
         rows = t.shape[1] if len(t.shape) > 1 else 1
         repack = device == CPU and matmul and t.type_name in repack_types and rows % 8 == 0
         return Placed(t, device, repack)

@@ -1,4 +1,5 @@
-"""Find llama-server, run it on a model through :class:`~oomguard.engine.EngineProcess`, read its load.
+"""Find llama-server, run it on a model through :class:`~oomguard.engine.EngineProcess`, read its
+load.
 
 The binary is, in order: ``$OOMGUARD_LLAMA_SERVER``, the build that
 ``scripts/setup-llama-server.sh`` caches under ``~/.cache/oomguard/llama.cpp/<version>/bin``
@@ -131,7 +132,8 @@ def running_llama_server(
     timeout_s: float = 120.0,
     extra: Sequence[str] = (),
 ) -> Iterator[RunningLlamaServer]:
-    """Start llama-server with ``settings`` on a free loopback port, wait for ``/health``, stop it after.
+    """Start llama-server with ``settings`` on a free loopback port, wait for ``/health``, stop it
+    after.
 
     Raises :class:`LlamaServerFailed` (with the load log read so far) when it exits or is not
     healthy within ``timeout_s``.

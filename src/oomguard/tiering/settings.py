@@ -32,7 +32,8 @@ REPACK_TYPES = {
 
 @dataclass(frozen=True)
 class Override:
-    """One ``--override-tensor PATTERN=DEVICE`` rule: tensors whose name matches go to ``device``."""
+    """One ``--override-tensor PATTERN=DEVICE`` rule: tensors whose name matches go to
+    ``device``."""
 
     pattern: str
     device: str  # "CPU" or "GPU0", "GPU1", ...

@@ -143,5 +143,8 @@ def synthesize_gguf(spec: ModelSpec, recipe: str = "Q4_K_M") -> GGUFModel:
         sliding_window=max(windows) if any(swa) else 0,
         swa_layers=swa if any(swa) else (),
         file_type=recipe,
-        source=f"tensor table synthesized from {spec.name}'s config with llama-quantize's {recipe} recipe",
+        source=(
+            f"tensor table synthesized from {spec.name}'s config with "
+            f"llama-quantize's {recipe} recipe"
+        ),
     )

@@ -95,7 +95,10 @@ MinDuration = Annotated[
     float | None,
     typer.Option(
         "--min-duration",
-        help="Seconds a condition must hold before it fires (every alert; default: each alert's own).",
+        help=(
+            "Seconds a condition must hold before it fires (every alert; "
+            "default: each alert's own)."
+        ),
     ),
 ]
 PreemptionWindow = Annotated[

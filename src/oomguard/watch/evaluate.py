@@ -103,7 +103,8 @@ class Evaluator:
                     self.host,
                     free,
                     f"GPU {d.index} ({d.name}): {_fmt_gib(free)} free of "
-                    f"{_fmt_gib(d.total_bytes)}, below the {_fmt_gib(self.free_rule.threshold)} margin",
+                    f"{_fmt_gib(d.total_bytes)}, below the "
+                    f"{_fmt_gib(self.free_rule.threshold)} margin",
                     gpu=str(d.index),
                 )
             )
@@ -172,8 +173,8 @@ class Evaluator:
                     R.PREEMPTIONS,
                     s.name,
                     recent,
-                    f"{recent:g} preemption(s) in the last {_duration(self.preemption_window_s)}: the KV pool ran out "
-                    "and running requests were recomputed",
+                    f"{recent:g} preemption(s) in the last {_duration(self.preemption_window_s)}: "
+                    "the KV pool ran out and running requests were recomputed",
                 )
             )
         waiting = snap.waiting_for_capacity

@@ -27,7 +27,9 @@ GAUGES: dict[str, str] = {
     "kv_cache_usage_ratio": "vllm:kv_cache_usage_perc of the fullest engine (0-1)",
     "kv_cache_tokens": "The KV pool of one engine in tokens, as the server states it",
     "plan_kv_cache_tokens": "The KV pool in tokens the plan predicted",
-    "plan_gpu_memory_bytes": "The plan's per-GPU figures (part: requested, weights, kv_cache, total)",
+    "plan_gpu_memory_bytes": (
+        "The plan's per-GPU figures (part: requested, weights, kv_cache, total)"
+    ),
     "recent_preemptions": "Preemptions counted over the preemption window (a minute by default)",
     "requests_running": "vllm:num_requests_running",
     "requests_waiting": "vllm:num_requests_waiting",
@@ -35,9 +37,13 @@ GAUGES: dict[str, str] = {
     "gpu_memory_total_bytes": "GPU memory total (NVML)",
     "gpu_memory_used_bytes": "GPU memory used by every process together (NVML)",
     "gpu_memory_free_bytes": "GPU memory free (NVML)",
-    "engine_gpu_memory_bytes": "GPU memory of the server's processes (source: nvml-process, or nvml-device = whole device)",
+    "engine_gpu_memory_bytes": (
+        "GPU memory of the server's processes (source: nvml-process, or nvml-device = whole device)"
+    ),
     "engine_host_memory_bytes": "Resident host memory of the server's processes",
-    "memory_growth_bytes_per_second": "Robust (Theil-Sen) slope of used memory over the leak window",
+    "memory_growth_bytes_per_second": (
+        "Robust (Theil-Sen) slope of used memory over the leak window"
+    ),
     "memory_time_to_exhaustion_seconds": "Time until the memory runs out at the current growth",
     "alert_firing": "1 for each alert firing now",
     "scrape_duration_seconds": "How long the last /metrics scrape took",

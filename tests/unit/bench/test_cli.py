@@ -9,7 +9,8 @@ PROBE = """
 import sys
 from oomguard.cli import main
 code = main(sys.argv[1:])
-heavy = [m for m in ("oomguard.guard.app", "oomguard.doctor.rules", "matplotlib") if m in sys.modules]
+heavy = [m for m in ("oomguard.guard.app", "oomguard.doctor.rules", "matplotlib") \
+if m in sys.modules]
 print("LOADED=" + ",".join(heavy), "CODE=" + str(code), file=sys.stderr)
 """
 

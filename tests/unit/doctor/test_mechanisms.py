@@ -175,7 +175,8 @@ def _budget_log(weights_gib: float, util: float = 0.9, extra: tuple[str, ...] = 
     return [
         f"INFO 05-01 12:00:00 [model_runner.py:1100] Model loading took {weights_gib} GiB and "
         "12.5 seconds",
-        f"INFO 05-01 12:00:00 [api_server.py:100] non-default args: {{'gpu_memory_utilization': {util}}}",
+        "INFO 05-01 12:00:00 [api_server.py:100] non-default args: "
+        f"{{'gpu_memory_utilization': {util}}}",
         *extra,
         NO_BLOCKS,
     ]
@@ -221,7 +222,8 @@ def test_sampler_warmup_is_the_number_of_sequences() -> None:
 
 def test_graph_capture_phase_is_the_graphs() -> None:
     lines = [
-        "INFO 05-01 12:00:00 [gpu_model_runner.py:2000] Capturing CUDA graphs (mixed prefill-decode, PIECEWISE)",
+        "INFO 05-01 12:00:00 [gpu_model_runner.py:2000] Capturing CUDA graphs (mixed "
+        "prefill-decode, PIECEWISE)",
         "Traceback (most recent call last):",
         f'  File "{SITE}/v1/worker/gpu_model_runner.py", line 3300, in capture_model',
         _torch_oom(

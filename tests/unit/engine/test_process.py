@@ -28,11 +28,12 @@ from oomguard.errors import EXIT_ENGINE_FAILED
 
 # A parent that starts two children (like vLLM's API server → engine core → worker), prints,
 # and ignores SIGTERM in one child, so only SIGKILL ends it.
-TREE = r"""
+TREE = """
 import os, signal, subprocess, sys, time
 kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]),
         subprocess.Popen([sys.executable, "-c",
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('stubborn', flush=True); time.sleep(600)"])]
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); \
+print('stubborn', flush=True); time.sleep(600)"])]
 print("started", os.getpid(), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 time.sleep(600)

@@ -30,21 +30,25 @@ GPT_OSS_20B: dict[str, Any] = {
     "rope_scaling": {"factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn",
                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
     "quantization_config": {"quant_method": "mxfp4",
-                            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                            "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                       "model.layers.*.mlp.router",
                                                        "model.embed_tokens", "lm_head"]},
 }  # fmt: skip
 
-# deepseek-ai/DeepSeek-V3 config.json (https://huggingface.co/deepseek-ai/DeepSeek-V3), memory fields
+# deepseek-ai/DeepSeek-V3 config.json (https://huggingface.co/deepseek-ai/DeepSeek-V3), memory
+# fields
 DEEPSEEK_V3: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
     "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
     "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
-    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "topk_method": "noaux_tc", "num_nextn_predict_layers": 1,
     "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
     "torch_dtype": "bfloat16",
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": [128, 128]},

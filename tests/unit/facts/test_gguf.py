@@ -16,7 +16,8 @@ HIDDEN, FF, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 128, 2, 4, 2, 96
 
 
 def _write_llama(path: Path, *, arch: str = "llama", tied: bool = False) -> dict[str, int]:
-    """Write a 2-layer llama GGUF: Q8_0 linears, F32 norms, F16 embeddings. Returns bytes by type."""
+    """Write a 2-layer llama GGUF: Q8_0 linears, F32 norms, F16 embeddings. Returns bytes by
+    type."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_embedding_length(HIDDEN)

@@ -10,10 +10,11 @@ a request that does not fit is *preempted* (counted) and waits, like vLLM's reco
 Streams honour ``stream_options`` like vLLM: ``include_usage`` adds a final usage-only chunk,
 ``continuous_usage_stats`` puts the choice's token count so far on every chunk.
 
-Knobs: first-token delay, a hold (an event admitted requests wait on), token rate, pool size; per request, header ``x-fake-cut-after: N``
-aborts the connection after N streamed tokens, ``x-fake-tokens: N`` generates N tokens instead
-of max_tokens. ``POST /_control`` with ``{"fail_next": k}`` makes the next k generation requests
-answer 503. Run as a script (``python fake_vllm.py --port N``) to have a process to SIGKILL.
+Knobs: first-token delay, a hold (an event admitted requests wait on), token rate, pool size; per
+request, header ``x-fake-cut-after: N`` aborts the connection after N streamed tokens,
+``x-fake-tokens: N`` generates N tokens instead of max_tokens. ``POST /_control`` with
+``{"fail_next": k}`` makes the next k generation requests answer 503. Run as a script (``python
+fake_vllm.py --port N``) to have a process to SIGKILL.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ vllm:kv_cache_usage_perc{{{lab}}} {usage}
 vllm:num_preemptions_total{{{lab}}} {float(s.preemptions)}
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="{s.block_size}",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_gpu_blocks="{s.num_gpu_blocks}",num_gpu_blocks_override="None"}} 1.0
+vllm:cache_config_info{{block_size="{s.block_size}",cache_dtype="auto",\
+enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",\
+num_gpu_blocks="{s.num_gpu_blocks}",num_gpu_blocks_override="None"}} 1.0
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{{{lab}}} 0.0

@@ -31,7 +31,11 @@ vllm:num_preemptions_total{engine="1",model_name="m"} 1.0
 vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",cache_dtype="auto",cpu_offload_gb="0",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",num_gpu_blocks="2221",num_gpu_blocks_override="None",prefix_caching_hash_algo="sha256",sliding_window="None",swap_space="4",swap_space_bytes="4294967296"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",cpu_offload_gb="0",\
+enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",is_attention_free="False",\
+num_cpu_blocks="None",num_gpu_blocks="2221",num_gpu_blocks_override="None",\
+prefix_caching_hash_algo="sha256",sliding_window="None",swap_space="4",\
+swap_space_bytes="4294967296"} 1.0
 # HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
 # TYPE vllm:e2e_request_latency_seconds histogram
 vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="m"} 0.0

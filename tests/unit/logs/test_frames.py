@@ -75,7 +75,8 @@ def test_graph_replay_is_not_capture() -> None:
 
 def test_truncated_traceback_inside_a_vision_tower_is_remembered() -> None:
     lines = [
-        f'  File "{SITE}/vllm/model_executor/models/qwen2_5_vl.py", line 1102, in _process_image_input',
+        f'  File "{SITE}/vllm/model_executor/models/qwen2_5_vl.py", line 1102, in '
+        "_process_image_input",
         "    image_embeds = self.visual(pixel_values, grid_thw=grid_thw)",
         f'  File "{SITE}/vllm/model_executor/models/qwen2_5_vl.py", line 712, in forward',
         "    hidden_states = blk(hidden_states, cu_seqlens=cu_seqlens)",
@@ -126,7 +127,8 @@ def test_patch_unfold_is_a_vision_op_and_an_activation() -> None:
 def test_frame_kinds_outside_tracebacks_and_closed_tracebacks_are_ignored() -> None:
     lines = [
         "INFO 05-02 10:00:00 [cuda.py:240] Using Flash Attention backend on V1 engine.",
-        "INFO 05-02 10:00:01 [gpu_model_runner.py:1200] Encoder cache will be initialized for vision.",
+        "INFO 05-02 10:00:01 [gpu_model_runner.py:1200] Encoder cache will be "
+        "initialized for vision.",
         "Traceback (most recent call last):",
         f'  File "{SITE}/vllm/model_executor/models/siglip.py", line 400, in forward',
         "ValueError: unexpected image size",  # not a memory failure: closes it
@@ -139,10 +141,10 @@ def test_frame_kinds_outside_tracebacks_and_closed_tracebacks_are_ignored() -> N
 
 def test_nvidia_smi_process_table_rows() -> None:
     lines = [
-        "| Processes:                                                                              |",
-        "|  GPU   GI   CI        PID   Type   Process name                              GPU Memory |",
-        "|    0   N/A  N/A     48213      C   VLLM::EngineCore                            30712MiB |",
-        "|    1   N/A  N/A      9921      C   /usr/bin/python3                             1024MiB |",
+        "| Processes:                                                                              |",  # noqa: E501
+        "|  GPU   GI   CI        PID   Type   Process name                              GPU Memory |",  # noqa: E501
+        "|    0   N/A  N/A     48213      C   VLLM::EngineCore                            30712MiB |",  # noqa: E501
+        "|    1   N/A  N/A      9921      C   /usr/bin/python3                             1024MiB |",  # noqa: E501
         "|    0     51120      C   python                                        2048MiB |",
         "48213, VLLM::EngineCore, 30712 MiB",
     ]

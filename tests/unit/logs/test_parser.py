@@ -74,11 +74,13 @@ def test_startup_rows_args_give_model_tp_and_utilization() -> None:
 def test_v0_multiline_profiling_record() -> None:
     text = (
         "INFO 12-01 10:00:00 worker.py:267] Memory profiling takes 5.21 seconds\n"
-        "the current vLLM instance can use total_gpu_memory (79.22GiB) x gpu_memory_utilization (0.90) = 71.29GiB\n"
-        "model weights take 14.96GiB; non_torch_memory takes 1.79GiB; PyTorch activation peak memory takes 1.26GiB; "
-        "the rest of the memory reserved for KV Cache is 53.29GiB.\n"
+        "the current vLLM instance can use total_gpu_memory (79.22GiB) x gpu_memory_utilization "
+        "(0.90) = 71.29GiB\n"
+        "model weights take 14.96GiB; non_torch_memory takes 1.79GiB; PyTorch activation peak "
+        "memory takes 1.26GiB; the rest of the memory reserved for KV Cache is 53.29GiB.\n"
         "INFO 12-01 10:00:01 executor_base.py:110] # cuda blocks: 27284, # CPU blocks: 2048\n"
-        "INFO 12-01 10:00:01 executor_base.py:115] Maximum concurrency for 8192 tokens per request: 53.29x\n"
+        "INFO 12-01 10:00:01 executor_base.py:115] Maximum concurrency for 8192 tokens "
+        "per request: 53.29x\n"
     )
     p = parse_stream(text.splitlines())
     assert p.get("gpu_total_gib") == 79.22
@@ -96,18 +98,24 @@ def test_v0_multiline_profiling_record() -> None:
 
 def test_v1_recent_formats_with_process_tags_and_timestamps() -> None:
     text = [
-        "2025-11-02T10:00:00.123456789Z (APIServer pid=7) INFO 11-02 10:00:00 [utils.py:233] non-default args: "
-        "{'model_tag': 'Qwen/Qwen3-8B', 'model': 'Qwen/Qwen3-8B', 'max_model_len': 32768, 'tensor_parallel_size': 2}",
+        "2025-11-02T10:00:00.123456789Z (APIServer pid=7) INFO 11-02 10:00:00 [utils.py:233] "
+        "non-default args: {'model_tag': 'Qwen/Qwen3-8B', 'model': 'Qwen/Qwen3-8B', "
+        "'max_model_len': 32768, 'tensor_parallel_size': 2}",
         "(APIServer pid=7) INFO 11-02 10:00:01 [api_server.py:1] vLLM API server version 0.31.0",
-        "\x1b[1;36m(Worker_TP1 pid=41)\x1b[0;0m INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model loading took 7.63 GiB memory and 12.000000 seconds",
-        "(Worker_TP0 pid=40) INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model loading took 7.64 GiB memory and 12.000000 seconds",
-        "(Worker_TP0 pid=40) INFO 11-02 10:00:40 [gpu_model_runner.py:3] Estimated CUDA graph memory: 0.84 GiB total",
-        "(Worker_TP1 pid=41) INFO 11-02 10:00:41 [gpu_worker.py:4] Available KV cache memory: 60.1 GiB",
-        "(Worker_TP0 pid=40) INFO 11-02 10:00:41 [gpu_worker.py:4] Available KV cache memory: 59.87 GiB",
-        "(EngineCore_DP0 pid=30) INFO 11-02 10:00:42 [kv_cache_utils.py:5] GPU KV cache size: 1,234,560 tokens, "
-        "Maximum concurrency for 32,768 tokens per request: 37.68x",
-        "(Worker_TP0 pid=40) INFO 11-02 10:00:50 [gpu_model_runner.py:6] CUDA graph pool memory: 0.9 GiB (actual), "
-        "0.84 GiB (estimated), difference: 0.06 GiB (7.1%).",
+        "\x1b[1;36m(Worker_TP1 pid=41)\x1b[0;0m INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model "
+        "loading took 7.63 GiB memory and 12.000000 seconds",
+        "(Worker_TP0 pid=40) INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model loading took 7.64 "
+        "GiB memory and 12.000000 seconds",
+        "(Worker_TP0 pid=40) INFO 11-02 10:00:40 [gpu_model_runner.py:3] Estimated CUDA graph "
+        "memory: 0.84 GiB total",
+        "(Worker_TP1 pid=41) INFO 11-02 10:00:41 [gpu_worker.py:4] Available KV "
+        "cache memory: 60.1 GiB",
+        "(Worker_TP0 pid=40) INFO 11-02 10:00:41 [gpu_worker.py:4] Available KV "
+        "cache memory: 59.87 GiB",
+        "(EngineCore_DP0 pid=30) INFO 11-02 10:00:42 [kv_cache_utils.py:5] GPU KV cache size: "
+        "1,234,560 tokens, Maximum concurrency for 32,768 tokens per request: 37.68x",
+        "(Worker_TP0 pid=40) INFO 11-02 10:00:50 [gpu_model_runner.py:6] CUDA graph pool memory: "
+        "0.9 GiB (actual), 0.84 GiB (estimated), difference: 0.06 GiB (7.1%).",
     ]
     p = parse_stream(text)
     assert p.get("vllm_version") == "0.31.0"
@@ -127,10 +135,11 @@ def test_v1_recent_formats_with_process_tags_and_timestamps() -> None:
 
 def test_cpu_backend_lines() -> None:
     text = [
-        "(EngineCore_DP0 pid=1) INFO 01-01 00:00:00 [cpu_worker.py:1] Auto set (12.5/31.2) GiB for KV cache on node 0, "
-        "with 28.7 GiB requested memory for the worker. 2.1 GiB memory was consumed by non-kv usages.",
-        "(EngineCore_DP0 pid=1) INFO 01-01 00:00:01 [kv_cache_utils.py:2] CPU KV cache size: 409,600 tokens, "
-        "Maximum concurrency for 4,096 tokens per request: 100.00x",
+        "(EngineCore_DP0 pid=1) INFO 01-01 00:00:00 [cpu_worker.py:1] Auto set (12.5/31.2) GiB for "
+        "KV cache on node 0, with 28.7 GiB requested memory for the worker. 2.1 GiB memory was "
+        "consumed by non-kv usages.",
+        "(EngineCore_DP0 pid=1) INFO 01-01 00:00:01 [kv_cache_utils.py:2] CPU KV cache size: "
+        "409,600 tokens, Maximum concurrency for 4,096 tokens per request: 100.00x",
     ]
     p = parse_stream(text)
     assert p.get("platform") == "cpu"
@@ -142,9 +151,10 @@ def test_cpu_backend_lines() -> None:
     ("line", "expect"),
     [
         (
-            "ValueError: To serve at least one request with the models's max seq len (32768), (4.0 GiB KV cache is needed, "
-            "which is larger than the available KV cache memory (2.5 GiB). Based on the available memory, the estimated "
-            "maximum model length is 20480. Try increasing `gpu_memory_utilization`",
+            "ValueError: To serve at least one request with the models's max seq len (32768), (4.0 "
+            "GiB KV cache is needed, which is larger than the available KV cache memory (2.5 GiB). "
+            "Based on the available memory, the estimated maximum model length is 20480. Try "
+            "increasing `gpu_memory_utilization`",
             {
                 "kv_error_max_model_len": 32768,
                 "kv_needed_gib": 4.0,
@@ -153,13 +163,15 @@ def test_cpu_backend_lines() -> None:
             },
         ),
         (
-            "ValueError: To serve at least one request with the models's max seq len (131072), (16.00 GiB KV cache is needed, "
-            "which is larger than the available KV cache memory (-1.44 GiB).  Try increasing",
+            "ValueError: To serve at least one request with the models's max seq len (131072), "
+            "(16.00 GiB KV cache is needed, which is larger than the available KV cache memory "
+            "(-1.44 GiB).  Try increasing",
             {"kv_error_max_model_len": 131072, "kv_needed_gib": 16.0, "kv_available_gib": -1.44},
         ),
         (
-            "ValueError: Free memory on device cuda:0 (61.88/79.18 GiB) on startup is less than desired GPU memory "
-            "utilization (0.9, 71.27 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+            "ValueError: Free memory on device cuda:0 (61.88/79.18 GiB) on startup is less than "
+            "desired GPU memory utilization (0.9, 71.27 GiB). Decrease GPU memory utilization or "
+            "reduce GPU memory used by other processes.",
             {
                 "startup_free_gib": 61.88,
                 "startup_total_gib": 79.18,
@@ -168,7 +180,8 @@ def test_cpu_backend_lines() -> None:
             },
         ),
         (
-            "ValueError: Free memory on device (6.44/11.63 GiB) on startup is less than desired GPU memory utilization (0.9, 10.47 GiB).",
+            "ValueError: Free memory on device (6.44/11.63 GiB) on startup is less than desired "
+            "GPU memory utilization (0.9, 10.47 GiB).",
             {"startup_free_gib": 6.44, "gpu_memory_utilization": 0.9},
         ),
         (
@@ -176,17 +189,20 @@ def test_cpu_backend_lines() -> None:
             {"mamba_max_num_seqs": 1024, "mamba_cache_blocks": 524},
         ),
         (
-            "INFO Auto-fit max_model_len: reduced from 131072 to 40960 to fit in available KV cache memory (12.5 GiB GPU)",
+            "INFO Auto-fit max_model_len: reduced from 131072 to 40960 to fit in available KV "
+            "cache memory (12.5 GiB GPU)",
             {"auto_fit_reduced_to": 40960},
         ),
         (
-            "INFO Initial free memory 78.5 GiB, reserved 20.0 GiB memory for KV Cache as specified by kv_cache_memory_bytes config",
+            "INFO Initial free memory 78.5 GiB, reserved 20.0 GiB memory for KV Cache as specified "
+            "by kv_cache_memory_bytes config",
             {"startup_free_gib": 78.5, "available_kv_gib": 20.0},
         ),
         (
-            "INFO Free memory on device (78.6/79.19 GiB) on startup. Desired GPU memory utilization is (0.9, 71.27 GiB). "
-            "Actual usage is 14.99 GiB for weight, 1.89 GiB for peak activation, 0.25 GiB for non-torch memory, and 0.91 "
-            "GiB for CUDAGraph memory. Replace gpu_memory_utilization config with `--kv-cache-memory=1` (1 GiB)",
+            "INFO Free memory on device (78.6/79.19 GiB) on startup. Desired GPU memory "
+            "utilization is (0.9, 71.27 GiB). Actual usage is 14.99 GiB for weight, 1.89 GiB for "
+            "peak activation, 0.25 GiB for non-torch memory, and 0.91 GiB for CUDAGraph memory. "
+            "Replace gpu_memory_utilization config with `--kv-cache-memory=1` (1 GiB)",
             {
                 "weights_gib": 14.99,
                 "activation_gib": 1.89,
@@ -195,8 +211,9 @@ def test_cpu_backend_lines() -> None:
             },
         ),
         (
-            "DEBUG Memory profiling takes 3.10 seconds. Total non KV cache memory: 17.5GiB; torch peak memory increase: "
-            "1.9GiB; total consumed (from mem_get_info): 15.6GiB; weights memory: 14.99GiB.",
+            "DEBUG Memory profiling takes 3.10 seconds. Total non KV cache memory: 17.5GiB; torch "
+            "peak memory increase: 1.9GiB; total consumed (from mem_get_info): 15.6GiB; "
+            "weights memory: 14.99GiB.",
             {
                 "non_kv_total_gib": 17.5,
                 "activation_gib": 1.9,
@@ -209,7 +226,8 @@ def test_cpu_backend_lines() -> None:
             {"weights_gib": 19.9073},
         ),
         (
-            "RuntimeError: CUDA out of memory occurred when warming up sampler with 1024 dummy requests.",
+            "RuntimeError: CUDA out of memory occurred when warming up sampler with "
+            "1024 dummy requests.",
             {"sampler_warmup_oom_seqs": 1024},
         ),
     ],
@@ -223,9 +241,11 @@ def test_message_texts(line: str, expect: dict) -> None:
 def test_cudagraph_hint_recovers_graph_memory() -> None:
     text = [
         "INFO Free memory on device (78.6/79.19 GiB) on startup is fine",
-        "INFO CUDA graph memory profiling is enabled (default since v0.21.0). The current --gpu-memory-utilization=0.9200 "
-        "is equivalent to --gpu-memory-utilization=0.9094 without CUDA graph memory profiling.",
-        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 1.00 MiB is free.",
+        "INFO CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+        "--gpu-memory-utilization=0.9200 is equivalent to --gpu-memory-utilization=0.9094 without "
+        "CUDA graph memory profiling.",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+        "total capacity of 79.19 GiB of which 1.00 MiB is free.",
     ]
     p = parse_stream(text)
     assert p.get("cudagraph_estimate_gib") == pytest.approx((0.92 - 0.9094) * 79.19)
@@ -282,7 +302,8 @@ def test_ray_prefixes_and_repeats() -> None:
 
 def test_interleaved_processes_keep_their_numbers() -> None:
     a = [
-        f"(Worker_TP0 pid=1) INFO 01-01 00:00:0{i} [x.py:1] Model loading took 7.5 GiB memory and 1.0 seconds"
+        f"(Worker_TP0 pid=1) INFO 01-01 00:00:0{i} [x.py:1] Model loading took 7.5 GiB "
+        "memory and 1.0 seconds"
         for i in range(1)
     ]
     b = "(Worker_TP1 pid=2) INFO 01-01 00:00:01 [x.py:1] Available KV cache memory: 30.5 GiB"
@@ -301,11 +322,13 @@ def test_interleaved_processes_keep_their_numbers() -> None:
         ("[12345.6] Out of memory: Killed process 4242 (python3)", "host_ram_kill"),
         ("Worker exited with exit code -9", "host_ram_kill"),
         (
-            "RuntimeError: Engine core initialization failed. Engine core proc EngineCore_DP0 died unexpectedly",
+            "RuntimeError: Engine core initialization failed. Engine core proc "
+            "EngineCore_DP0 died unexpectedly",
             "died_unexpectedly",
         ),
         (
-            "RuntimeError: Aborted due to the lack of CPU swap space. Please increase the swap space",
+            "RuntimeError: Aborted due to the lack of CPU swap space. Please "
+            "increase the swap space",
             "cpu_swap_exhausted",
         ),
         (
@@ -315,16 +338,19 @@ def test_interleaved_processes_keep_their_numbers() -> None:
         ("ncclUnhandledCudaError: Call to CUDA function failed.", "nccl_error"),
         ("non-default args: {'model': 'x', 'enable_sleep_mode': True}", "sleep_mode"),
         (
-            "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.",
+            "If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.",
             "expandable_segments_hint",
         ),
         ("env: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "expandable_segments_in_use"),
         (
-            "INFO Encoder cache will be initialized with a budget of 16384 tokens, and profiled with 16 image items of the maximum feature size.",
+            "INFO Encoder cache will be initialized with a budget of 16384 tokens, and profiled "
+            "with 16 image items of the maximum feature size.",
             "mm_encoder_profile",
         ),
         (
-            "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.",
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine.",
             "no_cache_blocks",
         ),
         (
@@ -340,7 +366,8 @@ def test_signatures(line: str, signature: str) -> None:
 def test_expandable_hint_is_not_expandable_in_use() -> None:
     p = parse_stream(
         [
-            "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+            "If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
         ]
     )
     assert not p.has("expandable_segments_in_use")

@@ -82,9 +82,9 @@ def test_random_interleavings_keep_the_diagnosis(rnd) -> None:  # type: ignore[n
 
 
 _FILLER = (
-    "(APIServer pid=7) INFO 11-02 10:00:{s:02d} [loggers.py:123] Engine 000: Avg prompt throughput: 1234.5 tokens/s, "
-    "Avg generation throughput: 456.7 tokens/s, Running: 37 reqs, Waiting: 0 reqs, GPU KV cache usage: 41.3%, "
-    "Prefix cache hit rate: 12.0%",
+    "(APIServer pid=7) INFO 11-02 10:00:{s:02d} [loggers.py:123] Engine 000: Avg prompt "
+    "throughput: 1234.5 tokens/s, Avg generation throughput: 456.7 tokens/s, Running: 37 reqs, "
+    "Waiting: 0 reqs, GPU KV cache usage: 41.3%, Prefix cache hit rate: 12.0%",
     '(APIServer pid=7) INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
     "Traceback (most recent call last):",
     '  File "/usr/lib/python3/site-packages/vllm/v1/engine/core.py", line 701, in run_busy_loop',
@@ -93,7 +93,10 @@ _FILLER = (
 
 
 def _lines(total_bytes: int) -> Iterator[str]:
-    yield "(Worker_TP0 pid=40) INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model loading took 7.64 GiB memory and 12.0 seconds"
+    yield (
+        "(Worker_TP0 pid=40) INFO 11-02 10:00:30 [gpu_model_runner.py:2] Model loading took "
+        "7.64 GiB memory and 12.0 seconds"
+    )
     produced = 0
     i = 0
     while produced < total_bytes:
@@ -102,8 +105,9 @@ def _lines(total_bytes: int) -> Iterator[str]:
         i += 1
         yield line
     yield (
-        "(EngineCore_DP0 pid=9) ERROR 11-02 11:00:00 [core.py:710] torch.OutOfMemoryError: CUDA out of memory. "
-        "Tried to allocate 960.00 MiB. GPU 0 has a total capacity of 79.14 GiB of which 712.75 MiB is free."
+        "(EngineCore_DP0 pid=9) ERROR 11-02 11:00:00 [core.py:710] torch.OutOfMemoryError: CUDA "
+        "out of memory. Tried to allocate 960.00 MiB. GPU 0 has a total capacity of 79.14 GiB of "
+        "which 712.75 MiB is free."
     )
 
 

@@ -161,7 +161,8 @@ def test_condensed_and_wrapped_forms_give_their_numbers() -> None:
 
     log = parse_stream(
         [
-            "ValueError: To serve at least one request with the model's max seq len (1048576), (9.8 GiB",
+            "ValueError: To serve at least one request with the model's max seq "
+            "len (1048576), (9.8 GiB",
             "KV cache is needed, which is larger than the available",
             "KV cache memory (4.81 GiB).",
         ]

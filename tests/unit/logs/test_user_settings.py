@@ -29,8 +29,8 @@ def test_non_default_args_are_the_users_settings() -> None:
 def test_engine_config_alone_states_no_user_settings() -> None:
     parsed = parse_stream(
         [
-            "INFO 03-01 09:00:00 llm_engine.py:237] Initializing an LLM engine (v0.6.3) with config: "
-            "model='m', dtype=torch.float16, max_seq_len=2048, tensor_parallel_size=2, "
+            "INFO 03-01 09:00:00 llm_engine.py:237] Initializing an LLM engine (v0.6.3) with "
+            "config: model='m', dtype=torch.float16, max_seq_len=2048, tensor_parallel_size=2, "
             "pipeline_parallel_size=1, quantization=awq, enforce_eager=False, kv_cache_dtype=auto",
         ]
     )

@@ -186,9 +186,8 @@ def test_cpu_backend_kv_pool_is_used_directly() -> None:
     assert p.bytes_per_block == 32 * 128 * 2 * 8 * 128 * 2
     assert p.num_blocks == 2 * GIB // p.bytes_per_block == 128
     assert p.kv_cache_tokens == int(128 / 32 * 4096)
-    assert (
-        p.log_lines[-1]
-        == "CPU KV cache size: 16,384 tokens, Maximum concurrency for 4,096 tokens per request: 4.00x"
+    assert p.log_lines[-1] == (
+        "CPU KV cache size: 16,384 tokens, Maximum concurrency for 4,096 tokens per request: 4.00x"
     )
     env = predict(
         model,

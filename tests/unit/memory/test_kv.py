@@ -60,7 +60,8 @@ def test_llama_3_1_8b_worked_example_on_l40s() -> None:
     )
     assert newest.kv_cache_tokens == 158_656  # int(9916 / 2048 * 32768) has no rounding loss
     assert newest.log_lines[-1] == (
-        "GPU KV cache size: 158,656 tokens, Maximum concurrency for 32,768 tokens per request: 4.84x"
+        "GPU KV cache size: 158,656 tokens, Maximum concurrency for 32,768 "
+        "tokens per request: 4.84x"
     )
 
 
@@ -207,11 +208,13 @@ def test_fit_check_subtracts_the_null_block_from_0_29() -> None:
     assert bad.estimated_max_model_len == (blocks - 1) * 16
     (problem,) = [p for p in bad.problems if p.code == "max_len_exceeds_kv"]
     assert problem.message == (
-        "To serve at least one request with the model's max seq len (8192), (1.0 GiB KV cache is needed, "
-        "which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, "
-        "the estimated maximum model length is 8176. Try increasing `gpu_memory_utilization` (which also "
-        "controls CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the "
-        "engine. See https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+        "To serve at least one request with the model's max seq len (8192), (1.0 GiB KV cache is "
+        "needed, which is larger than the available KV cache memory (1.0 GiB). Based on the "
+        "available memory, the estimated maximum model length is 8176. Try increasing "
+        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+        "decreasing `max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more "
+        "details."
     )
     assert problem.message in bad.log_lines
 
@@ -222,9 +225,9 @@ def test_fit_error_text_of_older_releases() -> None:
     p = predict(model, H100, EngineSettings(vllm_version="0.11", **s))
     (problem,) = [x for x in p.problems if x.code == "max_len_exceeds_kv"]
     assert problem.message.startswith(
-        "To serve at least one request with the models's max seq len (32768), (4.00 GiB KV cache is needed,"
-        " which is larger than the available KV cache memory (1.95 GiB). Based on the available memory, the "
-        "estimated maximum model length is 16000. Try"
+        "To serve at least one request with the models's max seq len (32768), (4.00 GiB KV cache "
+        "is needed, which is larger than the available KV cache memory (1.95 GiB). Based on the "
+        "available memory, the estimated maximum model length is 16000. Try"
     )
     assert p.estimated_max_model_len == 16000
 

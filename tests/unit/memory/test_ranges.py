@@ -1,4 +1,5 @@
-"""The estimated terms: mechanisms counted from vLLM's code, and the ranges every estimate carries."""
+"""The estimated terms: mechanisms counted from vLLM's code, and the ranges every estimate
+carries."""
 
 from __future__ import annotations
 

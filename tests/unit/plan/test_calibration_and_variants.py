@@ -79,7 +79,8 @@ def test_model_without_a_catalogued_int4_repo_says_so_and_keeps_online_fp8() -> 
 # -- calibration end to end -------------------------------------------------------------------
 
 PLAN_ARGS = [LLAMA_8B, "--gpu", "H100", "--vllm-version", "0.19",
-             "--gpu-memory-utilization", "0.95", "--max-model-len", "8192", "--offline"]  # fmt: skip
+             "--gpu-memory-utilization", "0.95", "--max-model-len", "8192",
+             "--offline"]  # fmt: skip
 
 
 def _plan_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict:

@@ -76,7 +76,8 @@ PROBE = """
 import sys
 from oomguard.cli import main
 main(sys.argv[1:])
-print("LOADED=" + ",".join(m for m in ("aiohttp", "oomguard.logs", "oomguard.doctor") if m in sys.modules), file=sys.stderr)
+print("LOADED=" + ",".join(m for m in ("aiohttp", "oomguard.logs", "oomguard.doctor") \
+if m in sys.modules), file=sys.stderr)
 """
 
 

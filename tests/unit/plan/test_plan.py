@@ -1,4 +1,5 @@
-"""The recommendation search, fallbacks, sizing table and the JSON surface, on real catalogue facts."""
+"""The recommendation search, fallbacks, sizing table and the JSON surface, on real catalogue
+facts."""
 
 from __future__ import annotations
 

@@ -109,8 +109,10 @@ def test_an_allocation_failure_is_read_on_its_line() -> None:
     lines = [
         "0.00.064.609 I load_tensors: offloaded 5/5 layers to GPU",
         "0.00.064.676 I load_tensors: RPC0[127.0.0.1:35279] model buffer size =     2.67 MiB",
-        "0.00.071.349 E alloc_tensor_range: failed to allocate RPC0[127.0.0.1:35279] buffer of size 8388608",
-        "0.00.071.565 E llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache",
+        "0.00.071.349 E alloc_tensor_range: failed to allocate RPC0[127.0.0.1:35279] "
+        "buffer of size 8388608",
+        "0.00.071.565 E llama_init_from_model: failed to initialize the context: failed to "
+        "allocate buffer for kv cache",
     ]
     news = [reader.feed(line) for line in lines]
     assert news[2].failure is not None and news[2].failure.evidence.line == 3
