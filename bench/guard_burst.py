@@ -172,7 +172,12 @@ def _pair(
 
     def guarded() -> BurstResult:
         with GuardProcess([url], guard_log, guard_args) as guard:
-            return run_shaped_burst("through guard", [guard.url], url, name, prompts[1], shapes)
+            before = guard.cpu_s()
+            result = run_shaped_burst("through guard", [guard.url], url, name, prompts[1], shapes)
+            after = guard.cpu_s()
+        if before is not None and after is not None:
+            result.guard_cpu_s = after - before
+        return result
 
     if guard_first:
         g = guarded()
@@ -187,7 +192,15 @@ def _pair_line(p: MixRound) -> str:
         f"direct {d.throughput_tokens_per_s:.1f} tok/s, guard {g.throughput_tokens_per_s:.1f} "
         f"tok/s, ratio {ratio(d, g):.3f}, preemptions {d.preemptions:.0f}/{g.preemptions:.0f}, "
         f"completed {d.succeeded}/{len(d.results)} and {g.succeeded}/{len(g.results)}"
+        + _cpu_note(g)
     )
+
+
+def _cpu_note(g: BurstResult) -> str:
+    """The guard's CPU during the burst, in seconds and in cores on average."""
+    if g.guard_cpu_s is None or g.wall_s <= 0:
+        return ""
+    return f", guard CPU {g.guard_cpu_s:.1f} s ({g.guard_cpu_s / g.wall_s:.2f} core)"
 
 
 def ratio(direct: BurstResult, guarded: BurstResult) -> float:

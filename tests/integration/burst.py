@@ -133,6 +133,8 @@ class BurstResult:
     preemptions_before: float = 0.0
     preemptions_after: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # CPU seconds the guard process used during the burst (None: direct, or not read)
+    guard_cpu_s: float | None = None
 
     @property
     def preemptions(self) -> float:
@@ -172,6 +174,7 @@ class BurstResult:
             "wall_s": round(self.wall_s, 2),
             "completion_tokens": self.completion_tokens,
             "throughput_tokens_per_s": round(self.throughput_tokens_per_s, 1),
+            "guard_cpu_s": None if self.guard_cpu_s is None else round(self.guard_cpu_s, 2),
             "ttft_s": {k: round(v, 3) for k, v in self.percentiles("ttft").items()},
             "e2e_s": {k: round(v, 3) for k, v in self.percentiles("e2e").items()},
             "errors": sorted({r.error for r in self.results if not r.ok}),
@@ -474,6 +477,17 @@ class GuardProcess:
             time.sleep(0.2)
         self.__exit__(None, None, None)
         raise RuntimeError(f"guard not ready after 60 s: {self.log_path.read_text()[-3000:]}")
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the guard process has used so far (None: unknown)."""
+        if self.proc is None:
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        # after the command name: state is field 3, utime and stime are fields 14 and 15
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def status(self) -> dict[str, object]:
         """The guard's ``/status`` JSON."""

@@ -29,6 +29,7 @@ requests are in flight), tightens the effective capacity; sustained calm relaxes
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import deque
@@ -595,10 +596,7 @@ class BackendAdmission:
         new = cost.planned_new_tokens
         if new <= 0 or limit_blocks <= 0:
             return 0
-        bs = self.block_size
-        step = max(new // 64, 1)
-        sizes = [blocks_for_tokens(cost.prompt_tokens + k, bs) for k in range(1, new + 1, step)]
-        mean_blocks = cost.num_sequences * sum(sizes) / len(sizes)
+        mean_blocks = cost.num_sequences * _mean_blocks(cost.prompt_tokens, new, self.block_size)
         return int(new * mean_blocks / limit_blocks)
 
     def _stagger_ok(self, cost: RequestCost, limit_blocks: float, now_s: float) -> bool:
@@ -785,6 +783,16 @@ class BackendAdmission:
         self.external_blocks = 0
         self._last_preemptions = None
         self._calm_since_s = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _mean_blocks(prompt_tokens: int, new_tokens: int, block_size: int) -> float:
+    """Blocks one sequence holds on average over its life (sampled at 64 points at most)."""
+    step = max(new_tokens // 64, 1)
+    sizes = [
+        blocks_for_tokens(prompt_tokens + k, block_size) for k in range(1, new_tokens + 1, step)
+    ]
+    return sum(sizes) / len(sizes)
 
 
 def _may_end_early(plan: LengthPlan | None) -> bool:

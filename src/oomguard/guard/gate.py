@@ -23,11 +23,16 @@ from oomguard.guard.projection import RequestProgress
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
 from oomguard.guard.shared import SharedAdmission, wants_for
 
-# Progress of tracked requests re-runs admission at most this often (seconds).
+# Progress of tracked requests re-runs admission at most once per engine step (a sequence
+# gains one token per step, so the projection cannot change faster), and never more often
+# than this (seconds).
 PROGRESS_PUMP_INTERVAL_S = 0.005
-# While requests wait, admission is re-run at least this often: the projected peak falls and
-# admissions are spaced out (staggered) without any event to announce it.
+# While requests wait, admission is re-run once per engine step too (the projected peak falls
+# and admissions are spaced out, staggered, without any event to announce it), at least this
+# often and at most this rarely (seconds): every retry of a queue costs the guard's CPU, which
+# an engine on the same host (vLLM on CPU) needs.
 WAITING_PUMP_INTERVAL_S = 0.01
+MAX_PUMP_INTERVAL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -302,7 +307,7 @@ class Gate:
             ticket.progress, index, generated, finished, now, prompt_tokens
         )
         if self.queue.depth and (
-            finished or now - self._last_progress_pump_s >= PROGRESS_PUMP_INTERVAL_S
+            finished or now - self._last_progress_pump_s >= self._step_s(PROGRESS_PUMP_INTERVAL_S)
         ):
             self._last_progress_pump_s = now
             self.pump()
@@ -330,7 +335,17 @@ class Gate:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 return
-            self._tick = loop.call_later(WAITING_PUMP_INTERVAL_S, self._on_tick)
+            self._tick = loop.call_later(self._step_s(WAITING_PUMP_INTERVAL_S), self._on_tick)
+
+    def _step_s(self, least_s: float) -> float:
+        """One engine step as the fastest backend's recent decode rate puts it (the time in
+        which no sequence gains more than a token), between ``least_s`` and
+        ``MAX_PUMP_INTERVAL_S``; ``least_s`` while no rate is known."""
+        rates = [b.admission.rate.tokens_per_s for b in self.pool.backends]
+        fastest = max((r for r in rates if r), default=None)
+        if not fastest:
+            return least_s
+        return min(max(1.0 / fastest, least_s), MAX_PUMP_INTERVAL_S)
 
     async def _place_waiter(self, waiter: Waiter) -> bool:
         """Admit one queued request if it fits now; True when it leaves the queue."""

@@ -34,6 +34,8 @@ import numpy as np
 
 # A class of requests: (model, route, API key or "", prompt band).
 LengthClass = tuple[Hashable, ...]
+# Plans kept for reuse (per class and max_tokens) before the cache starts over.
+_PLANS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class OutputLengths:
     # reads them), rebuilt only after new completions
     _sorted: dict[LengthClass, tuple[int, np.ndarray]] = field(default_factory=dict)
     _seen: dict[LengthClass, int] = field(default_factory=dict)
+    # the plan made last per class and limit, with the samples seen when it was made: a
+    # queue retries its requests often, and a plan is rebuilt only after new completions
+    _plans: dict[tuple[LengthClass, int], tuple[int, LengthPlan]] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
@@ -125,8 +130,17 @@ class OutputLengths:
             window = self._samples.get(key)
         if window is None or len(window) < enough:
             return None
+        seen = self._seen.get(key, 0)
+        cached = self._plans.get((key, max_new_tokens))
+        if cached is not None and cached[0] == seen and cached[1].quantile == self.quantile:
+            return cached[1]
+        if len(self._plans) >= _PLANS_KEPT:
+            self._plans.clear()
         values = tuple(sorted(_value(s, max_new_tokens) for s in window))
-        return LengthPlan(values, self.quantile, max_new_tokens, self._lengths(key, window))
+        lengths = self._lengths(key, window)
+        made = LengthPlan(values, self.quantile, max_new_tokens, lengths)
+        self._plans[(key, max_new_tokens)] = (seen, made)
+        return made
 
     def _lengths(self, key: LengthClass, window: deque[_Sample]) -> np.ndarray:
         """The window's lengths, sorted, a censored one as unbounded (one array per window
@@ -178,8 +192,18 @@ class LengthPlan:
     # The class's lengths as the projected sum reads them (sorted; a censored one unbounded):
     # below this request's limit they say what ``values`` says.
     lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # planned(generated), computed once per value of ``generated``
+    _planned: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def planned(self, generated: int) -> int:
+        """Output tokens to plan a sequence for once it has generated ``generated`` (see
+        :meth:`_plan_for`)."""
+        out = self._planned.get(generated)
+        if out is None:
+            out = self._planned[generated] = self._plan_for(generated)
+        return out
+
+    def _plan_for(self, generated: int) -> int:
         """Output tokens to plan a sequence for once it has generated ``generated``: the
         quantile of the lengths longer than that (``max_new_tokens`` when none is)."""
         longer = self.values[bisect_right(self.values, generated) :]
