@@ -114,6 +114,7 @@ class Gate:
         self._first_refused: _Pending | None = None
         self._last_progress_pump_s = 0.0
         self._tick: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None
 
     def retry_after_s(self, requests_ahead: int | None = None) -> int:
         """Retry-After for a request behind ``requests_ahead`` others (default: the queue)."""
@@ -232,7 +233,7 @@ class Gate:
             self.queue.push_front(waiter)
         elif not self.queue.push(waiter):
             raise QueueFull(self.retry_after_s())
-        self.pump()
+        self._pump_soon()
         try:
             await self._wait(fut, model, start, timeout_s)
         except asyncio.TimeoutError:
@@ -364,6 +365,16 @@ class Gate:
         self.on_queue_wait(time.monotonic() - waiter.enqueued_at_s)
         pending.future.set_result(ticket)
         return True
+
+    def _pump_soon(self) -> None:
+        """Pump once the requests that arrived together are all queued (a burst of n arrivals
+        retries the queue once, not n times)."""
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._on_soon)
+
+    def _on_soon(self) -> None:
+        self._soon = None
+        self.pump()
 
     def _on_tick(self) -> None:
         self._tick = None
