@@ -329,8 +329,13 @@ def main() -> int:
         # The burst measures admission, not shedding: on a loaded machine draining a queue can
         # take longer than the default 60 s queue timeout (then requests would get 503s).
         guard_args: tuple[str, ...] = ("--queue-timeout", "600")
+        # every admission logged (the rule that admitted it): a preemption through the guard
+        # can be traced in guard-<mix>-<round>.log (kept with --logs)
+        config = logs / "guard.yaml"
+        config.write_text("log_admissions: true\n")
+        guard_args += ("--config", str(config))
         if args.track_progress:
-            guard_args = ("--track-progress", args.track_progress)
+            guard_args += ("--track-progress", args.track_progress)
         guard_args += tuple(args.guard_arg)
         fresh_seed = args.fresh_seed
         if fresh_seed is None:

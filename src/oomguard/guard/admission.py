@@ -207,6 +207,9 @@ class BackendAdmission:
     _recent_releases: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))
     # Set by admit_margin when it admits ahead of a slot freeing; read by prepare().
     _early_start_s: float | None = None
+    # Which rule admitted the last request admit_margin admitted (idle, plain, projected,
+    # summed, early), for the admission log.
+    admitted_by: str = ""
 
     def __post_init__(self) -> None:
         self.rate = DecodeRate(self.settings.progress)
@@ -357,9 +360,11 @@ class BackendAdmission:
         if self.static_share_blocks is not None and need > limit:
             return None  # under a static share even an idle replica keeps to its share
         if self.reserved_blocks == 0 and self.observed_usage < self.settings.low_watermark:
+            self.admitted_by = "idle"
             return eff - need
         simple = self.used_blocks + need
         if simple <= limit:
+            self.admitted_by = "plain"
             return eff - simple
         # Beyond the plain reservations: admission rests on the projection of tracked requests.
         track = self.should_track(cost)
@@ -374,13 +379,16 @@ class BackendAdmission:
         if unknown <= limit:
             peak = projected_peak_blocks(fps, bs) + self._external
             if peak <= proj_limit and self._plan_not_vetoed(cost, track, now_s):
+                self.admitted_by = "projected"
                 return eff - peak
             summed = self._summed_margin(cost, track, now_s, self.settings.learned_sum_risk)
             if summed is not None:
+                self.admitted_by = "summed"
                 return summed
             if track:
                 early = self._early_margin(cost, extra, proj_limit, now_s)
                 if early is not None:
+                    self.admitted_by = "early"
                     return early
             # Only the projection is over: it falls as the tracked requests progress, which
             # re-runs admission; no latch needed (the projection does not flap).

@@ -250,6 +250,7 @@ class GuardApp:
             on_queue_wait=self.telemetry.queue_wait.observe,
             max_head_bypass=config.max_head_bypass,
             shared=self.shared,
+            log_admissions=config.log_admissions,
             lengths=OutputLengths(
                 OutputLengthSettings(
                     quantile=config.output_length_quantile,

@@ -100,6 +100,8 @@ class GuardConfig(BaseModel):
     stagger_admissions: bool = True
     # A request that fits may pass a queue head that does not, at most this many times per head.
     max_head_bypass: int = Field(default=8, ge=0)
+    # Log every admission: the rule that admitted it and the pool as admission saw it.
+    log_admissions: bool = False
     # Count the full prompt blocks of a request's n sequences once (vLLM's prefix cache).
     share_prefix_blocks: bool = True
     # Requests sent ahead of a slot freeing to wait in vLLM's queue, per backend (0: none).

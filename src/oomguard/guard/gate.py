@@ -12,6 +12,7 @@ of times.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -22,6 +23,8 @@ from oomguard.guard.output_lengths import OutputLengths
 from oomguard.guard.projection import RequestProgress
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter, Waiter, admit_waiting, run_now
 from oomguard.guard.shared import SharedAdmission, wants_for
+
+log = logging.getLogger("oomguard.guard")
 
 # Progress of tracked requests re-runs admission at most once per engine step (a sequence
 # gains one token per step, so the projection cannot change faster), and never more often
@@ -99,8 +102,10 @@ class Gate:
         max_head_bypass: int = 8,
         shared: SharedAdmission | None = None,
         lengths: OutputLengths | None = None,
+        log_admissions: bool = False,
     ) -> None:
         self.pool = pool
+        self.log_admissions = log_admissions
         self.queue = queue
         self.drain = drain
         self.retry_fallback_s = retry_fallback_s
@@ -153,6 +158,8 @@ class Gate:
             return None
         backend = cands[i]
         progress = backend.admission.reserve(cost, now)
+        if self.log_admissions:
+            _log_admission(backend, progress, cost, now)
         backend.in_flight += 1
         self.drain.record(now)
         if shared is not None:
@@ -379,3 +386,25 @@ class Gate:
     def _on_tick(self) -> None:
         self._tick = None
         self.pump()
+
+
+def _log_admission(
+    backend: Backend, progress: RequestProgress, cost: RequestCost, now_s: float
+) -> None:
+    """One line per admission: the rule that admitted it and the pool as admission saw it."""
+    a = backend.admission
+    log.info(
+        "admitted %d prompt + %d planned of %d max_tokens × %d on %s by %s: "
+        "%d blocks reserved, projected peak %d of %s, in flight %d, KV usage %.0f %%",
+        cost.prompt_tokens,
+        progress.reserved_new_tokens,
+        cost.max_new_tokens,
+        cost.num_sequences,
+        backend.url,
+        a.admitted_by,
+        a.used_blocks,
+        a.projected_blocks(now_s),
+        a.capacity_blocks,
+        len(a.inflight),
+        100 * a.observed_usage,
+    )

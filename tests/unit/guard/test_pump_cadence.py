@@ -19,7 +19,7 @@ from oomguard.guard.gate import Gate
 from oomguard.guard.queue import AdmissionQueue, DrainRateMeter
 
 
-def _gate() -> Gate:
+def make_gate() -> Gate:
     config = GuardConfig(backends=[{"url": "http://b"}], track_progress="always")
     pool = BackendPool(config, AdmissionSettings(track_mode="always"), on_change=lambda: None)
     backend = pool.backends[0]
@@ -58,7 +58,7 @@ def _count_pumps(gate: Gate, monkeypatch: pytest.MonkeyPatch) -> list[float]:
 def test_a_waiting_queue_is_retried_once_per_engine_step(
     tokens_per_s: float | None, expected_s: float
 ) -> None:
-    gate = _gate()
+    gate = make_gate()
     rate = gate.pool.backends[0].admission.rate
     for _ in range(8):
         if tokens_per_s is not None:
@@ -70,7 +70,7 @@ def test_progress_of_every_chunk_does_not_retry_the_queue_each_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def run() -> tuple[int, int]:
-        gate = _gate()
+        gate = make_gate()
         rate = gate.pool.backends[0].admission.rate
         for _ in range(8):
             rate.observe_rate(25.0)  # an engine step of 40 ms
