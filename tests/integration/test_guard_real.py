@@ -118,6 +118,15 @@ def _wait(what: str, cond: object, timeout_s: float = 60.0) -> None:
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
+def _admissions(logs: Path) -> str:
+    """The replicas' admission logs and warnings (what a preemption is traced back with)."""
+    out = []
+    for log in sorted(logs.glob("g*.log")):
+        lines = [ln for ln in log.read_text().splitlines() if "admitted" in ln or "WARNING" in ln]
+        out.append(f"{log.name}:\n" + "\n".join(lines[-40:]))
+    return "\n".join(out)
+
+
 def _mode(guard: GuardProcess) -> str:
     shared = _status(guard.url)["shared_state"]
     assert isinstance(shared, dict)
@@ -132,7 +141,7 @@ def test_three_replicas_on_redis_share_one_backend(
     redis_server = RedisServer(tmp_path / "redis").start()
     config = tmp_path / "guard.yaml"
     lease_s = 3.0
-    config.write_text(f"lease_s: {lease_s}\nqueue_timeout_s: 600\n")
+    config.write_text(f"lease_s: {lease_s}\nqueue_timeout_s: 600\nlog_admissions: true\n")
     args = ["--redis-url", redis_server.url, "--config", str(config)]
     model = str(guard_model.path)
     shapes = MIXES["uniform"]()
@@ -147,7 +156,7 @@ def test_three_replicas_on_redis_share_one_backend(
             _wait("three replicas sharing", lambda: all(_mode(g) == "shared" for g in replicas))
             prompts = make_shaped_prompts(guard_model.path, shapes, 10_000)
             spread = run_shaped_burst("3 replicas", urls, vllm.base_url, model, prompts, shapes)
-            assert spread.preemptions == 0, spread.summary()
+            assert spread.preemptions == 0, (spread.summary(), _admissions(tmp_path))
             assert spread.succeeded == len(shapes), spread.summary()
 
             # Redis killed mid-burst: static shares, nothing preempted or lost; back again.
@@ -184,7 +193,7 @@ def test_three_replicas_on_redis_share_one_backend(
             assert not sender.is_alive(), "the burst did not finish"
             count("end")
             outage = outcome["b"]
-            assert outage.preemptions == 0, (outage.summary(), counts)
+            assert outage.preemptions == 0, (outage.summary(), counts, _admissions(tmp_path))
             assert outage.succeeded == len(shapes), outage.summary()
 
             # A replica SIGKILLed while its requests hold leases.
