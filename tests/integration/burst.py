@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import psutil
 from tinymodel import prompt_of_tokens
 from vllm_server import fetch_metrics, free_port, metric_value
 
@@ -483,11 +484,10 @@ class GuardProcess:
         if self.proc is None:
             return None
         try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            times = psutil.Process(self.proc.pid).cpu_times()
+        except psutil.Error:
             return None
-        # after the command name: state is field 3, utime and stime are fields 14 and 15
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return float(times.user + times.system)
 
     def status(self) -> dict[str, object]:
         """The guard's ``/status`` JSON."""
